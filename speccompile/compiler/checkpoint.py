@@ -1,0 +1,216 @@
+"""Read a local Hugging Face checkpoint (config.json + safetensors) into the canonical layout.
+
+Only safetensors are read (never pickle), and nothing is fetched or executed from the checkpoint.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from speccompile.compiler.architectures import ACTIVATIONS, ARCHITECTURES, Architecture
+from speccompile.errors import SpecCompileError
+
+
+@dataclass
+class ModelSpec:
+    """A checkpoint reduced to what the graph builder needs."""
+
+    path: Path
+    model_type: str
+    arch: Architecture
+    hp: dict  # canonical hyper-parameters (see _hyper_parameters)
+    config: dict  # the checkpoint's config.json, kept verbatim for the manifest
+    weights: dict[str, np.ndarray]  # canonical name -> fp32 array
+
+    @property
+    def num_params(self) -> int:
+        tied = self.hp["tie_embeddings"]
+        return sum(w.size for name, w in self.weights.items() if not (tied and name == "lm_head"))
+
+
+def load_checkpoint(path) -> ModelSpec:
+    path = Path(path)
+    config = _read_config(path)
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise SpecCompileError(f"{path}: unsupported model_type {model_type!r} (supported: {supported})")
+    arch = ARCHITECTURES[model_type]
+    hp = _hyper_parameters(path, config, arch)
+    tensors = _read_safetensors(path)
+    weights = _canonical_weights(path, tensors, arch, hp)
+    return ModelSpec(path, model_type, arch, hp, config, weights)
+
+
+def check_max_seq(spec: ModelSpec, max_seq: int) -> None:
+    """Refuse a cache capacity this model cannot attend over exactly."""
+    window = spec.hp["sliding_window"]
+    if window is not None and max_seq > window:
+        raise SpecCompileError(
+            f"{spec.path}: sliding-window attention (window {window}) is not supported; "
+            f"build with --max-seq {window} or less, where full attention is identical"
+        )
+    if spec.arch.block == "gpt2" and max_seq > spec.hp["max_positions"]:
+        raise SpecCompileError(
+            f"{spec.path}: --max-seq {max_seq} exceeds the model's {spec.hp['max_positions']} learned positions"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# config
+
+
+def _read_config(path: Path) -> dict:
+    if not path.is_dir():
+        raise SpecCompileError(f"checkpoint directory not found: {path}")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise SpecCompileError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SpecCompileError(f"{config_file}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise SpecCompileError(f"{config_file}: expected a JSON object")
+    return config
+
+
+def _hyper_parameters(path: Path, config: dict, arch: Architecture) -> dict:
+    hp = {}
+    for ours, key in arch.fields.items():
+        if key in config and config[key] is not None:
+            hp[ours] = config[key]
+        elif ours in arch.defaults:
+            hp[ours] = arch.defaults[ours]
+        else:
+            raise SpecCompileError(f"{path}/config.json: missing {key!r}")
+    hp["num_kv_heads"] = hp.get("num_kv_heads") or hp["num_heads"]
+    hp["head_dim"] = hp.get("head_dim") or hp["hidden_size"] // hp["num_heads"]
+    hp["intermediate_size"] = hp["intermediate_size"] or 4 * hp["hidden_size"]
+    if hp["num_heads"] % hp["num_kv_heads"]:
+        raise SpecCompileError(f"{path}: {hp['num_heads']} attention heads is not a multiple of {hp['num_kv_heads']} KV heads")
+    if hp["activation"] not in ACTIVATIONS[arch.block]:
+        raise SpecCompileError(f"{path}: activation {hp['activation']!r} is not supported for {config['model_type']}")
+    hp["rope_theta"] = _rope_theta(path, config) if arch.block == "llama" else None
+    hp["sliding_window"] = _sliding_window(config)
+    hp["attn_scale"] = _attention_scale(path, config, hp)
+    return hp
+
+
+def _rope_theta(path: Path, config: dict) -> float:
+    # transformers >= 5 nests rotary settings under rope_parameters; older checkpoints keep
+    # rope_theta / rope_scaling at the top level.
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise SpecCompileError(f"{path}: rope scaling {rope_type!r} is not supported (only plain RoPE)")
+    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def _sliding_window(config: dict):
+    if config["model_type"] == "mistral":
+        return config.get("sliding_window")
+    if config["model_type"] == "qwen2" and config.get("use_sliding_window"):
+        return config.get("sliding_window")
+    return None
+
+
+def _attention_scale(path: Path, config: dict, hp: dict) -> float:
+    if config.get("scale_attn_by_inverse_layer_idx"):
+        raise SpecCompileError(f"{path}: scale_attn_by_inverse_layer_idx is not supported")
+    if config["model_type"] == "gpt2" and config.get("scale_attn_weights") is False:
+        return 1.0
+    return 1.0 / math.sqrt(hp["head_dim"])
+
+
+# ---------------------------------------------------------------------------------------------
+# weights
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise SpecCompileError(f"{index}: malformed index ({e})") from None
+        files = [path / shard for shard in shards]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise SpecCompileError(f"{path}: shards listed in {index.name} are missing: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+        raise SpecCompileError(f"{path}: only pickle weights (.bin/.pt) found; convert them to safetensors")
+    raise SpecCompileError(f"{path}: no *.safetensors weights")
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    try:
+        import torch  # noqa: F401  (bf16/fp16 checkpoints need torch to reach fp32)
+        from safetensors import safe_open
+    except ImportError as e:
+        raise SpecCompileError(f"building needs the build-side dependencies ({e.name} is missing): pip install speccompile[build]") from None
+    tensors = {}
+    for file in _safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name).float().numpy()
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+            raise SpecCompileError(f"{file}: cannot read safetensors file ({e})") from None
+    return tensors
+
+
+def _transform(tensor: np.ndarray, transform: str) -> np.ndarray:
+    if transform == "same":
+        return tensor
+    if transform == "linear":
+        return tensor.T
+    assert transform.startswith("qkv/"), f"unknown weight transform {transform}"
+    return np.split(tensor, 3, axis=-1)[int(transform[4:])]
+
+
+def _find(tensors: dict, arch: Architecture, hf_name: str):
+    for prefix in arch.name_prefixes:
+        if prefix + hf_name in tensors:
+            return tensors[prefix + hf_name]
+    return None
+
+
+def _canonical_weights(path: Path, tensors: dict, arch: Architecture, hp: dict) -> dict[str, np.ndarray]:
+    weights = {}
+    for ours, (theirs, transform) in arch.weights.items():
+        layers = range(hp["num_layers"]) if "{i}" in ours else [None]
+        for i in layers:
+            name, hf_name = ours.format(i=i), theirs.format(i=i)
+            tensor = _find(tensors, arch, hf_name)
+            if tensor is None:
+                if ours in arch.optional:
+                    continue
+                raise SpecCompileError(f"{path}: weight {hf_name!r} missing from the safetensors files")
+            weights[name] = np.ascontiguousarray(_transform(tensor, transform), dtype=np.float32)
+    if hp["tie_embeddings"] or "lm_head" not in weights:
+        if not hp["tie_embeddings"]:
+            raise SpecCompileError(f"{path}: weight 'lm_head.weight' missing and embeddings are not tied")
+        weights["lm_head"] = np.ascontiguousarray(weights["embed"].T)
+    _check_shapes(path, weights, hp)
+    return weights
+
+
+def _check_shapes(path: Path, weights: dict, hp: dict) -> None:
+    expected = {
+        "embed": (hp["vocab_size"], hp["hidden_size"]),
+        "lm_head": (hp["hidden_size"], hp["vocab_size"]),
+        "layers.0.q_w": (hp["hidden_size"], hp["num_heads"] * hp["head_dim"]),
+        "layers.0.k_w": (hp["hidden_size"], hp["num_kv_heads"] * hp["head_dim"]),
+        "layers.0.up_w": (hp["hidden_size"], hp["intermediate_size"]),
+    }
+    for name, shape in expected.items():
+        if name in weights and weights[name].shape != shape:
+            raise SpecCompileError(f"{path}: weight {name} has shape {weights[name].shape}, config implies {shape}")

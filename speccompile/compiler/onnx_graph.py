@@ -1,0 +1,122 @@
+"""A small builder over `onnx.helper`: emit nodes by op name, name tensors by scope.
+
+Weights are not embedded in the graphs: each is an external-data initializer pointing into one
+weights file per model, so the forward and every verification graph of a model share one copy on
+disk (see `WeightFile`).
+"""
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 24  # TensorScatter (in-place KV write) needs 24; TensorRT 10.15's parser reads opsets 9..24
+IR_VERSION = 10
+FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
+
+
+class GraphBuilder:
+    """Accumulates nodes, inputs, outputs and initializers for one ONNX graph."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.nodes: list[onnx.NodeProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self.constants: dict[str, onnx.TensorProto] = {}
+        self.weights: dict[str, np.ndarray] = {}  # name -> array, written to the weights file
+        self.functions: list[onnx.FunctionProto] = []
+        self.domains: dict[str, int] = {}
+        self.scope = ""
+        self._count = 0
+
+    # -- tensors ------------------------------------------------------------------------------
+    def input(self, name: str, elem_type: int, shape: list) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+        return name
+
+    def output(self, tensor: str, name: str, elem_type: int, shape: list) -> str:
+        """Expose `tensor` as graph output `name` (renaming through Identity only if needed)."""
+        if tensor != name:
+            self.nodes.append(helper.make_node("Identity", [tensor], [name], name=f"{name}/Identity"))
+        self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+        return name
+
+    def weight(self, name: str, array: np.ndarray) -> str:
+        assert array.dtype == np.float32, f"weight {name} is {array.dtype}, expected float32"
+        self.weights[name] = array
+        return name
+
+    def const(self, value, dtype=np.int64) -> str:
+        """A small constant (shape, axes, scalar) stored inline in the graph."""
+        array = np.asarray(value, dtype=dtype)
+        key = f"const_{array.dtype}_{'x'.join(map(str, array.shape))}_{'_'.join(map(str, array.ravel().tolist()))}"
+        key = key.replace("-", "m").replace(".", "p")
+        if key not in self.constants:
+            self.constants[key] = numpy_helper.from_array(array, key)
+        return key
+
+    # -- nodes --------------------------------------------------------------------------------
+    def op(self, op_type: str, *inputs: str, outputs: int = 1, domain: str = "", out=None, **attrs):
+        """Add one node; returns its output name (or list of names when outputs > 1).
+
+        `out` names the output(s) explicitly (e.g. graph outputs, to avoid an Identity).
+        """
+        self._count += 1
+        node_name = f"{self.scope}{op_type}_{self._count}"
+        names = [f"{node_name}/out{k}" if outputs > 1 else f"{node_name}/out" for k in range(outputs)]
+        if out is not None:
+            names = [out] if isinstance(out, str) else list(out)
+            assert len(names) == outputs, f"{op_type}: {outputs} outputs, {len(names)} names"
+        self.nodes.append(helper.make_node(op_type, list(inputs), names, name=node_name, domain=domain, **attrs))
+        return names if outputs > 1 else names[0]
+
+    def add_function(self, function: onnx.FunctionProto) -> None:
+        self.functions.append(function)
+        self.domains[function.domain] = 1
+
+    # -- model --------------------------------------------------------------------------------
+    def model(self, weight_locations: dict[str, tuple[str, int, int]]) -> onnx.ModelProto:
+        """The ModelProto, with weights referencing (file, offset, length) in `weight_locations`."""
+        initializers = list(self.constants.values())
+        for name, array in self.weights.items():
+            initializers.append(_external_tensor(name, array, *weight_locations[name]))
+        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializers)
+        opsets = [helper.make_opsetid("", OPSET)] + [helper.make_opsetid(d, v) for d, v in self.domains.items()]
+        model = helper.make_model(graph, opset_imports=opsets, functions=self.functions, producer_name="speccompile")
+        model.ir_version = IR_VERSION
+        return model
+
+
+def _external_tensor(name: str, array: np.ndarray, location: str, offset: int, length: int) -> onnx.TensorProto:
+    tensor = onnx.TensorProto(name=name, data_type=FLOAT, dims=list(array.shape))
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        tensor.external_data.add(key=key, value=value)
+    return tensor
+
+
+class WeightFile:
+    """Lays out a model's weights in one raw little-endian file, 64-byte aligned (mmap-friendly)."""
+
+    ALIGN = 64
+
+    def __init__(self, filename: str):
+        self.filename = filename
+        self.locations: dict[str, tuple[str, int, int]] = {}
+        self._arrays: list[tuple[int, np.ndarray]] = []
+        self._size = 0
+
+    def add(self, weights: dict[str, np.ndarray]) -> None:
+        for name, array in weights.items():
+            if name in self.locations:
+                continue
+            offset = -(-self._size // self.ALIGN) * self.ALIGN
+            self.locations[name] = (self.filename, offset, array.nbytes)
+            self._arrays.append((offset, array))
+            self._size = offset + array.nbytes
+
+    def write(self, path) -> None:
+        with open(path, "wb") as f:
+            for offset, array in self._arrays:
+                f.seek(offset)
+                f.write(np.ascontiguousarray(array, dtype="<f4").tobytes())

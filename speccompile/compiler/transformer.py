@@ -1,0 +1,209 @@
+"""ONNX graphs of a decoder-only transformer over a fixed-capacity, position-addressed KV cache.
+
+Two graphs per model, both batch-capable with per-sequence cache lengths:
+
+  forward          input_ids [B, T], past_len [B], token_count [B]  ->  logits [B, V], next_token [B]
+                   Prefill (past_len = 0, right-padded prompts, token_count = prompt lengths) and
+                   decode/draft steps (T = 1 or 2) are the same computation; only the last real
+                   position of each sequence reaches the LM head.
+  verify_g{γ}      input_ids [B, γ+1] = [last accepted, d_1..d_γ], past_len [B]
+                   -> accepted [B], next_token [B], new_len [B]   (target only; ends in SpecAccept)
+
+KV cache: past_key.{i} / past_value.{i} [B, H_kv, S_max, D] in, present_* out. New entries are
+written at positions past_len .. past_len+T-1 by TensorScatter, which updates the buffer in place when
+the runtime binds the same memory as input and output; attention reads positions < max(past_len)+T
+and masks each query to keys at positions <= its own. So entries beyond a sequence's length are
+never read, and rolling back a rejected draft is just passing a smaller past_len next time.
+"""
+
+import numpy as np
+
+from speccompile.compiler.checkpoint import ModelSpec
+from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT64, GraphBuilder
+from speccompile.compiler.spec_accept import spec_accept_node
+
+
+def build_forward_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int) -> GraphBuilder:
+    g = GraphBuilder(name)
+    ids = g.input("input_ids", INT64, ["batch", "tokens"])
+    past_len = g.input("past_len", INT64, ["batch"])
+    token_count = g.input("token_count", INT64, ["batch"])
+    hidden = _decoder(g, spec, ids, past_len, max_seq)
+    # Only each sequence's last real token needs logits: gather it before the LM head.
+    last = g.op("Unsqueeze", g.op("Sub", token_count, g.const(1)), g.const([1]))
+    hidden_last = g.op("GatherND", hidden, last, batch_dims=1)  # [B, H]
+    logits = _lm_head(g, spec, hidden_last, vocab_out)
+    g.output(logits, "logits", FLOAT, ["batch", vocab_out])
+    g.output(g.op("ArgMax", logits, axis=-1, keepdims=0), "next_token", INT64, ["batch"])
+    return g
+
+
+def build_verify_graph(spec: ModelSpec, name: str, gamma: int, max_seq: int, vocab_out: int) -> GraphBuilder:
+    g = GraphBuilder(name)
+    ids = g.input("input_ids", INT64, ["batch", gamma + 1])
+    past_len = g.input("past_len", INT64, ["batch"])
+    hidden = _decoder(g, spec, ids, past_len, max_seq)
+    logits = _lm_head(g, spec, hidden, vocab_out)  # [B, γ+1, V]: stays inside the graph
+    drafts = g.op("Slice", ids, g.const([1]), g.const([gamma + 1]), g.const([1]))
+    accepted, next_token, new_len = spec_accept_node(g, logits, drafts, past_len)
+    g.output(accepted, "accepted", INT64, ["batch"])
+    g.output(next_token, "next_token", INT64, ["batch"])
+    g.output(new_len, "new_len", INT64, ["batch"])
+    return g
+
+
+def cache_shape(spec: ModelSpec, max_seq: int) -> list:
+    return ["batch", spec.hp["num_kv_heads"], max_seq, spec.hp["head_dim"]]
+
+
+# ---------------------------------------------------------------------------------------------
+# decoder body
+
+
+def _decoder(g: GraphBuilder, spec: ModelSpec, ids: str, past_len: str, max_seq: int) -> str:
+    """Embeddings, all blocks and the cache I/O; returns the last block's output [B, T, H]."""
+    hp, w = spec.hp, spec.weights
+    num_tokens = g.op("Gather", g.op("Shape", ids), g.const(1))  # scalar T
+    steps = g.op("Range", g.const(0), num_tokens, g.const(1))
+    positions = g.op("Add", g.op("Unsqueeze", past_len, g.const([1])), steps)  # [B, T]
+    x = g.op("Gather", g.weight("embed", w["embed"]), ids)
+    if "pos_embed" in w:
+        x = g.op("Add", x, g.op("Gather", g.weight("pos_embed", w["pos_embed"]), positions))
+    rope = _rope_tables(g, spec, positions, max_seq) if spec.arch.block == "llama" else None
+    kv_len, mask = _attention_mask(g, spec, past_len, num_tokens, positions)
+    for i in range(hp["num_layers"]):
+        g.scope = f"layer{i}/"
+        x = _block(g, spec, i, x, past_len, rope, kv_len, mask, max_seq)
+    g.scope = ""
+    return x
+
+
+def _attention_mask(g, spec, past_len, num_tokens, positions):
+    """Keys read: positions [0, max(past_len)+T). Query at position p sees key j iff j <= p."""
+    kv_len = g.op("Add", g.op("ReduceMax", past_len, keepdims=1), g.op("Unsqueeze", num_tokens, g.const([0])))
+    key_pos = g.op("Range", g.const(0), g.op("Squeeze", kv_len, g.const([0])), g.const(1))  # [L]
+    visible = g.op("LessOrEqual", key_pos, g.op("Unsqueeze", positions, g.const([2])))  # [B, T, L]
+    # Queries are laid out as [B, H_kv, G*T, L] (G query heads share one KV head): row g*T+t.
+    group = spec.hp["num_heads"] // spec.hp["num_kv_heads"]
+    visible = g.op("Tile", visible, g.const([1, group, 1]))
+    return kv_len, g.op("Unsqueeze", visible, g.const([1]))  # [B, 1, G*T, L]
+
+
+def _block(g, spec, i, x, past_len, rope, kv_len, mask, max_seq):
+    p = f"layers.{i}."
+    h = _norm(g, spec, x, p + "attn_norm")
+    x = g.op("Add", x, _attention(g, spec, i, h, past_len, rope, kv_len, mask, max_seq))
+    h = _norm(g, spec, x, p + "mlp_norm")
+    return g.op("Add", x, _mlp(g, spec, p, h))
+
+
+def _attention(g, spec, i, h, past_len, rope, kv_len, mask, max_seq):
+    hp, p = spec.hp, f"layers.{i}."
+    heads, kv_heads, head_dim = hp["num_heads"], hp["num_kv_heads"], hp["head_dim"]
+    q = _split_heads(g, _linear(g, spec, h, p + "q"), heads, head_dim)  # [B, Hq, T, D]
+    k = _split_heads(g, _linear(g, spec, h, p + "k"), kv_heads, head_dim)
+    v = _split_heads(g, _linear(g, spec, h, p + "v"), kv_heads, head_dim)
+    if rope is not None:
+        q, k = _rotate(g, q, rope), _rotate(g, k, rope)
+    keys = _write_cache(g, f"key.{i}", k, past_len, spec, max_seq, kv_len)
+    values = _write_cache(g, f"value.{i}", v, past_len, spec, max_seq, kv_len)
+    grouped_q = g.op("Reshape", q, g.const([0, kv_heads, -1, head_dim]))  # [B, H_kv, G*T, D]
+    scores = g.op("MatMul", grouped_q, g.op("Transpose", keys, perm=[0, 1, 3, 2]))
+    scores = g.op("Mul", scores, g.const(hp["attn_scale"], np.float32))
+    scores = g.op("Where", mask, scores, g.const(np.finfo(np.float32).min, np.float32))
+    context = g.op("MatMul", g.op("Softmax", scores, axis=-1), values)  # [B, H_kv, G*T, D]
+    context = g.op("Reshape", context, g.const([0, heads, -1, head_dim]))
+    context = g.op("Transpose", context, perm=[0, 2, 1, 3])
+    context = g.op("Reshape", context, g.const([0, 0, heads * head_dim]))
+    return _linear(g, spec, context, p + "o")
+
+
+def _write_cache(g, name, new, past_len, spec, max_seq, kv_len):
+    """Write new K or V at positions past_len.. in place; return the readable prefix [B, H, L, D]."""
+    shape = cache_shape(spec, max_seq)
+    past = g.input(f"past_{name}", FLOAT, shape)
+    present = g.op("TensorScatter", past, new, past_len, axis=-2, out=f"present_{name}")
+    g.output(present, present, FLOAT, shape)
+    return g.op("Slice", present, g.const([0]), kv_len, g.const([2]))
+
+
+def _split_heads(g, x, heads, head_dim):
+    x = g.op("Reshape", x, g.const([0, 0, heads, head_dim]))
+    return g.op("Transpose", x, perm=[0, 2, 1, 3])
+
+
+# ---------------------------------------------------------------------------------------------
+# rotary embeddings (HF "rotate_half" convention)
+
+
+def rope_tables(theta: float, head_dim: int, max_seq: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos [S, D] and signed sin [S, D] so that rope(x) = x*cos + swap_halves(x)*sin.
+
+    HF: rope(x) = x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1] and cos/sin repeated
+    over both halves; [-x2, x1] * [s, s] == [x2, x1] * [-s, s]. Computed in fp32 as HF does.
+    """
+    inv_freq = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))).astype(np.float32)
+    freqs = np.arange(max_seq, dtype=np.float32)[:, None] * inv_freq[None, :]
+    cos, sin = np.cos(freqs), np.sin(freqs)
+    return np.concatenate([cos, cos], -1).astype(np.float32), np.concatenate([-sin, sin], -1).astype(np.float32)
+
+
+def _rope_tables(g, spec, positions, max_seq):
+    cos, sin = rope_tables(spec.hp["rope_theta"], spec.hp["head_dim"], max_seq)
+    cos = g.op("Unsqueeze", g.op("Gather", g.weight("rope_cos", cos), positions), g.const([1]))  # [B,1,T,D]
+    sin = g.op("Unsqueeze", g.op("Gather", g.weight("rope_sin", sin), positions), g.const([1]))
+    return cos, sin
+
+
+def _rotate(g, x, rope):
+    cos, sin = rope
+    first, second = g.op("Split", x, axis=-1, num_outputs=2, outputs=2)
+    swapped = g.op("Concat", second, first, axis=-1)
+    return g.op("Add", g.op("Mul", x, cos), g.op("Mul", swapped, sin))
+
+
+# ---------------------------------------------------------------------------------------------
+# norms, projections, MLP
+
+
+def _linear(g, spec, x, prefix):
+    y = g.op("MatMul", x, g.weight(prefix + "_w", spec.weights[prefix + "_w"]))
+    if prefix + "_b" in spec.weights:
+        y = g.op("Add", y, g.weight(prefix + "_b", spec.weights[prefix + "_b"]))
+    return y
+
+
+def _norm(g, spec, x, prefix):
+    w = spec.weights
+    scale = g.weight(prefix + "_w", w[prefix + "_w"])
+    eps = float(spec.hp["norm_eps"])
+    if spec.arch.block == "gpt2":
+        return g.op("LayerNormalization", x, scale, g.weight(prefix + "_b", w[prefix + "_b"]), axis=-1, epsilon=eps)
+    # RMSNorm from primitives (RMSNormalization is opset 23 and too new for older TensorRT parsers).
+    mean_square = g.op("ReduceMean", g.op("Mul", x, x), g.const([-1]), keepdims=1)
+    inv_rms = g.op("Reciprocal", g.op("Sqrt", g.op("Add", mean_square, g.const(eps, np.float32))))
+    return g.op("Mul", g.op("Mul", x, inv_rms), scale)
+
+
+def _mlp(g, spec, p, h):
+    if spec.arch.block == "llama":  # down(silu(gate(h)) * up(h))
+        gate = _linear(g, spec, h, p + "gate")
+        act = g.op("Mul", gate, g.op("Sigmoid", gate))
+        return _linear(g, spec, g.op("Mul", act, _linear(g, spec, h, p + "up")), p + "down")
+    return _linear(g, spec, _gelu_tanh(g, _linear(g, spec, h, p + "up")), p + "down")
+
+
+def _gelu_tanh(g, x):
+    # GPT-2's gelu_new: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+    cube = g.op("Mul", g.op("Mul", x, x), x)
+    inner = g.op("Add", x, g.op("Mul", cube, g.const(0.044715, np.float32)))
+    tanh = g.op("Tanh", g.op("Mul", inner, g.const(np.sqrt(2.0 / np.pi), np.float32)))
+    return g.op("Mul", g.op("Mul", x, g.const(0.5, np.float32)), g.op("Add", tanh, g.const(1.0, np.float32)))
+
+
+def _lm_head(g, spec, hidden, vocab_out):
+    hidden = _norm(g, spec, hidden, "final_norm")
+    head = spec.weights["lm_head"]
+    if head.shape[1] != vocab_out:  # draft and target may pad their embeddings differently
+        head = np.ascontiguousarray(head[:, :vocab_out])
+    return g.op("MatMul", hidden, g.weight("lm_head", head))
