@@ -1,0 +1,28 @@
+"""speccompile: compile HF draft/target pairs into speculative-decoding bundles, and run them.
+
+    import speccompile
+    runtime = speccompile.load("bundle/")
+    [result] = runtime.generate(["def parse_args(argv):"], max_new_tokens=32)
+    print(result.text, result.stats.acceptance_rate)
+
+Importing this package loads neither torch nor transformers; only `speccompile.compiler` needs them.
+"""
+
+from speccompile.errors import SpecCompileError
+
+__version__ = "0.1.0"
+__all__ = ["SpecCompileError", "load", "build", "__version__"]
+
+
+def load(bundle_dir, backend: str = "onnxruntime", threads: int | None = None):
+    """Open a bundle and return a `Runtime` ready to `generate`."""
+    from speccompile.runtime.runtime import load as _load
+
+    return _load(bundle_dir, backend=backend, threads=threads)
+
+
+def build(target_dir, draft_dir, out_dir, **options):
+    """Compile a target/draft pair of HF checkpoints into a bundle (see compiler.build.build_bundle)."""
+    from speccompile.compiler.build import build_bundle
+
+    return build_bundle(target_dir, draft_dir, out_dir, **options)

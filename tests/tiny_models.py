@@ -56,7 +56,11 @@ def _config(family: str, vocab: int, size: str, **overrides):
     return cls(**cfg)
 
 
-def make_checkpoint(path, family: str, seed: int = 0, size: str = "target", tokenizer=None, init_std: float = 0.2, **overrides) -> Path:
+EMBEDDING_PADDING = 8  # rows beyond the tokenizer, as real checkpoints pad their embeddings
+
+
+def make_checkpoint(path, family: str, seed: int = 0, size: str = "target", tokenizer=None, init_std: float = 0.2,
+                    vocab_size: int | None = None, **overrides) -> Path:
     """Save a random `family` model (+ tokenizer) to `path`; returns the path.
 
     init_std is large so that logits are well separated: greedy parity tests then compare argmaxes
@@ -67,7 +71,7 @@ def make_checkpoint(path, family: str, seed: int = 0, size: str = "target", toke
 
     path = Path(path)
     tokenizer = tokenizer or make_tokenizer()
-    config = _config(family, len(tokenizer), size, **overrides)
+    config = _config(family, vocab_size or len(tokenizer) + EMBEDDING_PADDING, size, **overrides)
     config.initializer_range = init_std
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()

@@ -246,8 +246,16 @@ ATTENTION_UNSUPPORTED_OUTPUTS = ((1, "present_key"), (2, "present_value"), (3, "
 def check_attention(node: onnx.NodeProto, scope: Scope) -> str | None:
     # TensorRT's Attention layer has no KV-cache plumbing: the cache must be handled outside the
     # op (e.g. TensorScatter + Concat), so cache inputs/outputs are rejected outright.
-    reasons = [f"uses input {role}" for index, role in ATTENTION_UNSUPPORTED_INPUTS if optional_input(node, index)]
-    reasons += [f"uses output {role}" for index, role in ATTENTION_UNSUPPORTED_OUTPUTS if optional_output(node, index)]
+    reasons = [
+        f"uses input {role}"
+        for index, role in ATTENTION_UNSUPPORTED_INPUTS
+        if optional_input(node, index)
+    ]
+    reasons += [
+        f"uses output {role}"
+        for index, role in ATTENTION_UNSUPPORTED_OUTPUTS
+        if optional_output(node, index)
+    ]
     for attr_name in ("softcap", "qk_matmul_output_mode"):
         value = scope.attribute(node, attr_name, 0)
         if value is not UNRESOLVED and value != 0:
@@ -306,11 +314,15 @@ def _constant_node_type(node: onnx.NodeProto) -> onnx.TypeProto | None:
         if attr.name == "value":
             return helper.make_tensor_type_proto(attr.t.data_type, list(attr.t.dims))
         if attr.name == "sparse_value":
-            return helper.make_tensor_type_proto(attr.sparse_tensor.values.data_type, list(attr.sparse_tensor.dims))
+            sparse = attr.sparse_tensor
+            return helper.make_tensor_type_proto(sparse.values.data_type, list(sparse.dims))
         scalar_or_list = {
-            "value_int": (TensorProto.INT64, []), "value_ints": (TensorProto.INT64, [len(attr.ints)]),
-            "value_float": (TensorProto.FLOAT, []), "value_floats": (TensorProto.FLOAT, [len(attr.floats)]),
-            "value_string": (TensorProto.STRING, []), "value_strings": (TensorProto.STRING, [len(attr.strings)]),
+            "value_int": (TensorProto.INT64, []),
+            "value_ints": (TensorProto.INT64, [len(attr.ints)]),
+            "value_float": (TensorProto.FLOAT, []),
+            "value_floats": (TensorProto.FLOAT, [len(attr.floats)]),
+            "value_string": (TensorProto.STRING, []),
+            "value_strings": (TensorProto.STRING, [len(attr.strings)]),
         }
         if attr.name in scalar_or_list:
             return helper.make_tensor_type_proto(*scalar_or_list[attr.name])
@@ -339,13 +351,17 @@ def _declared_types(values: Iterable[onnx.ValueInfoProto]) -> dict[str, onnx.Typ
     return {value.name: value.type for value in values if value.type.WhichOneof("value") is not None}
 
 
-def _graph_scope(graph: onnx.GraphProto, where: str, parent: Scope | None) -> tuple[Scope, dict[str, onnx.TypeProto]]:
+def _graph_scope(
+    graph: onnx.GraphProto, where: str, parent: Scope | None
+) -> tuple[Scope, dict[str, onnx.TypeProto]]:
     """The scope a graph's nodes see, plus the types this graph itself introduces."""
     own_types = _declared_types([*graph.input, *graph.output, *graph.value_info])
     constants: dict[str, ConstantSource] = dict(parent.constants) if parent else {}
     for tensor in graph.initializer:
         constants[tensor.name] = tensor
-        own_types.setdefault(tensor.name, helper.make_tensor_type_proto(tensor.data_type, list(tensor.dims)))
+        own_types.setdefault(
+            tensor.name, helper.make_tensor_type_proto(tensor.data_type, list(tensor.dims))
+        )
     for sparse in graph.sparse_initializer:
         constants[sparse.values.name] = sparse
         own_types.setdefault(
@@ -366,15 +382,24 @@ def tensor_type_violations(
         if kind is None:
             continue
         if kind != "tensor_type":
-            violations.append(f"value '{name}'{where} has a {kind.removesuffix('_type')} type; TensorRT handles dense tensors only")
+            kind_name = kind.removesuffix("_type")
+            violations.append(
+                f"value '{name}'{where} has a {kind_name} type; TensorRT handles dense tensors only"
+            )
             continue
         elem_type = type_proto.tensor_type.elem_type
         if elem_type == TensorProto.UNDEFINED:
             continue
         if elem_type not in ALLOWED_TENSOR_TYPES:
-            violations.append(f"tensor '{name}'{where} has element type {dtype_name(elem_type)}, which TensorRT does not support")
+            violations.append(
+                f"tensor '{name}'{where} has element type {dtype_name(elem_type)}, "
+                "which TensorRT does not support"
+            )
         elif elem_type == TensorProto.UINT8 and name not in io_names:
-            violations.append(f"tensor '{name}'{where} is UINT8; TensorRT allows UINT8 only as a network input or output")
+            violations.append(
+                f"tensor '{name}'{where} is UINT8; "
+                "TensorRT allows UINT8 only as a network input or output"
+            )
     return violations
 
 
@@ -431,7 +456,9 @@ def _bind_attribute_refs(
 class _ModelChecker:
     def __init__(self, model: onnx.ModelProto) -> None:
         self.model = model
-        self.functions: dict[FunctionKey, onnx.FunctionProto] = {(f.domain, f.name): f for f in model.functions}
+        self.functions: dict[FunctionKey, onnx.FunctionProto] = {
+            (function.domain, function.name): function for function in model.functions
+        }
         self.violations: list[str] = []
         self.functions_entered: set[FunctionKey] = set()
         self.functions_active: list[FunctionKey] = []
@@ -441,13 +468,15 @@ class _ModelChecker:
     def run(self) -> list[str]:
         self.violations += opset_violations(self.model.opset_import, "model")
         for function in self.model.functions:
-            self.violations += opset_violations(function.opset_import, f"function '{function.domain}.{function.name}'")
+            owner = f"function '{function.domain}.{function.name}'"
+            self.violations += opset_violations(function.opset_import, owner)
         graph = self.model.graph
         scope, own_types = _graph_scope(graph, "", parent=None)
         io_names = frozenset(value.name for value in [*graph.input, *graph.output])
         self.violations += tensor_type_violations(own_types, "", io_names)
         self.check_nodes(graph.node, scope)
-        # Bodies no one calls still ship in the model and get parsed; check them without caller facts.
+        # A body no node reaches is still checked, without caller facts: it ships in the model
+        # and a stale, unparsable body is a bug we want reported before anyone calls it.
         for key, function in self.functions.items():
             if key not in self.functions_entered:
                 self.check_function_body(function, [None] * len(function.input), {}, bindings=None)
@@ -464,7 +493,8 @@ class _ModelChecker:
             self.check_function_call(node, scope)
         elif node.domain not in DEFAULT_DOMAINS:
             self.violations.append(
-                f"{prefix}: custom op in domain '{node.domain}' with no local function body and no plugin"
+                f"{prefix}: custom op in domain '{node.domain}' "
+                "with no local function body and no plugin"
             )
         elif node.op_type not in SUPPORTED_OPS:
             self.violations.append(f"{prefix}: op not supported by TensorRT's ONNX parser")
@@ -507,7 +537,9 @@ class _ModelChecker:
             return
         types_signature = tuple(t.SerializeToString() if t is not None else b"" for t in input_types)
         bindings_signature = (
-            None if bindings is None else tuple(sorted((n, a.SerializeToString()) for n, a in bindings.items()))
+            None
+            if bindings is None
+            else tuple(sorted((name, attr.SerializeToString()) for name, attr in bindings.items()))
         )
         constants_signature = tuple(sorted((name, id(source)) for name, source in constants.items()))
         body_key = (key, types_signature, bindings_signature, constants_signature)
@@ -516,8 +548,12 @@ class _ModelChecker:
         self.bodies_checked.add(body_key)
         self.functions_entered.add(key)
 
-        nodes = list(function.node) if bindings is None else _bind_attribute_refs(function.node, bindings)
-        value_types = self.function_body_types(function, nodes, input_types, (key, types_signature, bindings_signature))
+        if bindings is None:
+            nodes = list(function.node)
+        else:
+            nodes = _bind_attribute_refs(function.node, bindings)
+        types_key = (key, types_signature, bindings_signature)
+        value_types = self.function_body_types(function, nodes, input_types, types_key)
         where = f" in function '{function.domain}.{function.name}'"
         constants = dict(constants)
         _collect_constant_nodes(nodes, constants, value_types)

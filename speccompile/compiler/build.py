@@ -1,0 +1,215 @@
+"""`build_bundle`: HF draft + target checkpoints -> a bundle directory, as a flat list of phases.
+
+    load target -> load draft -> compatibility gate -> export graphs -> check graphs -> write bundle
+
+The bundle is assembled in a temporary sibling directory and renamed into place only when complete,
+so a failed build leaves nothing behind.
+"""
+
+import collections
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import onnx
+
+from speccompile.compiler.checkpoint import ModelSpec, check_max_seq, load_checkpoint
+from speccompile.compiler.onnx_graph import OPSET, WeightFile
+from speccompile.compiler.tokenizer import check_compatible, eos_token_ids, load_tokenizer, save_tokenizer
+from speccompile.compiler.transformer import build_forward_graph, build_verify_graph
+from speccompile.compiler.trt_rules import check_tensorrt_compatible
+from speccompile.errors import SpecCompileError
+from speccompile.runtime.bundle import FORMAT_VERSION, MANIFEST, sha256_file
+
+DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64", onnx.TensorProto.BOOL: "bool"}
+
+
+class Progress:
+    """Numbered phase log: '[3/6] export graphs ... 1.2 s'."""
+
+    def __init__(self, phases: list[str], log):
+        self.phases, self.log, self.index = phases, log, 0
+
+    def __call__(self, phase: str):
+        assert phase in self.phases, f"unknown phase {phase}"
+        self.index = self.phases.index(phase) + 1
+        self.log(f"[{self.index}/{len(self.phases)}] {phase}")
+        self.started = time.perf_counter()
+
+
+PHASES = ["load target", "load draft", "check compatibility", "export graphs", "check graphs", "write bundle"]
+
+
+def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 1024, max_batch: int = 8,
+                 force: bool = False, log=print) -> Path:
+    out_dir = Path(out_dir)
+    gammas = _check_options(out_dir, list(gammas), max_seq, max_batch, force)
+    progress = Progress(PHASES, log)
+
+    progress("load target")
+    target = load_checkpoint(target_dir)
+    target_tok = load_tokenizer(target.path)
+    progress("load draft")
+    draft = load_checkpoint(draft_dir)
+    draft_tok = load_tokenizer(draft.path, required=False)
+    progress("check compatibility")
+    if draft_tok is None:
+        log(f"  warning: {draft.path} has no tokenizer; assuming the target's")
+    vocab_out = check_compatible(target, draft, target_tok, draft_tok)
+    for spec in (target, draft):
+        check_max_seq(spec, max_seq)
+
+    progress("export graphs")
+    graphs = _export_graphs(target, draft, gammas, max_seq, vocab_out)
+    for name, (builder, _) in graphs.items():
+        log(f"  {name}: {len(builder.nodes)} nodes")
+
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    try:
+        weight_files = _write_graphs(staging, graphs)
+        progress("check graphs")
+        for name in graphs:
+            _check_graph(staging / f"{name}.onnx", name)
+        progress("write bundle")
+        save_tokenizer(target_tok, staging / "tokenizer")
+        manifest = _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max_batch, vocab_out, target_tok)
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _move_into_place(staging, out_dir, force)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log(f"bundle written to {out_dir} ({_size_mb(out_dir):.1f} MB)")
+    return out_dir
+
+
+def _check_options(out_dir: Path, gammas: list[int], max_seq: int, max_batch: int, force: bool) -> list[int]:
+    if not gammas or any(not isinstance(g, int) or g < 1 for g in gammas):
+        raise SpecCompileError(f"--gamma values must be positive integers, got {gammas}")
+    if max_seq < 2 or max_batch < 1:
+        raise SpecCompileError(f"--max-seq must be >= 2 and --max-batch >= 1 (got {max_seq}, {max_batch})")
+    if max(gammas) + 2 > max_seq:
+        raise SpecCompileError(f"γ={max(gammas)} does not fit in --max-seq {max_seq}")
+    if out_dir.exists() and any(out_dir.iterdir()) and not force:
+        raise SpecCompileError(f"{out_dir} already exists and is not empty (pass --force to replace it)")
+    if not out_dir.parent.is_dir():
+        raise SpecCompileError(f"parent directory of {out_dir} does not exist")
+    return list(dict.fromkeys(gammas))  # unique, in the order given
+
+
+def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_out) -> dict:
+    """name -> (GraphBuilder, role)."""
+    graphs = {
+        "target_forward": (build_forward_graph(target, "target_forward", max_seq, vocab_out), "target"),
+        "draft_forward": (build_forward_graph(draft, "draft_forward", max_seq, vocab_out), "draft"),
+    }
+    for gamma in gammas:
+        name = f"target_verify_g{gamma}"
+        graphs[name] = (build_verify_graph(target, name, gamma, max_seq, vocab_out), "target")
+    return graphs
+
+
+def _write_graphs(staging: Path, graphs: dict) -> dict[str, WeightFile]:
+    """One weights file per model, shared by all of that model's graphs."""
+    weight_files = {role: WeightFile(f"{role}.weights") for role in ("target", "draft")}
+    for builder, role in graphs.values():
+        weight_files[role].add(builder.weights)
+    for role, weight_file in weight_files.items():
+        weight_file.write(staging / weight_file.filename)
+    for name, (builder, role) in graphs.items():
+        onnx.save_model(builder.model(weight_files[role].locations), str(staging / f"{name}.onnx"))
+    return weight_files
+
+
+def _check_graph(path: Path, name: str) -> None:
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except onnx.checker.ValidationError as e:
+        raise AssertionError(f"exported graph {name} fails onnx.checker: {e}") from None
+    check_tensorrt_compatible(onnx.load(str(path), load_external_data=False), name)
+
+
+def _io_spec(values) -> list[dict]:
+    out = []
+    for v in values:
+        dims = [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+        out.append({"name": v.name, "dtype": DTYPES[v.type.tensor_type.elem_type], "shape": dims})
+    return out
+
+
+def _graph_entry(staging: Path, name: str, role: str, gamma) -> dict:
+    model = onnx.load(str(staging / f"{name}.onnx"), load_external_data=False)
+    ops = collections.Counter(n.op_type for n in model.graph.node)
+    return {
+        "file": f"{name}.onnx",
+        "model": role,
+        "kind": "verify" if gamma else "forward",
+        "gamma": gamma,
+        "inputs": _io_spec(model.graph.input),
+        "outputs": _io_spec(model.graph.output),
+        "op_counts": dict(sorted(ops.items())),
+        "nodes": len(model.graph.node),
+    }
+
+
+def _model_entry(spec: ModelSpec, weight_file: WeightFile) -> dict:
+    hp = spec.hp
+    return {
+        "source": str(spec.path.resolve()),
+        "model_type": spec.model_type,
+        "num_params": spec.num_params,
+        "num_layers": hp["num_layers"],
+        "num_heads": hp["num_heads"],
+        "num_kv_heads": hp["num_kv_heads"],
+        "head_dim": hp["head_dim"],
+        "hidden_size": hp["hidden_size"],
+        "vocab_size": hp["vocab_size"],
+        "weights_file": weight_file.filename,
+        "config": spec.config,
+    }
+
+
+def _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max_batch, vocab_out, tokenizer) -> dict:
+    from speccompile import __version__
+
+    files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
+    return {
+        "format_version": FORMAT_VERSION,
+        "speccompile_version": __version__,
+        "opset": OPSET,
+        "dtype": "float32",
+        "gammas": gammas,
+        "default_gamma": gammas[0],
+        "max_seq": max_seq,
+        "max_batch": max_batch,
+        "vocab_size": vocab_out,
+        "models": {role: _model_entry(spec, weight_files[role]) for role, spec in (("target", target), ("draft", draft))},
+        "tokenizer": {
+            "dir": "tokenizer",
+            "eos_token_ids": eos_token_ids(target, tokenizer),
+            "bos_token_id": tokenizer.bos_token_id,
+            "size": len(tokenizer),
+        },
+        "graphs": {
+            name: _graph_entry(staging, name, role, int(name.rsplit("_g", 1)[1]) if "_verify_" in name else None)
+            for name, (_, role) in graphs.items()
+        },
+        "files": {name: sha256_file(staging / name) for name in files},
+    }
+
+
+def _move_into_place(staging: Path, out_dir: Path, force: bool) -> None:
+    if not out_dir.exists():
+        os.replace(staging, out_dir)
+        return
+    assert force or not any(out_dir.iterdir()), "checked in _check_options"
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    os.replace(out_dir, old)
+    os.replace(staging, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _size_mb(path: Path) -> float:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e6

@@ -1,0 +1,99 @@
+"""`Runtime`: load a bundle, validate a request, run the speculative (or baseline) loop."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from speccompile.core.speculative import autoregressive_generate, speculative_generate
+from speccompile.core.stats import GenerationStats
+from speccompile.errors import SpecCompileError
+from speccompile.runtime.bundle import Bundle, open_bundle
+from speccompile.runtime.tokenizer import Tokenizer
+
+MODES = ("speculative", "autoregressive")
+
+
+@dataclass
+class GenerationResult:
+    prompt: str | list[int]
+    token_ids: list[int]  # generated tokens only (EOS included when generated)
+    text: str
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        return {"prompt": self.prompt, "text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
+
+
+class Runtime:
+    def __init__(self, bundle: Bundle, backend: str = "onnxruntime", threads: int | None = None):
+        if backend != "onnxruntime":
+            raise SpecCompileError(f"unknown backend {backend!r} (available: onnxruntime)")
+        from speccompile.runtime.onnxruntime_engine import OrtModel
+
+        self.bundle = bundle
+        self.target = OrtModel(bundle, "target", threads=threads)
+        self.draft = OrtModel(bundle, "draft", threads=threads)
+        self.tokenizer = Tokenizer(bundle.path / bundle.manifest["tokenizer"]["dir"], bundle.manifest["tokenizer"])
+        self.max_seq, self.max_batch = bundle.manifest["max_seq"], bundle.manifest["max_batch"]
+        self.default_gamma = bundle.manifest["default_gamma"]
+
+    @property
+    def gammas(self) -> list[int]:
+        return self.bundle.gammas
+
+    def generate(self, prompts, max_new_tokens: int = 64, mode: str = "speculative", gamma: int | None = None,
+                 temperature: float = 0.0, seed: int | None = None, on_tokens=None) -> list[GenerationResult]:
+        """Generate for a batch of prompts (strings or token-id lists); one result per prompt.
+
+        on_tokens(row, token_ids) is called as tokens are accepted, for streaming.
+        """
+        if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
+            raise SpecCompileError("prompts must be a list of strings or a list of token-id lists")
+        if temperature != 0.0:
+            raise SpecCompileError("only greedy decoding (temperature=0) is supported by this version")
+        gamma = self._check_request(prompts, max_new_tokens, mode, gamma)
+        token_prompts = [self._tokens(p) for p in prompts]
+        self._check_lengths(token_prompts, max_new_tokens, gamma if mode == "speculative" else 0)
+        eos = self.tokenizer.eos_token_ids
+        if mode == "speculative":
+            tokens, stats = speculative_generate(self.target, self.draft, token_prompts, gamma, max_new_tokens, eos, on_tokens)
+        else:
+            tokens, stats = autoregressive_generate(self.target, token_prompts, max_new_tokens, eos, on_tokens)
+        return [GenerationResult(p, t, self.tokenizer.decode(t), s) for p, t, s in zip(prompts, tokens, stats)]
+
+    # -- validation ---------------------------------------------------------------------------
+    def _check_request(self, prompts, max_new_tokens, mode, gamma) -> int:
+        if mode not in MODES:
+            raise SpecCompileError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+        if not prompts:
+            raise SpecCompileError("no prompts given")
+        if len(prompts) > self.max_batch:
+            raise SpecCompileError(f"batch of {len(prompts)} prompts exceeds the bundle's max batch {self.max_batch} (rebuild with --max-batch)")
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise SpecCompileError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        gamma = self.default_gamma if gamma is None else gamma
+        if mode == "speculative" and gamma not in self.gammas:
+            raise SpecCompileError(f"γ={gamma} was not compiled into this bundle (compiled: {', '.join(map(str, self.gammas))})")
+        return gamma
+
+    def _tokens(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise SpecCompileError("empty prompt")
+        bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise SpecCompileError(f"token id {bad[0]} is outside the vocabulary (0..{self.target.vocab_size - 1})")
+        return ids
+
+    def _check_lengths(self, token_prompts, max_new_tokens, gamma) -> None:
+        longest = max(len(p) for p in token_prompts)
+        if longest + max_new_tokens + gamma > self.max_seq:
+            raise SpecCompileError(
+                f"prompt of {longest} tokens + {max_new_tokens} new tokens + γ={gamma} exceeds the bundle's "
+                f"max sequence length {self.max_seq} (rebuild with a larger --max-seq, or ask for fewer tokens)"
+            )
+
+
+def load(bundle_dir, backend: str = "onnxruntime", threads: int | None = None) -> Runtime:
+    return Runtime(open_bundle(Path(bundle_dir)), backend=backend, threads=threads)
