@@ -1,0 +1,109 @@
+"""The `speccompile` command line: a thin shell over `speccompile.build` and `speccompile.load`."""
+
+import functools
+import json
+import sys
+
+import click
+
+from speccompile.errors import SpecCompileError
+
+
+def user_errors(command):
+    """Turn SpecCompileError into one line on stderr and exit code 1 (no traceback)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except SpecCompileError as e:
+            raise click.ClickException(str(e)) from None
+
+    return wrapper
+
+
+@click.group()
+@click.version_option(package_name="speccompile")
+def main():
+    """Compile draft/target model pairs into speculative-decoding bundles, and run them."""
+
+
+@main.command()
+@click.option("--target", "target_dir", required=True, type=click.Path(), help="Target HF checkpoint directory.")
+@click.option("--draft", "draft_dir", required=True, type=click.Path(), help="Draft HF checkpoint directory.")
+@click.option("--out", "out_dir", required=True, type=click.Path(), help="Bundle directory to write.")
+@click.option("--gamma", "gammas", type=int, multiple=True, default=(4,), show_default=True,
+              help="Draft tokens per verification; repeat to compile several.")
+@click.option("--max-seq", type=int, default=1024, show_default=True, help="KV-cache capacity (prompt + generated).")
+@click.option("--max-batch", type=int, default=8, show_default=True, help="Largest batch the bundle serves.")
+@click.option("--force", is_flag=True, help="Replace an existing bundle directory.")
+@user_errors
+def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force):
+    """Export a target/draft pair to a bundle of ONNX speculative graphs."""
+    from speccompile.compiler.build import build_bundle
+
+    build_bundle(target_dir, draft_dir, out_dir, gammas=list(gammas), max_seq=max_seq, max_batch=max_batch,
+                 force=force, log=lambda line: click.echo(line, err=True))
+
+
+@main.command()
+@click.argument("bundle", type=click.Path())
+@click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text; repeat for a batch.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--mode", type=click.Choice(["speculative", "autoregressive"]), default="speculative", show_default=True)
+@click.option("--gamma", type=int, default=None, help="Draft tokens per iteration (default: the bundle's).")
+@click.option("--json", "as_json", is_flag=True, help="Print results as a JSON list.")
+@user_errors
+def generate(bundle, prompts, max_new_tokens, mode, gamma, as_json):
+    """Generate text with speculative decoding (or the target alone)."""
+    import speccompile
+
+    runtime = speccompile.load(bundle)
+    stream = _Streamer(runtime.tokenizer) if len(prompts) == 1 and not as_json else None
+    results = runtime.generate(list(prompts), max_new_tokens=max_new_tokens, mode=mode, gamma=gamma,
+                               on_tokens=stream)
+    if as_json:
+        click.echo(json.dumps([r.to_dict() for r in results], indent=1))
+        return
+    for result in results:
+        if stream is None:
+            click.echo(f"--- {result.prompt!r}")
+            click.echo(result.prompt + result.text)
+        else:
+            stream.finish()
+        click.echo(_stats_line(result.stats), err=True)
+
+
+class _Streamer:
+    """Prints text as tokens are accepted (decoding the whole tail so multi-byte tokens print whole)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.tokens, self.printed = tokenizer, [], ""
+
+    def __call__(self, row: int, token_ids: list[int]) -> None:
+        self.tokens.extend(token_ids)
+        text = self.tokenizer.decode(self.tokens)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return
+        sys.stdout.write(text[len(self.printed):])
+        sys.stdout.flush()
+        self.printed = text
+
+    def finish(self) -> None:
+        text = self.tokenizer.decode(self.tokens)
+        sys.stdout.write(text[len(self.printed):] + "\n")
+        sys.stdout.flush()
+
+
+def _stats_line(stats) -> str:
+    if stats.mode == "autoregressive":
+        return f"[autoregressive] {stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tok/s"
+    return (
+        f"[speculative γ={stats.gamma}] {stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tok/s, "
+        f"acceptance {stats.acceptance_rate:.2f}, mean accepted {stats.mean_accepted_length:.2f}/{stats.gamma} "
+        f"per iteration over {stats.iterations} iterations, draft {stats.draft_ms:.0f} ms / verify {stats.verify_ms:.0f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The bundle: manifest contents, integrity data, graph checks, atomic writes, vocabulary gate."""
+
+import json
+
+import onnx
+import pytest
+
+from speccompile.compiler import build as build_module
+from speccompile.compiler.build import build_bundle
+from speccompile.compiler.trt_rules import tensorrt_violations
+from speccompile.errors import SpecCompileError
+from speccompile.runtime.bundle import open_bundle, sha256_file
+from tests.tiny_models import make_checkpoint
+
+
+def test_manifest_describes_every_graph_and_file(bundles):
+    bundle = open_bundle(bundles("qwen2", "random"))
+    m = bundle.manifest
+    assert m["format_version"] == 1 and m["gammas"] == [1, 4] and m["max_seq"] == 96 and m["max_batch"] == 4
+    assert set(m["graphs"]) == {"target_forward", "draft_forward", "target_verify_g1", "target_verify_g4"}
+    assert m["models"]["target"]["config"]["model_type"] == "qwen2"
+    for name, sha in m["files"].items():
+        assert sha256_file(bundle.path / name) == sha
+    assert {"target.weights", "draft.weights", "tokenizer/tokenizer.json"} <= set(m["files"])
+    verify = m["graphs"]["target_verify_g4"]
+    assert [i["name"] for i in verify["inputs"][:2]] == ["input_ids", "past_len"]
+    assert verify["inputs"][0]["shape"] == ["batch", 5]
+    outputs = {o["name"]: o for o in verify["outputs"]}
+    assert outputs["accepted"] == {"name": "accepted", "dtype": "int64", "shape": ["batch"]}
+    assert outputs["present_key.0"]["shape"] == ["batch", 2, 96, 16]
+    assert verify["op_counts"]["SpecAccept"] == 1 and verify["op_counts"]["TensorScatter"] == 4
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_graphs_pass_onnx_checker_and_tensorrt_rules(bundles, family):
+    bundle = open_bundle(bundles(family, "random"))
+    for name in bundle.manifest["graphs"]:
+        path = bundle.graph_path(name)
+        onnx.checker.check_model(str(path), full_check=True)
+        model = onnx.load(str(path), load_external_data=False)
+        assert tensorrt_violations(model) == []
+        assert model.opset_import[0].version == 24
+
+
+def test_verification_graph_returns_only_integers_per_sequence(bundles):
+    bundle = open_bundle(bundles("llama", "random"))
+    outputs = bundle.manifest["graphs"]["target_verify_g4"]["outputs"]
+    non_cache = [o for o in outputs if not o["name"].startswith("present_")]
+    assert all(o["dtype"] == "int64" and o["shape"] == ["batch"] for o in non_cache)
+
+
+def test_weights_are_stored_once_per_model(bundles):
+    bundle = open_bundle(bundles("llama", "random"))
+    sizes = {p.name: p.stat().st_size for p in bundle.path.iterdir()}
+    graphs = [n for n in sizes if n.endswith(".onnx")]
+    assert all(sizes[g] < 100_000 for g in graphs), sizes
+    assert sizes["target.weights"] > 4 * bundle.manifest["models"]["target"]["num_params"] * 0.99
+
+
+def test_a_failure_late_in_the_build_leaves_nothing(tmp_path, checkpoints, monkeypatch):
+    def reject(model, name):
+        raise SpecCompileError(f"graph {name} rejected")
+
+    monkeypatch.setattr(build_module, "check_tensorrt_compatible", reject)
+    with pytest.raises(SpecCompileError, match="rejected"):
+        build_bundle(checkpoints("llama"), checkpoints("llama"), tmp_path / "out", log=lambda _: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_force_replaces_an_existing_bundle(tmp_path, checkpoints):
+    out = tmp_path / "b"
+    build_bundle(checkpoints("gpt2"), checkpoints("gpt2"), out, gammas=[2], max_seq=64, log=lambda _: None)
+    build_bundle(checkpoints("gpt2"), checkpoints("gpt2"), out, gammas=[3], max_seq=64, force=True, log=lambda _: None)
+    assert json.loads((out / "manifest.json").read_text())["gammas"] == [3]
+    assert [p.name for p in tmp_path.iterdir()] == ["b"]
+
+
+def test_embedding_padding_difference_is_accepted(tmp_path, tokenizer, checkpoints):
+    """Like Qwen2.5 0.5B/7B: same tokenizer, different embedding rows; logits cut to the smaller."""
+    import speccompile
+
+    padded = make_checkpoint(tmp_path / "padded", "llama", seed=5, size="draft", tokenizer=tokenizer, vocab_size=len(tokenizer) + 40)
+    out = build_bundle(checkpoints("llama"), padded, tmp_path / "b", gammas=[3], max_seq=64, log=lambda _: None)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["vocab_size"] == len(tokenizer) + 8  # the target's (smaller) matrix
+    runtime = speccompile.load(out)
+    spec = runtime.generate([[3, 4, 5]], max_new_tokens=12)[0].token_ids
+    assert spec == runtime.generate([[3, 4, 5]], max_new_tokens=12, mode="autoregressive")[0].token_ids
+
+
+def test_embedding_smaller_than_tokenizer_is_refused(tmp_path, tokenizer, checkpoints):
+    small = make_checkpoint(tmp_path / "small", "llama", size="draft", tokenizer=tokenizer, vocab_size=len(tokenizer) - 10)
+    with pytest.raises(SpecCompileError, match="embeds only"):
+        build_bundle(checkpoints("llama"), small, tmp_path / "b", log=lambda _: None)

@@ -1,0 +1,70 @@
+"""Logits of the exported graphs against the HF transformers forward (fp32, tiny random models)."""
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+import transformers
+
+from speccompile.runtime.bundle import open_bundle
+from tests.conftest import FAMILIES
+
+ATOL = 1e-4
+
+
+def hf_last_logits(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1].numpy()
+
+
+def run_forward(session, manifest, role, ids, past_len, token_count, cache):
+    info = manifest["models"][role]
+    feeds = {"input_ids": ids, "past_len": past_len, "token_count": token_count}
+    for i in range(info["num_layers"]):
+        for kind in ("key", "value"):
+            feeds[f"past_{kind}.{i}"] = cache[f"{kind}.{i}"]
+    names = [o.name for o in session.get_outputs()]
+    out = dict(zip(names, session.run(None, feeds)))
+    for key in cache:
+        cache[key] = out[f"present_{key}"]
+    return out
+
+
+def empty_cache(manifest, role, batch):
+    info = manifest["models"][role]
+    shape = (batch, info["num_kv_heads"], manifest["max_seq"], info["head_dim"])
+    return {f"{kind}.{i}": np.zeros(shape, np.float32) for i in range(info["num_layers"]) for kind in ("key", "value")}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_and_decode_logits_match_hf(family, checkpoints, bundles):
+    bundle = open_bundle(bundles(family, "random"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints(family)).eval()
+    session = ort.InferenceSession(str(bundle.graph_path("target_forward")))
+    prompts = [[5, 17, 33, 2, 9, 100, 7], [8, 9, 10, 11]]
+    ids = np.array([prompts[0], prompts[1] + [0, 0, 0]], np.int64)
+    lengths = np.array([7, 4], np.int64)
+    cache = empty_cache(bundle.manifest, "target", 2)
+    out = run_forward(session, bundle.manifest, "target", ids, np.zeros(2, np.int64), lengths, cache)
+    for row, prompt in enumerate(prompts):
+        np.testing.assert_allclose(out["logits"][row], hf_last_logits(hf, prompt), atol=ATOL)
+    # three decode steps on top of the cache, different positions per row
+    for step_token in (42, 43, 44):
+        out = run_forward(session, bundle.manifest, "target", np.array([[step_token], [step_token + 1]], np.int64),
+                          lengths, np.ones(2, np.int64), cache)
+        prompts = [prompts[0] + [step_token], prompts[1] + [step_token + 1]]
+        lengths = lengths + 1
+        for row, prompt in enumerate(prompts):
+            np.testing.assert_allclose(out["logits"][row], hf_last_logits(hf, prompt), atol=ATOL)
+            assert out["next_token"][row] == np.argmax(out["logits"][row])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_draft_graph_matches_its_own_hf_model(family, checkpoints, bundles):
+    bundle = open_bundle(bundles(family, "random"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints(family, "draft")).eval()
+    session = ort.InferenceSession(str(bundle.graph_path("draft_forward")))
+    prompt = [1, 2, 3, 4, 5]
+    out = run_forward(session, bundle.manifest, "draft", np.array([prompt], np.int64), np.zeros(1, np.int64),
+                      np.array([5], np.int64), empty_cache(bundle.manifest, "draft", 1))
+    np.testing.assert_allclose(out["logits"][0], hf_last_logits(hf, prompt), atol=ATOL)

@@ -1,0 +1,64 @@
+"""The speculative loop against the autoregressive loop, on fake engines with exact cache semantics."""
+
+import numpy as np
+import pytest
+
+from speccompile.core.speculative import autoregressive_generate, pad_prompts, speculative_generate
+from tests.core.fake_engines import AgreeingDraft, FakeEngine
+
+PROMPTS = [[3, 1, 4, 1, 5], [9], [2, 6, 5, 3, 5, 8, 9, 7]]
+
+
+def reference(prompts, max_new, eos=frozenset()):
+    tokens, _ = autoregressive_generate(FakeEngine(), prompts, max_new, set(eos))
+    return tokens
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+@pytest.mark.parametrize("draft", [FakeEngine(salt=0), FakeEngine(salt=99), AgreeingDraft(3, salt=0)],
+                         ids=["copy", "unrelated", "sometimes"])
+def test_speculative_equals_autoregressive(gamma, draft):
+    tokens, stats = speculative_generate(FakeEngine(), draft, PROMPTS, gamma, 17, set())
+    assert tokens == reference(PROMPTS, 17)
+    assert all(len(t) == 17 for t in tokens)
+    for s in stats:
+        assert 0.0 <= s.acceptance_rate <= 1.0
+        assert s.draft_tokens == gamma * s.iterations
+
+
+def test_copy_draft_accepts_everything_and_saves_target_passes():
+    target = FakeEngine()
+    _, stats = speculative_generate(target, FakeEngine(), [[1, 2, 3]], 4, 20, set())
+    assert stats[0].acceptance_rate == 1.0
+    assert stats[0].mean_accepted_length == 4.0
+    assert stats[0].acceptance_by_position == [1.0] * 4
+    assert target.calls == 1 + 4  # prefill + ceil((20 - 1) / 5) verifications
+
+
+def test_unrelated_draft_still_makes_progress():
+    _, stats = speculative_generate(FakeEngine(), FakeEngine(salt=7), [[1, 2, 3]], 4, 12, set())
+    assert stats[0].acceptance_rate < 0.5
+    assert stats[0].iterations <= 11
+
+
+def test_stops_at_eos_per_sequence_and_keeps_it():
+    full = reference(PROMPTS, 30)
+    eos = full[0][6]
+    tokens, _ = speculative_generate(FakeEngine(), AgreeingDraft(4, salt=0), PROMPTS, 3, 30, {eos})
+    assert tokens == reference(PROMPTS, 30, {eos})
+    assert tokens[0][-1] == eos and len(tokens[0]) <= 7
+
+
+def test_finished_rows_do_not_grow_their_cache():
+    target, draft = FakeEngine(capacity=64), FakeEngine(capacity=64)
+    prompts = [[1], [2, 3]]
+    # a short max for everyone; rows finish at different iterations only through EOS
+    eos = reference(prompts, 40)[0][2]
+    speculative_generate(target, draft, prompts, 5, 40, {eos})
+    assert target.cache_lengths[0] <= 1 + 3 + 5
+
+
+def test_pad_prompts_right_pads():
+    ids, lengths = pad_prompts([[1, 2, 3], [4]])
+    assert ids.tolist() == [[1, 2, 3], [4, 0, 0]]
+    assert lengths.tolist() == [3, 1]

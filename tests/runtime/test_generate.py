@@ -1,0 +1,92 @@
+"""End to end: bundle -> speculative greedy generation == autoregressive == HF generate, token for token."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import speccompile
+from tests.conftest import FAMILIES
+
+PROMPTS = [[5, 17, 33, 2, 9, 100, 7], [8, 9, 10, 11], [200], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
+MAX_NEW = 24
+
+
+def hf_greedy(checkpoint, prompt, max_new) -> list[int]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        # attention_mask given explicitly: HF would otherwise mask prompt tokens equal to pad_token_id
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False, pad_token_id=2)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def hf_reference(checkpoints):
+    cache = {}
+
+    def get(family, prompt_index):
+        key = family, prompt_index
+        if key not in cache:
+            cache[key] = hf_greedy(checkpoints(family), PROMPTS[prompt_index], MAX_NEW)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("draft", ["copy", "random"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_speculative_matches_autoregressive_and_hf(family, draft, bundles, hf_reference):
+    runtime = speccompile.load(bundles(family, draft))
+    expected = [hf_reference(family, i) for i in range(len(PROMPTS))]
+    for gamma in (1, 4):
+        one_by_one = [runtime.generate([p], max_new_tokens=MAX_NEW, gamma=gamma)[0].token_ids for p in PROMPTS]
+        batched = [r.token_ids for r in runtime.generate(PROMPTS, max_new_tokens=MAX_NEW, gamma=gamma)]
+        assert one_by_one == expected, f"batch 1, γ={gamma}"
+        assert batched == expected, f"batch of {len(PROMPTS)}, γ={gamma}"
+    autoregressive = runtime.generate(PROMPTS, max_new_tokens=MAX_NEW, mode="autoregressive")
+    assert [r.token_ids for r in autoregressive] == expected
+
+
+def test_acceptance_statistics_reflect_the_draft(bundles):
+    copy = speccompile.load(bundles("llama", "copy")).generate(PROMPTS[:2], max_new_tokens=MAX_NEW, gamma=4)
+    random = speccompile.load(bundles("llama", "random")).generate(PROMPTS[:2], max_new_tokens=MAX_NEW, gamma=4)
+    for r in copy:
+        stats = r.stats
+        assert stats.acceptance_rate == 1.0 and stats.mean_accepted_length == 4.0
+        assert stats.acceptance_by_position == [1.0] * 4
+        assert stats.iterations == -(-(MAX_NEW - 1) // 5)  # one bonus token per iteration on top of 4 drafts
+        assert stats.draft_ms > 0 and stats.verify_ms > 0 and stats.tokens_per_s > 0
+    for r in random:
+        assert r.stats.acceptance_rate < 0.5
+        assert r.stats.iterations > copy[0].stats.iterations
+
+
+def test_text_prompts_use_the_bundled_tokenizer(bundles, tokenizer):
+    runtime = speccompile.load(bundles("llama", "copy"))
+    text = "def parse_args(argv):"
+    assert runtime.tokenizer.encode(text) == tokenizer(text)["input_ids"]
+    [result] = runtime.generate([text], max_new_tokens=8)
+    assert result.text == tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    assert result.prompt == text and len(result.token_ids) == 8 or result.token_ids[-1] in runtime.tokenizer.eos_token_ids
+
+
+def test_kv_cache_is_updated_in_place(bundles):
+    """The cache OrtValue bound in and out is the one the graph writes: no copy per step."""
+    runtime = speccompile.load(bundles("gpt2", "copy"))
+    runtime.generate([PROMPTS[0]], max_new_tokens=4, mode="autoregressive")
+    cache = runtime.target.cache[0]
+    before = cache.numpy().copy()
+    pointer = cache.data_ptr()
+    runtime.target.forward(np.array([[3]]), np.array([1]))
+    assert cache.data_ptr() == pointer
+    position = len(PROMPTS[0]) + 4 - 1  # prompt + 3 cached generated tokens
+    changed = np.flatnonzero(np.any(cache.numpy() != before, axis=(0, 1, 3)))
+    assert changed.tolist() == [position]
+
+
+def test_streaming_callback_sees_every_token_in_order(bundles):
+    runtime = speccompile.load(bundles("qwen2", "random"))
+    seen = {0: [], 1: []}
+    results = runtime.generate(PROMPTS[:2], max_new_tokens=10, on_tokens=lambda row, ids: seen[row].extend(ids))
+    assert [seen[0], seen[1]] == [r.token_ids for r in results]

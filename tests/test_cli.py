@@ -1,0 +1,152 @@
+"""Bad input: one clear line, exit code 1, no traceback, nothing half-written."""
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from speccompile.cli import main
+from tests.tiny_models import make_checkpoint, make_tokenizer
+
+
+def run(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return result.exit_code, result.output
+
+
+def assert_user_error(args, *fragments):
+    code, output = run(*args)
+    assert code == 1, output
+    assert "Traceback" not in output
+    lines = [line for line in output.splitlines() if line.strip() and not line.startswith("[")]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), output
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def build_args(target, draft, out, *extra):
+    return ["build", "--target", target, "--draft", draft, "--out", out, *extra]
+
+
+def no_partial_output(parent, name):
+    return not any(p.name.startswith(f".{name}.") or p.name == name for p in parent.iterdir())
+
+
+# -- build -------------------------------------------------------------------------------------
+
+
+def test_missing_checkpoint_directory(tmp_path, checkpoints):
+    assert_user_error(build_args(tmp_path / "nope", checkpoints("llama"), tmp_path / "out"), "not found")
+    assert no_partial_output(tmp_path, "out")
+
+
+def test_corrupt_safetensors(tmp_path, checkpoints):
+    bad = shutil.copytree(checkpoints("llama"), tmp_path / "bad")
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    assert_user_error(build_args(bad, checkpoints("llama"), tmp_path / "out"), "model.safetensors")
+    assert no_partial_output(tmp_path, "out")
+
+
+def test_pickle_only_checkpoint_is_refused(tmp_path, checkpoints):
+    bad = shutil.copytree(checkpoints("llama"), tmp_path / "bad")
+    (bad / "model.safetensors").rename(bad / "pytorch_model.bin")
+    assert_user_error(build_args(bad, checkpoints("llama"), tmp_path / "out"), "pickle")
+
+
+def test_unsupported_model_type(tmp_path, checkpoints):
+    bad = shutil.copytree(checkpoints("llama"), tmp_path / "bad")
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
+    assert_user_error(build_args(checkpoints("llama"), bad, tmp_path / "out"), "unsupported model_type 'mamba'", "llama")
+    assert no_partial_output(tmp_path, "out")
+
+
+def test_vocabulary_mismatch_says_what_differs(tmp_path, checkpoints):
+    other = make_checkpoint(tmp_path / "other", "llama", size="draft", tokenizer=make_tokenizer(extra_tokens=("<tool>",)))
+    assert_user_error(build_args(checkpoints("llama"), other, tmp_path / "out"), "tokenizers differ", "'<tool>'")
+    assert no_partial_output(tmp_path, "out")
+
+
+def test_sliding_window_beyond_max_seq_is_refused(tmp_path, tokenizer):
+    mistral = make_checkpoint(tmp_path / "m", "mistral", tokenizer=tokenizer, sliding_window=32)
+    assert_user_error(build_args(mistral, mistral, tmp_path / "out", "--max-seq", 64), "sliding-window", "--max-seq 32")
+
+
+def test_existing_output_needs_force(tmp_path, bundles, checkpoints):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    assert_user_error(build_args(checkpoints("llama"), checkpoints("llama"), out), "--force")
+    assert (out / "keep.txt").exists()
+
+
+# -- generate ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def bundle_copy(tmp_path, bundles):
+    return shutil.copytree(bundles("llama", "random"), tmp_path / "bundle")
+
+
+def test_sha256_mismatch(bundle_copy):
+    weights = bundle_copy / "draft.weights"
+    data = bytearray(weights.read_bytes())
+    data[100] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert_user_error(["generate", bundle_copy, "--prompt", "x"], "draft.weights", "sha256")
+
+
+def test_unknown_format_version(bundle_copy):
+    manifest = json.loads((bundle_copy / "manifest.json").read_text())
+    (bundle_copy / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
+    assert_user_error(["generate", bundle_copy, "--prompt", "x"], "format version 99")
+
+
+def test_not_a_bundle(tmp_path):
+    assert_user_error(["generate", tmp_path, "--prompt", "x"], "not a speccompile bundle")
+
+
+def test_gamma_not_compiled(bundles):
+    assert_user_error(["generate", bundles("llama", "random"), "--prompt", "x", "--gamma", 3], "γ=3", "compiled: 1, 4")
+
+
+def test_prompt_longer_than_max_seq(bundles):
+    assert_user_error(["generate", bundles("llama", "random"), "--prompt", "def f(x): return x " * 40], "max sequence length 96")
+
+
+def test_batch_over_max_batch(bundles):
+    args = ["generate", bundles("llama", "random")] + ["--prompt", "x"] * 5
+    assert_user_error(args, "max batch 4")
+
+
+@pytest.mark.parametrize("n", [0, -3])
+def test_non_positive_max_new_tokens(bundles, n):
+    assert_user_error(["generate", bundles("llama", "random"), "--prompt", "x", "--max-new-tokens", n], "max_new_tokens")
+
+
+# -- happy paths -------------------------------------------------------------------------------
+
+
+def test_generate_json_output(bundles):
+    code, output = run("generate", bundles("llama", "copy"), "--prompt", "import os", "--prompt", "def", "--max-new-tokens", 6, "--json")
+    assert code == 0, output
+    results = json.loads(output)
+    assert [r["prompt"] for r in results] == ["import os", "def"]
+    for r in results:
+        assert set(r) == {"prompt", "text", "token_ids", "stats"}
+        assert r["stats"]["acceptance_rate"] == 1.0 and len(r["token_ids"]) <= 6
+
+
+def test_generate_streams_text_and_prints_stats(bundles):
+    code, output = run("generate", bundles("llama", "copy"), "--prompt", "import os", "--max-new-tokens", 6)
+    assert code == 0, output
+    assert "acceptance 1.00" in output
+
+
+def test_build_reports_phases(tmp_path, checkpoints):
+    code, output = run(*build_args(checkpoints("gpt2"), checkpoints("gpt2", "draft"), tmp_path / "b", "--gamma", 2, "--max-seq", 64))
+    assert code == 0, output
+    assert "[1/6] load target" in output and "[6/6] write bundle" in output
+    assert (tmp_path / "b" / "manifest.json").is_file()
