@@ -47,6 +47,30 @@ def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force):
 
 
 @main.command()
+@click.option("--target", "target_dir", required=True, type=click.Path(), help="Target HF checkpoint directory.")
+@click.option("--corpus", required=True, help="Text file or directory of text files ('stdlib': this Python's standard library).")
+@click.option("--out", "out_dir", required=True, type=click.Path(), help="Draft checkpoint directory (resumed if it holds a checkpoint).")
+@click.option("--layers", type=int, default=2, show_default=True)
+@click.option("--hidden", type=int, default=128, show_default=True)
+@click.option("--heads", type=int, default=None, help="Attention heads (default: hidden // 64).")
+@click.option("--intermediate", type=int, default=None, help="MLP width (default: 3x hidden, 4x for GPT-2).")
+@click.option("--steps", type=int, default=300, show_default=True)
+@click.option("--batch", type=int, default=8, show_default=True)
+@click.option("--seq-len", type=int, default=128, show_default=True)
+@click.option("--lr", type=float, default=2e-3, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--generated-fraction", type=float, default=0.25, show_default=True,
+              help="Share of batches whose second half the target generates.")
+@click.option("--checkpoint-every", type=int, default=50, show_default=True)
+@user_errors
+def distill(target_dir, corpus, out_dir, **options):
+    """Train a small draft that matches the target's next-token distribution."""
+    from speccompile.training.distill import DistillOptions, distill as run_distill
+
+    run_distill(target_dir, corpus, out_dir, DistillOptions(**options), log=lambda line: click.echo(line, err=True))
+
+
+@main.command()
 @click.argument("bundle", type=click.Path())
 @click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text; repeat for a batch.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)

@@ -1,0 +1,89 @@
+"""`speccompile distill` end to end on tiny random models."""
+
+import json
+
+import pytest
+
+import speccompile
+from speccompile.errors import SpecCompileError
+from speccompile.training.distill import DistillOptions, distill
+
+CORPUS_LINES = [
+    "def parse_args(argv):\n    return argv[1:]\n",
+    "import os\nimport sys\nprint(os.path.join('a', 'b'))\n",
+    "class Model:\n    def __init__(self, n):\n        self.n = n\n",
+]
+OPTIONS = dict(layers=1, hidden=32, batch=8, seq_len=32, lr=3e-3, checkpoint_every=10, eval_windows=8)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    for i in range(40):
+        (root / f"f{i}.py").write_text(CORPUS_LINES[i % 3] * (1 + i % 5) + f"x{i} = {i}\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def smooth_target(tmp_path_factory, tokenizer):
+    """A random target with HF's default init: smooth enough for a tiny draft to learn in seconds."""
+    from tests.tiny_models import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("smooth") / "t", "llama", tokenizer=tokenizer, init_std=0.02)
+
+
+def acceptance(target, draft, out):
+    bundle = speccompile.build(target, draft, out, gammas=[4], max_seq=96, log=lambda _: None)
+    prompts = ["def parse_args(argv):\n", "import os\n", "class Model:\n    def", "x3 = 3\n"]
+    results = speccompile.load(bundle).generate(prompts, max_new_tokens=40)
+    return sum(r.stats.accepted_tokens for r in results) / sum(r.stats.draft_tokens for r in results)
+
+
+def test_distilled_draft_accepts_more_than_untrained(tmp_path, smooth_target, corpus):
+    target = smooth_target
+    untrained = distill(target, corpus, tmp_path / "untrained", DistillOptions(**{**OPTIONS, "steps": 1, "lr": 1e-9}), log=lambda _: None)
+    trained = distill(target, corpus, tmp_path / "trained", DistillOptions(steps=80, **OPTIONS), log=lambda _: None)
+    before, after = acceptance(target, untrained, tmp_path / "b0"), acceptance(target, trained, tmp_path / "b1")
+    assert after >= before + 0.02, (before, after)
+    report = json.loads((trained / "distill.json").read_text())
+    assert report["options"]["steps"] == 80 and 0 <= report["agreement"] <= 1
+    config = json.loads((trained / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["hidden_size"] == 32 and config["num_hidden_layers"] == 1
+
+
+def test_resume_continues_from_the_checkpoint(tmp_path, checkpoints, corpus):
+    lines = []
+    out = tmp_path / "d"
+    distill(checkpoints("gpt2"), corpus, out, DistillOptions(steps=10, **OPTIONS), log=lines.append)
+    distill(checkpoints("gpt2"), corpus, out, DistillOptions(steps=20, **OPTIONS), log=lines.append)
+    assert any("resuming from the checkpoint at step 10" in line for line in lines)
+    steps = [json.loads(line)["step"] for line in (out / "distill_log.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 21))
+
+
+def test_resume_with_a_different_shape_is_refused(tmp_path, checkpoints, corpus):
+    out = tmp_path / "d"
+    distill(checkpoints("gpt2"), corpus, out, DistillOptions(steps=2, **OPTIONS), log=lambda _: None)
+    with pytest.raises(SpecCompileError, match="same options or a new --out"):
+        distill(checkpoints("gpt2"), corpus, out, DistillOptions(steps=4, **{**OPTIONS, "hidden": 64}), log=lambda _: None)
+    assert (out / "distill_state.pt").exists()
+
+
+def test_corpus_without_text(tmp_path, checkpoints):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.py").write_text("   \n")
+    with pytest.raises(SpecCompileError, match="contains no text"):
+        distill(checkpoints("llama"), tmp_path / "empty", tmp_path / "d", DistillOptions(**OPTIONS), log=lambda _: None)
+
+
+def test_unsupported_target_family(tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(SpecCompileError, match="unsupported model_type 'bert'"):
+        distill(tmp_path / "t", tmp_path, tmp_path / "d", DistillOptions(**OPTIONS), log=lambda _: None)
+
+
+def test_draft_larger_than_target_is_refused(tmp_path, checkpoints, corpus):
+    with pytest.raises(SpecCompileError, match="not smaller than"):
+        distill(checkpoints("llama"), corpus, tmp_path / "d", DistillOptions(**{**OPTIONS, "hidden": 256, "layers": 4}), log=lambda _: None)
+    assert not (tmp_path / "d").exists()
