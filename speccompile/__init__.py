@@ -14,10 +14,14 @@ __version__ = "0.1.0"
 __all__ = ["SpecCompileError", "load", "build", "__version__"]
 
 
-def load(bundle_dir, backend: str = "onnxruntime", threads: int | None = None):
-    """Open a bundle and return a `Runtime` ready to `generate`."""
+def load(bundle_dir=None, backend: str = "onnxruntime", threads: int | None = None):
+    """Open a bundle (default: the embedded demo pair's) and return a `Runtime` ready to `generate`."""
     from speccompile.runtime.runtime import load as _load
 
+    if bundle_dir is None:
+        from speccompile.demo import demo_bundle
+
+        bundle_dir = demo_bundle()
     return _load(bundle_dir, backend=backend, threads=threads)
 
 

@@ -70,8 +70,17 @@ def distill(target_dir, corpus, out_dir, **options):
     run_distill(target_dir, corpus, out_dir, DistillOptions(**options), log=lambda line: click.echo(line, err=True))
 
 
+def resolve_bundle(bundle):
+    """The bundle argument, or the embedded demo bundle (built once into the cache) when omitted."""
+    if bundle is not None:
+        return bundle
+    from speccompile.demo import demo_bundle
+
+    return demo_bundle(log=lambda line: click.echo(line, err=True))
+
+
 @main.command()
-@click.argument("bundle", type=click.Path())
+@click.argument("bundle", type=click.Path(), required=False)
 @click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text; repeat for a batch.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--mode", type=click.Choice(["speculative", "autoregressive"]), default="speculative", show_default=True)
@@ -79,10 +88,13 @@ def distill(target_dir, corpus, out_dir, **options):
 @click.option("--json", "as_json", is_flag=True, help="Print results as a JSON list.")
 @user_errors
 def generate(bundle, prompts, max_new_tokens, mode, gamma, as_json):
-    """Generate text with speculative decoding (or the target alone)."""
+    """Generate text with speculative decoding (or the target alone).
+
+    BUNDLE defaults to the embedded demo pair.
+    """
     import speccompile
 
-    runtime = speccompile.load(bundle)
+    runtime = speccompile.load(resolve_bundle(bundle))
     stream = _Streamer(runtime.tokenizer) if len(prompts) == 1 and not as_json else None
     results = runtime.generate(list(prompts), max_new_tokens=max_new_tokens, mode=mode, gamma=gamma,
                                on_tokens=stream)

@@ -151,20 +151,31 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    try:
-        import torch  # noqa: F401  (bf16/fp16 checkpoints need torch to reach fp32)
-        from safetensors import safe_open
-    except ImportError as e:
-        raise SpecCompileError(f"building needs the build-side dependencies ({e.name} is missing): pip install speccompile[build]") from None
     tensors = {}
     for file in _safetensors_files(path):
         try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    tensors[name] = f.get_tensor(name).float().numpy()
+            tensors.update(_read_safetensors_file(file))
+        except SpecCompileError:
+            raise
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
             raise SpecCompileError(f"{file}: cannot read safetensors file ({e})") from None
     return tensors
+
+
+def _read_safetensors_file(file: Path) -> dict[str, np.ndarray]:
+    """fp32/fp16 tensors through numpy; bf16 needs torch (numpy has no bfloat16)."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="np") as f:
+        dtypes = {f.get_slice(name).get_dtype() for name in f.keys()}
+        if "BF16" not in dtypes:
+            return {name: f.get_tensor(name).astype(np.float32) for name in f.keys()}
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise SpecCompileError(f"{file}: bfloat16 weights need torch to convert: pip install 'speccompile[build]'") from None
+    with safe_open(str(file), framework="pt") as f:
+        return {name: f.get_tensor(name).float().numpy() for name in f.keys()}
 
 
 def _transform(tensor: np.ndarray, transform: str) -> np.ndarray:

@@ -1,0 +1,60 @@
+"""The embedded demo pair: a small Python-code target and its distilled draft, shipped in the package.
+
+Every command that takes a bundle uses the demo bundle when given none. It is built on first use
+into the user cache directory (or $SPECCOMPILE_CACHE), under a name keyed by the sha256 of the demo
+checkpoint files, so a changed pair is rebuilt and an unchanged one never is.
+"""
+
+import hashlib
+import os
+from pathlib import Path
+
+from speccompile.errors import SpecCompileError
+
+DEMO_ROOT = Path(__file__).resolve().parent
+DEMO_TARGET = DEMO_ROOT / "target"
+DEMO_DRAFT = DEMO_ROOT / "draft"
+DEMO_GAMMAS = [4, 2, 6]  # the first is the default γ
+DEMO_MAX_SEQ = 1024
+DEMO_MAX_BATCH = 8
+
+
+def cache_dir() -> Path:
+    override = os.environ.get("SPECCOMPILE_CACHE")
+    if override:
+        return Path(override)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("speccompile"))
+
+
+def demo_key(target: Path = None, draft: Path = None) -> str:
+    """sha256 over the demo checkpoints' file names and contents."""
+    digest = hashlib.sha256()
+    for root in (target or DEMO_TARGET, draft or DEMO_DRAFT):
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            digest.update(str(path.relative_to(root.parent)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def demo_bundle(log=print, target: Path = None, draft: Path = None) -> Path:
+    """The demo bundle's path, building it first if the cache has none for this pair."""
+    target, draft = target or DEMO_TARGET, draft or DEMO_DRAFT
+    if not (target / "config.json").is_file() or not (draft / "config.json").is_file():
+        raise SpecCompileError("this installation has no embedded demo pair; pass a bundle directory")
+    bundle = cache_dir() / f"demo-{demo_key(target, draft)[:16]}"
+    if (bundle / "manifest.json").is_file():
+        return bundle
+    try:
+        from speccompile.compiler.build import build_bundle
+    except ImportError as e:
+        raise SpecCompileError(f"building the demo bundle needs the build extras ({e.name} is missing): pip install 'speccompile[build]'") from None
+    log(f"building the demo bundle once into {bundle}")
+    bundle.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        build_bundle(target, draft, bundle, gammas=DEMO_GAMMAS, max_seq=DEMO_MAX_SEQ, max_batch=DEMO_MAX_BATCH, log=log)
+    except OSError:
+        if not (bundle / "manifest.json").is_file():  # another process finished the same build first
+            raise
+    return bundle

@@ -1,0 +1,83 @@
+"""Reading HF checkpoints into the canonical layout: dtypes, shards, name prefixes, tied heads."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from speccompile.compiler.architectures import ARCHITECTURES
+from speccompile.compiler.checkpoint import load_checkpoint
+from speccompile.errors import SpecCompileError
+from tests.conftest import FAMILIES
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_checkpoints_load_as_fp32(tmp_path, checkpoints, dtype):
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints("llama"), dtype=dtype)
+    model.save_pretrained(tmp_path / "half")
+    full, half = load_checkpoint(checkpoints("llama")), load_checkpoint(tmp_path / "half")
+    for name, weight in full.weights.items():
+        assert half.weights[name].dtype == np.float32
+        np.testing.assert_allclose(half.weights[name], weight, rtol=1e-2, atol=1e-2)
+
+
+def test_sharded_checkpoint(tmp_path, checkpoints):
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints("qwen2"))
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    sharded, single = load_checkpoint(tmp_path / "sharded"), load_checkpoint(checkpoints("qwen2"))
+    assert sharded.weights.keys() == single.weights.keys()
+    for name in single.weights:
+        np.testing.assert_array_equal(sharded.weights[name], single.weights[name])
+
+
+def test_gpt2_names_without_transformer_prefix(tmp_path, checkpoints):
+    src = checkpoints("gpt2")
+    (tmp_path / "bare").mkdir()
+    model = transformers.AutoModelForCausalLM.from_pretrained(src)
+    state = {k.removeprefix("transformer."): v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, tmp_path / "bare" / "model.safetensors")
+    (tmp_path / "bare" / "config.json").write_text((src / "config.json").read_text())
+    bare, prefixed = load_checkpoint(tmp_path / "bare"), load_checkpoint(src)
+    for name in prefixed.weights:
+        np.testing.assert_array_equal(bare.weights[name], prefixed.weights[name])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_layer_weight_is_mapped(family, checkpoints):
+    spec = load_checkpoint(checkpoints(family))
+    hp = spec.hp
+    for i in range(hp["num_layers"]):
+        for part in ("q_w", "k_w", "v_w", "o_w", "up_w", "down_w", "attn_norm_w", "mlp_norm_w"):
+            assert f"layers.{i}.{part}" in spec.weights
+    assert spec.weights["lm_head"].shape == (hp["hidden_size"], hp["vocab_size"])
+    assert ("layers.0.q_b" in spec.weights) == (family in ("qwen2", "gpt2"))
+
+
+def test_every_registered_architecture_has_a_tiny_model_test():
+    assert set(ARCHITECTURES) == set(FAMILIES)
+
+
+def test_missing_untied_lm_head_is_an_error(tmp_path, checkpoints):
+    src = checkpoints("llama")
+    (tmp_path / "c").mkdir()
+    model = transformers.AutoModelForCausalLM.from_pretrained(src)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}, tmp_path / "c" / "model.safetensors")
+    (tmp_path / "c" / "config.json").write_text((src / "config.json").read_text())
+    with pytest.raises(SpecCompileError, match="lm_head"):
+        load_checkpoint(tmp_path / "c")
+
+
+def test_rope_scaling_is_refused_clearly(tmp_path, checkpoints):
+    src = checkpoints("llama")
+    import shutil
+
+    dst = shutil.copytree(src, tmp_path / "c")
+    config = json.loads((dst / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecCompileError, match="rope scaling 'yarn'"):
+        load_checkpoint(dst)

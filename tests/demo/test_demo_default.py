@@ -1,0 +1,61 @@
+"""The embedded-default path: no bundle given -> the demo bundle, built once into the cache."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+import speccompile
+import speccompile.demo as demo
+from speccompile.cli import main
+
+
+@pytest.fixture
+def tiny_demo(tmp_path, monkeypatch, checkpoints):
+    """Point the demo at a tiny pair and the cache at a fresh directory."""
+    monkeypatch.setattr(demo, "DEMO_TARGET", checkpoints("llama"))
+    monkeypatch.setattr(demo, "DEMO_DRAFT", checkpoints("llama", "draft"))
+    monkeypatch.setattr(demo, "DEMO_MAX_SEQ", 128)
+    monkeypatch.setenv("SPECCOMPILE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_demo_bundle_is_built_once_and_reused(tiny_demo):
+    logs = []
+    first = demo.demo_bundle(log=logs.append)
+    assert first.parent == tiny_demo and first.name.startswith("demo-")
+    assert any("building the demo bundle" in line for line in logs)
+    logs.clear()
+    assert demo.demo_bundle(log=logs.append) == first
+    assert logs == []  # cached: no second build
+    assert json.loads((first / "manifest.json").read_text())["gammas"] == demo.DEMO_GAMMAS
+
+
+def test_cache_key_follows_the_pair_contents(tmp_path, checkpoints):
+    import shutil
+
+    target = shutil.copytree(checkpoints("llama"), tmp_path / "t")
+    draft = checkpoints("llama", "draft")
+    key = demo.demo_key(target, draft)
+    assert demo.demo_key(target, draft) == key
+    (target / "config.json").write_text((target / "config.json").read_text() + " ")
+    assert demo.demo_key(target, draft) != key
+
+
+def test_load_without_argument_uses_the_demo(tiny_demo):
+    runtime = speccompile.load()
+    assert runtime.bundle.path.parent == tiny_demo
+    [result] = runtime.generate(["def parse_args(argv):"], max_new_tokens=5)
+    assert 1 <= len(result.token_ids) <= 5
+
+
+def test_cli_generate_without_bundle_uses_the_demo(tiny_demo):
+    result = CliRunner().invoke(main, ["generate", "--prompt", "import os", "--max-new-tokens", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)[0]["prompt"] == "import os"
+
+
+def test_missing_demo_pair_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(demo, "DEMO_TARGET", tmp_path / "none")
+    result = CliRunner().invoke(main, ["generate", "--prompt", "x"])
+    assert result.exit_code == 1 and "no embedded demo pair" in result.output
