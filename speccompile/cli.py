@@ -85,9 +85,13 @@ def resolve_bundle(bundle):
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--mode", type=click.Choice(["speculative", "autoregressive"]), default="speculative", show_default=True)
 @click.option("--gamma", type=int, default=None, help="Draft tokens per iteration (default: the bundle's).")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0: off).")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass (1: off).")
+@click.option("--seed", type=int, default=None, help="Random seed: the same seed gives the same tokens.")
 @click.option("--json", "as_json", is_flag=True, help="Print results as a JSON list.")
 @user_errors
-def generate(bundle, prompts, max_new_tokens, mode, gamma, as_json):
+def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, top_p, seed, as_json):
     """Generate text with speculative decoding (or the target alone).
 
     BUNDLE defaults to the embedded demo pair.
@@ -97,7 +101,7 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, as_json):
     runtime = speccompile.load(resolve_bundle(bundle))
     stream = _Streamer(runtime.tokenizer) if len(prompts) == 1 and not as_json else None
     results = runtime.generate(list(prompts), max_new_tokens=max_new_tokens, mode=mode, gamma=gamma,
-                               on_tokens=stream)
+                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, on_tokens=stream)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=1))
         return

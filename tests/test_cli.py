@@ -126,6 +126,18 @@ def test_non_positive_max_new_tokens(bundles, n):
     assert_user_error(["generate", bundles("llama", "random"), "--prompt", "x", "--max-new-tokens", n], "max_new_tokens")
 
 
+@pytest.mark.parametrize("flag, value, fragment", [("--temperature", -1, "temperature"), ("--top-p", 0, "top_p"), ("--top-k", -2, "top_k")])
+def test_bad_sampling_controls(bundles, flag, value, fragment):
+    assert_user_error(["generate", bundles("llama", "random"), "--prompt", "x", flag, value], fragment)
+
+
+def test_sampling_flags_are_reproducible_from_the_seed(bundles):
+    args = ["generate", bundles("llama", "random"), "--prompt", "import os", "--max-new-tokens", 8, "--json",
+            "--temperature", 0.9, "--top-k", 40, "--top-p", 0.95]
+    first, again, other = (json.loads(CliRunner().invoke(main, [str(a) for a in args + ["--seed", s]]).stdout) for s in (1, 1, 2))
+    assert first[0]["token_ids"] == again[0]["token_ids"] != other[0]["token_ids"]
+
+
 # -- happy paths -------------------------------------------------------------------------------
 
 

@@ -85,3 +85,15 @@ def copy_checkpoint(src, dst) -> Path:
 
     shutil.copytree(src, dst)
     return Path(dst)
+
+
+def make_word_tokenizer(size: int = 16):
+    """A word-level tokenizer of `size` tokens with no special tokens at all (so nothing is EOS):
+    for tests that enumerate every continuation of a prompt."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)

@@ -71,11 +71,13 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     try:
         weight_files = _write_graphs(staging, graphs)
         progress("check graphs")
-        for name in graphs:
-            _check_graph(staging / f"{name}.onnx", name)
+        needs_plugin = {name: _check_graph(staging / f"{name}.onnx", name) for name in graphs}
+        for name, reasons in needs_plugin.items():
+            if reasons:
+                log(f"  {name}: TensorRT parses it only with the speccompile plugin ({len(reasons)} body constraint(s))")
         progress("write bundle")
         save_tokenizer(target_tok, staging / "tokenizer")
-        manifest = _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max_batch, vocab_out, target_tok)
+        manifest = _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max_batch, vocab_out, target_tok, needs_plugin)
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _move_into_place(staging, out_dir, force)
     except BaseException:
@@ -101,13 +103,13 @@ def _check_options(out_dir: Path, gammas: list[int], max_seq: int, max_batch: in
 
 def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_out) -> dict:
     """name -> (GraphBuilder, role)."""
-    graphs = {
-        "target_forward": (build_forward_graph(target, "target_forward", max_seq, vocab_out), "target"),
-        "draft_forward": (build_forward_graph(draft, "draft_forward", max_seq, vocab_out), "draft"),
-    }
+    graphs = {}
+    for role, spec in (("target", target), ("draft", draft)):
+        for sample, name in ((False, f"{role}_forward"), (True, f"{role}_sample")):
+            graphs[name] = (build_forward_graph(spec, name, max_seq, vocab_out, sample=sample), role)
     for gamma in gammas:
-        name = f"target_verify_g{gamma}"
-        graphs[name] = (build_verify_graph(target, name, gamma, max_seq, vocab_out), "target")
+        for sample, name in ((False, f"target_verify_g{gamma}"), (True, f"target_verify_sample_g{gamma}")):
+            graphs[name] = (build_verify_graph(target, name, gamma, max_seq, vocab_out, sample=sample), "target")
     return graphs
 
 
@@ -123,12 +125,13 @@ def _write_graphs(staging: Path, graphs: dict) -> dict[str, WeightFile]:
     return weight_files
 
 
-def _check_graph(path: Path, name: str) -> None:
+def _check_graph(path: Path, name: str) -> list[str]:
+    """onnx.checker, then TensorRT's parser rules; returns what only the plugin makes parsable."""
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except onnx.checker.ValidationError as e:
         raise AssertionError(f"exported graph {name} fails onnx.checker: {e}") from None
-    check_tensorrt_compatible(onnx.load(str(path), load_external_data=False), name)
+    return check_tensorrt_compatible(onnx.load(str(path), load_external_data=False), name)
 
 
 def _io_spec(values) -> list[dict]:
@@ -139,18 +142,19 @@ def _io_spec(values) -> list[dict]:
     return out
 
 
-def _graph_entry(staging: Path, name: str, role: str, gamma) -> dict:
+def _graph_entry(staging: Path, name: str, role: str, gamma, needs_plugin: list[str]) -> dict:
     model = onnx.load(str(staging / f"{name}.onnx"), load_external_data=False)
     ops = collections.Counter(n.op_type for n in model.graph.node)
     return {
         "file": f"{name}.onnx",
         "model": role,
-        "kind": "verify" if gamma else "forward",
+        "kind": ("verify" if gamma else "forward") + ("_sample" if "_sample" in name else ""),
         "gamma": gamma,
         "inputs": _io_spec(model.graph.input),
         "outputs": _io_spec(model.graph.output),
         "op_counts": dict(sorted(ops.items())),
         "nodes": len(model.graph.node),
+        "tensorrt_needs_plugin": needs_plugin,
     }
 
 
@@ -171,7 +175,7 @@ def _model_entry(spec: ModelSpec, weight_file: WeightFile) -> dict:
     }
 
 
-def _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max_batch, vocab_out, tokenizer) -> dict:
+def _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max_batch, vocab_out, tokenizer, needs_plugin) -> dict:
     from speccompile import __version__
 
     files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
@@ -193,7 +197,7 @@ def _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max
             "size": len(tokenizer),
         },
         "graphs": {
-            name: _graph_entry(staging, name, role, int(name.rsplit("_g", 1)[1]) if "_verify_" in name else None)
+            name: _graph_entry(staging, name, role, int(name.rsplit("_g", 1)[1]) if "_verify" in name else None, needs_plugin[name])
             for name, (_, role) in graphs.items()
         },
         "files": {name: sha256_file(staging / name) for name in files},

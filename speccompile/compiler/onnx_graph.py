@@ -120,3 +120,28 @@ class WeightFile:
             for offset, array in self._arrays:
                 f.seek(offset)
                 f.write(np.ascontiguousarray(array, dtype="<f4").tobytes())
+
+
+class FunctionBuilder:
+    """Builds the body of an ONNX model-local function (constants become Constant nodes)."""
+
+    def __init__(self, domain: str, name: str, inputs: list[str], attributes: list[str]):
+        self.domain, self.name, self.inputs, self.attributes = domain, name, inputs, attributes
+        self.nodes: list[onnx.NodeProto] = []
+        self._count = 0
+
+    def const(self, value, dtype=np.int64) -> str:
+        self._count += 1
+        out = f"c{self._count}"
+        self.nodes.append(helper.make_node("Constant", [], [out], value=numpy_helper.from_array(np.asarray(value, dtype=dtype), out)))
+        return out
+
+    def op(self, op_type: str, *inputs: str, outputs: int = 1, out=None, domain: str = "", **attrs):
+        self._count += 1
+        names = [f"{op_type.lower()}{self._count}_{k}" for k in range(outputs)] if out is None else ([out] if isinstance(out, str) else list(out))
+        self.nodes.append(helper.make_node(op_type, list(inputs), names, domain=domain, **attrs))
+        return names if outputs > 1 else names[0]
+
+    def function(self, outputs: list[str], opset: int, extra_opsets: dict[str, int] | None = None) -> onnx.FunctionProto:
+        opsets = [helper.make_opsetid("", opset)] + [helper.make_opsetid(d, v) for d, v in (extra_opsets or {}).items()]
+        return helper.make_function(self.domain, self.name, self.inputs, outputs, self.nodes, opset_imports=opsets, attributes=self.attributes)

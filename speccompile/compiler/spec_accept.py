@@ -1,9 +1,14 @@
-"""The `SpecAccept` op: acceptance + KV-rollback bookkeeping as one node of the verification graph.
+"""The speculative ops, as ONNX model-local functions in the `speccompile` domain.
 
-It is an ONNX model-local function in the `speccompile` domain. Its body uses standard ops only, so
-ONNX Runtime runs it with no custom library; the node also carries `plugin_namespace` and
-`plugin_version`, so TensorRT's parser can serve it with our plugin (plugins/) instead of inlining
-the body. The numpy reference of the same rule is `speccompile.core.acceptance`.
+  SpecAccept     acceptance + KV-rollback bookkeeping at the end of the verification graph
+                 (mode "greedy": on target logits; mode "sample": on target/draft probabilities)
+  SpecTransform  temperature, top-k, top-p -> probabilities (greedy rows become one-hot)
+  SpecSample     inverse-CDF sampling from probabilities with a supplied uniform
+
+Each body uses standard ops only, so ONNX Runtime runs it with no custom library; each node also
+carries `plugin_namespace` and `plugin_version`, so TensorRT's parser can serve it with our plugin
+(plugins/) instead of inlining the body. The numpy references are `speccompile.core.acceptance` and
+`speccompile.core.sampling`; the tests hold the bodies to them position by position.
 
 Greedy rule. The target scored [last, d_1 .. d_γ] at positions L .. L+γ, so its argmax t_j at
 input j is its own choice for the token after input j.
@@ -11,63 +16,176 @@ input j is its own choice for the token after input j.
   next        = t_n  (the correction at the first mismatch, or the bonus token when n == γ)
   new_len     = L + n + 1  (last and d_1..d_n stay in the cache; entries past them are dead and
                             will be overwritten, which is the O(1) rollback)
+
+Sampling rule (Leviathan et al.; Chen et al.): accept d_j iff u_j q_j(d_j) < p_j(d_j); at the first
+rejection n sample from normalise(max(0, p_n - q_n)); after γ acceptances sample from p_γ. The proof
+that this emits exactly p is next to the numpy reference (`sample_accept`).
 """
 
+import numpy as np
 import onnx
-from onnx import TensorProto, helper
+
+from speccompile.compiler.onnx_graph import OPSET, FunctionBuilder
 
 DOMAIN = "speccompile"
 PLUGIN_NAMESPACE = "speccompile"
 PLUGIN_VERSION = "1"
-INPUTS = ["target_logits", "draft_tokens", "past_len"]
+ATTRIBUTES = ["plugin_namespace", "plugin_version", "mode"]
 OUTPUTS = ["accepted", "next_token", "new_len"]
+GREEDY_INPUTS = ["target_logits", "draft_tokens", "past_len"]
+SAMPLE_INPUTS = ["target_probs", "draft_probs", "draft_tokens", "u_accept", "u_sample", "past_len"]
+FLOAT32_MIN = float(np.finfo(np.float32).min)
 
 
-def _const(name: str, value, dtype=TensorProto.INT64, dims=()) -> onnx.NodeProto:
-    values = value if isinstance(value, list) else [value]
-    return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, dtype, list(dims), values))
+# ---------------------------------------------------------------------------------------------
+# shared pieces of the bodies
 
 
-def spec_accept_function(opset: int) -> onnx.FunctionProto:
-    nodes = [
-        _const("one", 1), _const("axis1", [1], dims=[1]),
-        _const("start", [0], dims=[1]), _const("end", [-1], dims=[1]),
-        _const("zero_f", 0.0, TensorProto.FLOAT),
-        # t_j: the target's greedy token after each of the γ+1 inputs.
-        helper.make_node("ArgMax", ["target_logits"], ["target_tokens"], axis=-1, keepdims=0),
-        # t_0 .. t_{γ-1} are the target's choices at the positions the drafts d_1..d_γ occupy.
-        helper.make_node("Slice", ["target_tokens", "start", "end", "axis1"], ["target_choice"]),
-        helper.make_node("Equal", ["draft_tokens", "target_choice"], ["match"]),
-        # Leading run of matches: a position counts while no mismatch has occurred at or before it.
-        # (CumSum runs in float: TensorRT's CumSum takes float types only.)
-        helper.make_node("Not", ["match"], ["mismatch"]),
-        helper.make_node("Cast", ["mismatch"], ["mismatch_f"], to=TensorProto.FLOAT),
-        helper.make_node("CumSum", ["mismatch_f", "one"], ["mismatches_so_far"]),
-        helper.make_node("Equal", ["mismatches_so_far", "zero_f"], ["in_leading_run"]),
-        helper.make_node("Cast", ["in_leading_run"], ["in_leading_run_i"], to=TensorProto.INT64),
-        helper.make_node("ReduceSum", ["in_leading_run_i", "axis1"], ["accepted"], keepdims=0),
-        # next = t_n: the correction at the first mismatch, or the bonus token when all γ matched.
-        helper.make_node("Unsqueeze", ["accepted", "axis1"], ["accepted_col"]),
-        helper.make_node("GatherElements", ["target_tokens", "accepted_col"], ["next_col"], axis=1),
-        helper.make_node("Squeeze", ["next_col", "axis1"], ["next_token"]),
-        helper.make_node("Add", ["past_len", "accepted"], ["kept_drafts_end"]),
-        helper.make_node("Add", ["kept_drafts_end", "one"], ["new_len"]),
-    ]
-    return helper.make_function(
-        DOMAIN, "SpecAccept", INPUTS, OUTPUTS, nodes,
-        opset_imports=[helper.make_opsetid("", opset)],
-        attributes=["plugin_namespace", "plugin_version", "mode"],
-    )
+def _leading_run(f: FunctionBuilder, accepted_each: str) -> str:
+    """Number of leading True values per row of a [B, γ] bool tensor.
+
+    A position counts while no rejection has occurred at or before it. (CumSum runs in float:
+    TensorRT's CumSum takes float types only.)
+    """
+    rejected = f.op("Cast", f.op("Not", accepted_each), to=onnx.TensorProto.FLOAT)
+    rejections_so_far = f.op("CumSum", rejected, f.const(1))
+    in_run = f.op("Cast", f.op("Equal", rejections_so_far, f.const(0.0, np.float32)), to=onnx.TensorProto.INT64)
+    return f.op("ReduceSum", in_run, f.const([1]), keepdims=0, out="accepted")
+
+
+def _new_len(f: FunctionBuilder, past_len: str, accepted: str) -> str:
+    return f.op("Add", f.op("Add", past_len, accepted), f.const(1), out="new_len")
+
+
+def inverse_cdf(f: FunctionBuilder, weights: str, uniform: str, out: str) -> str:
+    """Token t with c_{t-1} <= u * c_{V-1} < c_t (c: inclusive prefix sums of weights [B, V])."""
+    cdf = f.op("CumSum", weights, f.const(1))
+    total = f.op("Slice", cdf, f.const([-1]), f.const([np.iinfo(np.int64).max]), f.const([1]))  # [B, 1]
+    threshold = f.op("Mul", f.op("Unsqueeze", uniform, f.const([1])), total)
+    below = f.op("Cast", f.op("LessOrEqual", cdf, threshold), to=onnx.TensorProto.INT64)
+    count = f.op("ReduceSum", below, f.const([1]), keepdims=0)
+    last_index = f.op("Sub", f.op("Squeeze", f.op("Shape", weights, start=1, end=2), f.const([0])), f.const(1))
+    return f.op("Min", count, last_index, out=out)
+
+
+# ---------------------------------------------------------------------------------------------
+# SpecAccept
+
+
+def spec_accept_greedy_function() -> onnx.FunctionProto:
+    f = FunctionBuilder(DOMAIN, "SpecAccept", GREEDY_INPUTS, ATTRIBUTES)
+    # t_j: the target's greedy token after each of the γ+1 inputs.
+    target_tokens = f.op("ArgMax", "target_logits", axis=-1, keepdims=0)
+    # t_0 .. t_{γ-1} are the target's choices at the positions the drafts d_1..d_γ occupy.
+    target_choice = f.op("Slice", target_tokens, f.const([0]), f.const([-1]), f.const([1]))
+    accepted = _leading_run(f, f.op("Equal", "draft_tokens", target_choice))
+    # next = t_n: the correction at the first mismatch, or the bonus token when all γ matched.
+    next_col = f.op("GatherElements", target_tokens, f.op("Unsqueeze", accepted, f.const([1])), axis=1)
+    f.op("Squeeze", next_col, f.const([1]), out="next_token")
+    _new_len(f, "past_len", accepted)
+    return f.function(OUTPUTS, OPSET)
+
+
+def spec_accept_sample_function() -> onnx.FunctionProto:
+    f = FunctionBuilder(DOMAIN, "SpecAccept", SAMPLE_INPUTS, ATTRIBUTES)  # mode "sample"
+    drafts = f.op("Unsqueeze", "draft_tokens", f.const([2]))  # [B, γ, 1]
+    p_head = f.op("Slice", "target_probs", f.const([0]), f.const([-1]), f.const([1]))  # p_0..p_{γ-1}
+    p_of_draft = f.op("Squeeze", f.op("GatherElements", p_head, drafts, axis=2), f.const([2]))
+    q_of_draft = f.op("Squeeze", f.op("GatherElements", "draft_probs", drafts, axis=2), f.const([2]))
+    # accept d_j with probability min(1, p/q):  u q < p  (no division, so q = 0 cannot blow up)
+    accepted = _leading_run(f, f.op("Less", f.op("Mul", "u_accept", q_of_draft), p_of_draft))
+    # p_n and q_n at the first rejection; q_γ := 0 so that the bonus token samples from p_γ.
+    q_padded = f.op("Concat", "draft_probs", f.op("Mul", f.op("Slice", "target_probs", f.const([-1]), f.const([np.iinfo(np.int64).max]), f.const([1])), f.const(0.0, np.float32)), axis=1)
+    row = f.op("Expand", f.op("Unsqueeze", accepted, f.const([1, 2])), f.op("Shape", f.op("Slice", "target_probs", f.const([0]), f.const([1]), f.const([1]))))
+    p_n = f.op("Squeeze", f.op("GatherElements", "target_probs", row, axis=1), f.const([1]))
+    q_n = f.op("Squeeze", f.op("GatherElements", q_padded, row, axis=1), f.const([1]))
+    residual = residual_weights(f, p_n, q_n)
+    inverse_cdf(f, residual, "u_sample", out="next_token")
+    _new_len(f, "past_len", accepted)
+    return f.function(OUTPUTS, OPSET)
+
+
+def residual_weights(f: FunctionBuilder, p_n: str, q_n: str) -> str:
+    """max(0, p - q): the mass p has where the draft under-proposed (unnormalised; inverse_cdf
+    normalises). p == q leaves nothing; rejection then had probability 0, but p keeps it valid."""
+    residual = f.op("Max", f.op("Sub", p_n, q_n), f.const(0.0, np.float32))
+    has_mass = f.op("Greater", f.op("ReduceSum", residual, f.const([1]), keepdims=1), f.const(0.0, np.float32))
+    return f.op("Where", has_mass, residual, p_n)
+
+
+# ---------------------------------------------------------------------------------------------
+# SpecTransform and SpecSample
+
+
+def spec_transform_function(vocab_size: int) -> onnx.FunctionProto:
+    """logits [B, R, V], temperature [B], top_k [B], top_p [B] -> probs [B, R, V] (see core.sampling).
+
+    V is baked in as a constant: TensorRT wants TopK's K known at build time.
+    """
+    f = FunctionBuilder(DOMAIN, "SpecTransform", ["logits", "temperature", "top_k", "top_p"], ATTRIBUTES)
+    vocab = f.const([vocab_size])
+    per_row = lambda x: f.op("Unsqueeze", x, f.const([1, 2]))  # noqa: E731  [B] -> [B, 1, 1]
+    temperature = per_row("temperature")
+    greedy = f.op("Equal", temperature, f.const(0.0, np.float32))
+    z = f.op("Div", "logits", f.op("Where", greedy, f.const(1.0, np.float32), temperature))
+    # top-k: keep z >= the k-th largest z (k <= 0 or k >= V: keep all)
+    sorted_z = f.op("TopK", z, vocab, axis=-1, largest=1, sorted=1, outputs=2)[0]
+    top_k = per_row("top_k")
+    k = f.op("Where", f.op("And", f.op("Greater", top_k, f.const(0)), f.op("Less", top_k, vocab)), top_k, vocab)
+    kth = f.op("GatherElements", sorted_z, _expand_rows(f, f.op("Sub", k, f.const(1)), sorted_z), axis=2)
+    z = f.op("Where", f.op("GreaterOrEqual", z, kth), z, f.const(FLOAT32_MIN, np.float32))
+    probs = f.op("Softmax", z, axis=-1)
+    # top-p: keep probs >= that of the m-th most likely token, m the smallest count reaching top_p
+    sorted_p = f.op("TopK", probs, vocab, axis=-1, largest=1, sorted=1, outputs=2)[0]
+    top_p = per_row("top_p")
+    short = f.op("Cast", f.op("Less", f.op("CumSum", sorted_p, f.const(2)), top_p), to=onnx.TensorProto.INT64)
+    needed = f.op("Min", f.op("Add", f.op("ReduceSum", short, f.const([2]), keepdims=1), f.const(1)), vocab)
+    threshold = f.op("GatherElements", sorted_p, f.op("Sub", needed, f.const(1)), axis=2)
+    threshold = f.op("Where", f.op("Less", top_p, f.const(1.0, np.float32)), threshold, f.const(0.0, np.float32))
+    kept = f.op("Where", f.op("GreaterOrEqual", probs, threshold), probs, f.const(0.0, np.float32))
+    probs = f.op("Div", kept, f.op("ReduceSum", kept, f.const([2]), keepdims=1))
+    # temperature 0: one-hot on the argmax, so greedy rows go through the same sampling rule
+    argmax = f.op("ArgMax", "logits", axis=-1, keepdims=1)
+    token_ids = f.op("Range", f.const(0), f.op("Squeeze", vocab, f.const([0])), f.const(1))
+    one_hot = f.op("Cast", f.op("Equal", token_ids, argmax), to=onnx.TensorProto.FLOAT)
+    f.op("Where", greedy, one_hot, probs, out="probs")
+    return f.function(["probs"], OPSET)
+
+
+def _expand_rows(f: FunctionBuilder, per_batch: str, like: str) -> str:
+    """[B, 1, 1] index -> [B, R, 1], R rows of `like` [B, R, V]."""
+    shape = f.op("Concat", f.op("Shape", like, start=0, end=2), f.const([1]), axis=0)
+    return f.op("Expand", per_batch, shape)
+
+
+def spec_sample_function() -> onnx.FunctionProto:
+    f = FunctionBuilder(DOMAIN, "SpecSample", ["probs", "uniform"], ATTRIBUTES)
+    inverse_cdf(f, "probs", "uniform", out="token")
+    return f.function(["token"], OPSET)
+
+
+# ---------------------------------------------------------------------------------------------
+# adding the ops to a graph
+
+# (op, mode) -> body. A graph holds one SpecAccept: greedy in target_verify_g*, sample in
+# target_verify_sample_g*; the plugin tells them apart by the `mode` attribute.
+FUNCTIONS = {
+    ("SpecAccept", "greedy"): spec_accept_greedy_function,
+    ("SpecAccept", "sample"): spec_accept_sample_function,
+    ("SpecTransform", ""): spec_transform_function,
+    ("SpecSample", ""): spec_sample_function,
+}
+
+
+def spec_op(builder, name: str, *inputs: str, mode: str = "", outputs: int = 1, out=None, vocab_size: int = 0):
+    """Add a call of speculative op `name` (and its function definition, once) to `builder`."""
+    if name not in {fn.name for fn in builder.functions}:
+        make = FUNCTIONS[name, mode]
+        builder.add_function(make(vocab_size) if name == "SpecTransform" else make())
+    return builder.op(name, *inputs, outputs=outputs, out=out, domain=DOMAIN, plugin_namespace=PLUGIN_NAMESPACE,
+                      plugin_version=PLUGIN_VERSION, mode=mode or "default")
 
 
 def spec_accept_node(builder, target_logits: str, draft_tokens: str, past_len: str) -> list[str]:
-    """Add a SpecAccept node (and its function definition) to `builder`; its outputs are named
-    `accepted`, `next_token`, `new_len` (the verification graph's outputs)."""
-    from speccompile.compiler.onnx_graph import OPSET
-
-    if not builder.functions:
-        builder.add_function(spec_accept_function(OPSET))
-    return builder.op(
-        "SpecAccept", target_logits, draft_tokens, past_len, outputs=3, domain=DOMAIN, out=OUTPUTS,
-        plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION, mode="greedy",
-    )
+    """Greedy SpecAccept; its outputs are named `accepted`, `next_token`, `new_len`."""
+    return spec_op(builder, "SpecAccept", target_logits, draft_tokens, past_len, mode="greedy", outputs=3, out=OUTPUTS)

@@ -20,10 +20,12 @@ import numpy as np
 
 from speccompile.compiler.checkpoint import ModelSpec
 from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT64, GraphBuilder
-from speccompile.compiler.spec_accept import spec_accept_node
+from speccompile.compiler.spec_accept import OUTPUTS, spec_accept_node, spec_op
 
 
-def build_forward_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int) -> GraphBuilder:
+def build_forward_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int, sample: bool = False) -> GraphBuilder:
+    """Greedy (`next_token` = argmax) or, with sample=True, sampled from the transformed
+    distribution with a supplied uniform per sequence (outputs `next_token` and `probs`)."""
     g = GraphBuilder(name)
     ids = g.input("input_ids", INT64, ["batch", "tokens"])
     past_len = g.input("past_len", INT64, ["batch"])
@@ -33,23 +35,46 @@ def build_forward_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int
     last = g.op("Unsqueeze", g.op("Sub", token_count, g.const(1)), g.const([1]))
     hidden_last = g.op("GatherND", hidden, last, batch_dims=1)  # [B, H]
     logits = _lm_head(g, spec, hidden_last, vocab_out)
-    g.output(logits, "logits", FLOAT, ["batch", vocab_out])
-    g.output(g.op("ArgMax", logits, axis=-1, keepdims=0), "next_token", INT64, ["batch"])
+    if not sample:
+        g.output(logits, "logits", FLOAT, ["batch", vocab_out])
+        g.output(g.op("ArgMax", logits, axis=-1, keepdims=0), "next_token", INT64, ["batch"])
+        return g
+    params = _sampling_inputs(g)
+    uniform = g.input("uniform", FLOAT, ["batch"])
+    probs = spec_op(g, "SpecTransform", g.op("Unsqueeze", logits, g.const([1])), *params, vocab_size=vocab_out)
+    probs = g.op("Squeeze", probs, g.const([1]), out="probs")
+    g.output(probs, "probs", FLOAT, ["batch", vocab_out])
+    g.output(spec_op(g, "SpecSample", probs, uniform, out="next_token"), "next_token", INT64, ["batch"])
     return g
 
 
-def build_verify_graph(spec: ModelSpec, name: str, gamma: int, max_seq: int, vocab_out: int) -> GraphBuilder:
+def build_verify_graph(spec: ModelSpec, name: str, gamma: int, max_seq: int, vocab_out: int, sample: bool = False) -> GraphBuilder:
+    """Score [last, d_1..d_γ] and apply SpecAccept: greedy on logits, or (sample=True) the
+    rejection-sampling rule on the transformed target probabilities and the draft's."""
     g = GraphBuilder(name)
     ids = g.input("input_ids", INT64, ["batch", gamma + 1])
     past_len = g.input("past_len", INT64, ["batch"])
     hidden = _decoder(g, spec, ids, past_len, max_seq)
     logits = _lm_head(g, spec, hidden, vocab_out)  # [B, γ+1, V]: stays inside the graph
     drafts = g.op("Slice", ids, g.const([1]), g.const([gamma + 1]), g.const([1]))
-    accepted, next_token, new_len = spec_accept_node(g, logits, drafts, past_len)
-    g.output(accepted, "accepted", INT64, ["batch"])
-    g.output(next_token, "next_token", INT64, ["batch"])
-    g.output(new_len, "new_len", INT64, ["batch"])
+    if not sample:
+        outputs = spec_accept_node(g, logits, drafts, past_len)
+    else:
+        draft_probs = g.input("draft_probs", FLOAT, ["batch", gamma, vocab_out])
+        params = _sampling_inputs(g)
+        u_accept = g.input("u_accept", FLOAT, ["batch", gamma])
+        u_sample = g.input("u_sample", FLOAT, ["batch"])
+        target_probs = spec_op(g, "SpecTransform", logits, *params, vocab_size=vocab_out)
+        outputs = spec_op(g, "SpecAccept", target_probs, draft_probs, drafts, u_accept, u_sample, past_len,
+                          mode="sample", outputs=3, out=OUTPUTS)
+    for output in outputs:
+        g.output(output, output, INT64, ["batch"])
     return g
+
+
+def _sampling_inputs(g: GraphBuilder) -> tuple[str, str, str]:
+    """Per-sequence sampling controls: temperature (0 = greedy), top_k (0 = off), top_p (1 = off)."""
+    return (g.input("temperature", FLOAT, ["batch"]), g.input("top_k", INT64, ["batch"]), g.input("top_p", FLOAT, ["batch"]))
 
 
 def cache_shape(spec: ModelSpec, max_seq: int) -> list:

@@ -460,6 +460,7 @@ class _ModelChecker:
             (function.domain, function.name): function for function in model.functions
         }
         self.violations: list[str] = []
+        self.plugin_only: list[str] = []  # body violations of nodes a plugin can serve instead
         self.functions_entered: set[FunctionKey] = set()
         self.functions_active: list[FunctionKey] = []
         self.bodies_checked: set[tuple] = set()
@@ -523,7 +524,17 @@ class _ModelChecker:
         }
         bindings = {attr.name: attr for attr in function.attribute_proto}
         bindings.update({attr.name: attr for attr in node.attribute})
-        self.check_function_body(function, input_types, constants, bindings)
+        if "plugin_namespace" not in {attr.name for attr in node.attribute}:
+            self.check_function_body(function, input_types, constants, bindings)
+            return
+        # With a plugin registered (ENABLE_PLUGIN_OVERRIDE) TensorRT never parses this body; what
+        # the body would need is recorded, not fatal.
+        before, self.violations = self.violations, []
+        try:
+            self.check_function_body(function, input_types, constants, bindings)
+        finally:
+            self.plugin_only += self.violations
+            self.violations = before
 
     def check_function_body(
         self,
@@ -603,14 +614,29 @@ class _ModelChecker:
 # Public API.
 
 
+def tensorrt_report(model: onnx.ModelProto) -> tuple[list[str], list[str]]:
+    """(violations, plugin_only): reasons TensorRT's ONNX parser would reject `model`, and reasons
+    it could parse only with our plugin serving the local-function nodes that carry plugin attributes."""
+    checker = _ModelChecker(_infer_shapes_or_keep(model))
+    violations = checker.run()
+    return violations, list(dict.fromkeys(checker.plugin_only))
+
+
 def tensorrt_violations(model: onnx.ModelProto) -> list[str]:
-    """Every reason TensorRT's ONNX parser would reject `model`, one message each; [] when fine."""
-    return _ModelChecker(_infer_shapes_or_keep(model)).run()
+    """Every reason TensorRT's ONNX parser would reject `model`, one message each; [] when fine.
+
+    Bodies of plugin-served nodes count here too (as if no plugin were loaded)."""
+    violations, plugin_only = tensorrt_report(model)
+    return violations + plugin_only
 
 
-def check_tensorrt_compatible(model: onnx.ModelProto, graph_name: str) -> None:
-    """Raise SpecCompileError naming `graph_name` and every offending node, on one line."""
-    violations = tensorrt_violations(model)
+def check_tensorrt_compatible(model: onnx.ModelProto, graph_name: str) -> list[str]:
+    """Raise SpecCompileError naming `graph_name` and every offending node, on one line.
+
+    Returns what parsing would need the speccompile plugin for (empty when the bodies parse too).
+    """
+    violations, plugin_only = tensorrt_report(model)
     if violations:
         details = "; ".join(" ".join(message.split()) for message in violations)  # keep it one line
         raise SpecCompileError(f"graph {graph_name} is not TensorRT-parsable: {details}")
+    return plugin_only

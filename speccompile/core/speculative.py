@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from speccompile.core.engine import DecoderEngine, VerifierEngine
+from speccompile.core.sampler import Sampler
 from speccompile.core.stats import Clock, GenerationStats
 
 OnTokens = Callable[[int, list[int]], None]  # (sequence index, newly emitted token ids)
@@ -52,28 +53,35 @@ class _Outputs:
             self.on_tokens(row, kept)
 
 
-def _start(target: DecoderEngine, prompts, max_new_tokens, eos_ids, on_tokens):
+def _next_tokens(engine: DecoderEngine, tokens, token_count, sampler: Sampler | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """One forward: greedy next tokens, or sampled ones with the distribution they came from."""
+    if sampler is None:
+        return engine.forward(tokens, token_count), None
+    return engine.forward_sample(tokens, token_count, sampler.inputs, sampler.uniforms())
+
+
+def _start(target: DecoderEngine, prompts, max_new_tokens, eos_ids, on_tokens, sampler):
     ids, lengths = pad_prompts(prompts)
     target.start(len(prompts))
-    last = target.forward(ids, lengths)
+    last, _ = _next_tokens(target, ids, lengths, sampler)
     outputs = _Outputs(len(prompts), max_new_tokens, eos_ids, on_tokens)
     for row in range(len(prompts)):
         outputs.emit(row, [last[row]])
     return ids, lengths, last, outputs
 
 
-def autoregressive_generate(target: DecoderEngine, prompts, max_new_tokens, eos_ids, on_tokens=None):
+def autoregressive_generate(target: DecoderEngine, prompts, max_new_tokens, eos_ids, on_tokens=None, sampler=None):
     """The baseline: the target alone, one token per pass, through the same engine."""
     clock = Clock()
     stats = [GenerationStats("autoregressive", 0) for _ in prompts]
     with clock("prefill"):
-        _, _, last, outputs = _start(target, prompts, max_new_tokens, eos_ids, on_tokens)
+        _, _, last, outputs = _start(target, prompts, max_new_tokens, eos_ids, on_tokens, sampler)
     one = np.ones(len(prompts), dtype=np.int64)
     while not outputs.done.all():
         active = ~outputs.done
         lengths_before = target.cache_lengths.copy()
         with clock("decode"):
-            last = target.forward(last[:, None], one)
+            last, _ = _next_tokens(target, last[:, None], one, sampler)
         target.cache_lengths[~active] = lengths_before[~active]  # finished rows stand still
         for row in np.flatnonzero(active):
             stats[row].iterations += 1
@@ -81,11 +89,13 @@ def autoregressive_generate(target: DecoderEngine, prompts, max_new_tokens, eos_
     return _finish(outputs, stats, clock)
 
 
-def speculative_generate(target: VerifierEngine, draft: DecoderEngine, prompts, gamma, max_new_tokens, eos_ids, on_tokens=None):
+def speculative_generate(target: VerifierEngine, draft: DecoderEngine, prompts, gamma, max_new_tokens, eos_ids,
+                         on_tokens=None, sampler: Sampler | None = None):
+    """Speculative decoding; greedy when sampler is None, else exact speculative sampling."""
     clock = Clock()
     stats = [GenerationStats("speculative", gamma) for _ in prompts]
     with clock("prefill"):
-        ids, lengths, last, outputs = _start(target, prompts, max_new_tokens, eos_ids, on_tokens)
+        ids, lengths, last, outputs = _start(target, prompts, max_new_tokens, eos_ids, on_tokens, sampler)
         draft.start(len(prompts))
         draft.forward(ids, lengths)
     draft.cache_lengths -= 1  # the draft re-reads the last prompt token together with `last`
@@ -95,9 +105,14 @@ def speculative_generate(target: VerifierEngine, draft: DecoderEngine, prompts, 
         active = ~outputs.done
         target_before, draft_before = target.cache_lengths.copy(), draft.cache_lengths.copy()
         with clock("draft"):
-            drafts = _propose(draft, prev, last, gamma)
+            drafts, draft_probs = _propose(draft, prev, last, gamma, sampler)
         with clock("verify"):
-            accepted, next_token = target.verify(np.concatenate([last[:, None], drafts], axis=1))
+            candidates = np.concatenate([last[:, None], drafts], axis=1)
+            if sampler is None:
+                accepted, next_token = target.verify(candidates)
+            else:
+                accepted, next_token = target.verify_sample(candidates, draft_probs, sampler.inputs,
+                                                            sampler.uniforms(gamma), sampler.uniforms())
         # Roll the draft back to match: it keeps everything before d_n (or before `last` if n = 0).
         prev = np.where(accepted > 0, drafts[rows, np.maximum(accepted - 1, 0)], last)
         last = next_token
@@ -110,16 +125,18 @@ def speculative_generate(target: VerifierEngine, draft: DecoderEngine, prompts, 
     return _finish(outputs, stats, clock)
 
 
-def _propose(draft: DecoderEngine, prev: np.ndarray, last: np.ndarray, gamma: int) -> np.ndarray:
-    """γ greedy draft tokens [B, γ]: one step over [prev, last], then γ-1 single-token steps."""
+def _propose(draft: DecoderEngine, prev: np.ndarray, last: np.ndarray, gamma: int, sampler: Sampler | None):
+    """γ draft tokens [B, γ] (and, when sampling, the draft distributions [B, γ, V] they were drawn
+    from): one step over [prev, last], then γ-1 single-token steps."""
     batch = len(last)
-    token = draft.forward(np.stack([prev, last], axis=1), np.full(batch, 2, dtype=np.int64))
-    proposals = [token]
+    token, probs = _next_tokens(draft, np.stack([prev, last], axis=1), np.full(batch, 2, dtype=np.int64), sampler)
+    tokens, distributions = [token], [probs]
     one = np.ones(batch, dtype=np.int64)
     for _ in range(gamma - 1):
-        token = draft.forward(token[:, None], one)
-        proposals.append(token)
-    return np.stack(proposals, axis=1)
+        token, probs = _next_tokens(draft, token[:, None], one, sampler)
+        tokens.append(token)
+        distributions.append(probs)
+    return np.stack(tokens, axis=1), (None if sampler is None else np.stack(distributions, axis=1))
 
 
 def _finish(outputs: _Outputs, stats: list[GenerationStats], clock: Clock):

@@ -2,13 +2,22 @@
 
 The KV cache of each layer is one OrtValue bound as both `past_*` input and `present_*` output of
 every graph, so TensorScatter writes new entries into it in place: no step copies the cache, and a
-rollback is only a smaller `past_len` on the next call.
+rollback is only a smaller `past_len` on the next call. Small outputs (tokens, lengths,
+probabilities) land in numpy arrays bound once per batch size.
 """
 
 import numpy as np
 
 from speccompile.errors import SpecCompileError
 from speccompile.runtime.bundle import Bundle
+
+# graph kind -> outputs read back (everything else a graph returns is the cache, bound in place)
+OUTPUTS = {
+    "forward": ["next_token"],
+    "sample": ["next_token", "probs"],
+    "verify": ["accepted", "next_token", "new_len"],
+    "verify_sample": ["accepted", "next_token", "new_len"],
+}
 
 
 def _ort():
@@ -32,25 +41,19 @@ class OrtModel:
     """Sessions, KV cache and per-sequence cache lengths of one model of a bundle."""
 
     def __init__(self, bundle: Bundle, role: str, providers=("CPUExecutionProvider",), threads: int | None = None):
-        ort = _ort()
         info = bundle.model(role)
-        self.role = role
+        self.bundle, self.role = bundle, role
         self.num_layers, self.kv_heads, self.head_dim = info["num_layers"], info["num_kv_heads"], info["head_dim"]
         self.max_seq, self.vocab_size = bundle.manifest["max_seq"], bundle.manifest["vocab_size"]
-        options = session_options(threads)
-        providers = list(providers)
-
-        def session(name):
-            return ort.InferenceSession(str(bundle.graph_path(name)), options, providers=providers)
-
-        self._forward = session(f"{role}_forward")
-        self._verify = {g: session(f"{role}_verify_g{g}") for g in bundle.gammas} if role == "target" else {}
+        self._options, self._providers = session_options(threads), list(providers)
+        self._sessions: dict = {}
         self._bindings: dict = {}
         self.cache: list = []
         self.cache_lengths = np.zeros(0, dtype=np.int64)
+        self._session(f"{role}_forward")  # fail early on a broken bundle; other graphs load on first use
 
     def compiled_gammas(self) -> list[int]:
-        return sorted(self._verify)
+        return self.bundle.gammas if self.role == "target" else []
 
     # -- engine interface ---------------------------------------------------------------------
     def start(self, batch_size: int) -> None:
@@ -59,43 +62,65 @@ class OrtModel:
         self.cache_lengths = np.zeros(batch_size, dtype=np.int64)
 
     def forward(self, tokens: np.ndarray, token_count: np.ndarray) -> np.ndarray:
-        binding, outputs = self._bindings["forward"]
-        binding.bind_cpu_input("input_ids", np.ascontiguousarray(tokens, dtype=np.int64))
-        binding.bind_cpu_input("past_len", self.cache_lengths)
-        binding.bind_cpu_input("token_count", np.ascontiguousarray(token_count, dtype=np.int64))
-        self._forward.run_with_iobinding(binding)
+        out = self._run(f"{self.role}_forward", "forward", input_ids=tokens, past_len=self.cache_lengths, token_count=token_count)
         self.cache_lengths = self.cache_lengths + token_count
-        return outputs["next_token"].copy()
+        return out["next_token"].copy()
+
+    def forward_sample(self, tokens, token_count, params, uniform) -> tuple[np.ndarray, np.ndarray]:
+        """Like forward, but the next token is sampled; also returns the distribution it came from."""
+        out = self._run(f"{self.role}_sample", "sample", input_ids=tokens, past_len=self.cache_lengths,
+                        token_count=token_count, uniform=uniform, **params)
+        self.cache_lengths = self.cache_lengths + token_count
+        return out["next_token"].copy(), out["probs"].copy()
 
     def verify(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        gamma = tokens.shape[1] - 1
-        binding, outputs = self._bindings[gamma]
-        binding.bind_cpu_input("input_ids", np.ascontiguousarray(tokens, dtype=np.int64))
-        binding.bind_cpu_input("past_len", self.cache_lengths)
-        self._verify[gamma].run_with_iobinding(binding)
-        self.cache_lengths = outputs["new_len"].copy()
-        return outputs["accepted"].copy(), outputs["next_token"].copy()
+        out = self._run(f"target_verify_g{tokens.shape[1] - 1}", "verify", input_ids=tokens, past_len=self.cache_lengths)
+        self.cache_lengths = out["new_len"].copy()
+        return out["accepted"].copy(), out["next_token"].copy()
 
-    # -- buffers ------------------------------------------------------------------------------
+    def verify_sample(self, tokens, draft_probs, params, u_accept, u_sample) -> tuple[np.ndarray, np.ndarray]:
+        out = self._run(f"target_verify_sample_g{tokens.shape[1] - 1}", "verify_sample", input_ids=tokens,
+                        past_len=self.cache_lengths, draft_probs=draft_probs, u_accept=u_accept, u_sample=u_sample, **params)
+        self.cache_lengths = out["new_len"].copy()
+        return out["accepted"].copy(), out["next_token"].copy()
+
+    # -- sessions and buffers -----------------------------------------------------------------
+    def _session(self, graph: str):
+        if graph not in self._sessions:
+            if graph not in self.bundle.manifest["graphs"]:
+                raise SpecCompileError(f"graph {graph} is not in this bundle")
+            self._sessions[graph] = _ort().InferenceSession(str(self.bundle.graph_path(graph)), self._options, providers=self._providers)
+        return self._sessions[graph]
+
+    def _run(self, graph: str, kind: str, **inputs) -> dict[str, np.ndarray]:
+        binding, outputs = self._binding(graph, kind)
+        for name, value in inputs.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        self._session(graph).run_with_iobinding(binding)
+        return outputs
+
     def _allocate(self, batch: int) -> None:
         ort = _ort()
         shape = (batch, self.kv_heads, self.max_seq, self.head_dim)
-        self.cache = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=np.float32)) for _ in range(2 * self.num_layers)]
-        self._bindings = {"forward": self._bind(self._forward, batch, ["next_token"])}
-        for gamma, session in self._verify.items():
-            self._bindings[gamma] = self._bind(session, batch, ["accepted", "next_token", "new_len"])
+        self._cache_arrays = [np.zeros(shape, dtype=np.float32) for _ in range(2 * self.num_layers)]
+        self.cache = [ort.OrtValue.ortvalue_from_numpy(a) for a in self._cache_arrays]
+        self._bindings = {}
 
-    def _bind(self, session, batch: int, small_outputs: list[str]):
-        """An IOBinding with the cache bound in place and small int64 outputs in reusable arrays."""
+    def _binding(self, graph: str, kind: str):
+        """An IOBinding with the cache bound in place and the read-back outputs in reusable arrays."""
+        if graph in self._bindings:
+            return self._bindings[graph]
         ort = _ort()
-        binding = session.io_binding()
+        batch = len(self.cache_lengths)
+        binding = self._session(graph).io_binding()
         for i in range(self.num_layers):
-            for k, kind in enumerate(("key", "value")):
-                cache = self.cache[2 * i + k]
-                binding.bind_ortvalue_input(f"past_{kind}.{i}", cache)
-                binding.bind_ortvalue_output(f"present_{kind}.{i}", cache)
+            for k, kind_name in enumerate(("key", "value")):
+                binding.bind_ortvalue_input(f"past_{kind_name}.{i}", self.cache[2 * i + k])
+                binding.bind_ortvalue_output(f"present_{kind_name}.{i}", self.cache[2 * i + k])
         arrays = {}
-        for name in small_outputs:
-            arrays[name] = np.zeros(batch, dtype=np.int64)
+        for name in OUTPUTS[kind]:
+            shape = (batch, self.vocab_size) if name == "probs" else (batch,)
+            arrays[name] = np.zeros(shape, dtype=np.float32 if name == "probs" else np.int64)
             binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(arrays[name]))
-        return binding, arrays
+        self._bindings[graph] = (binding, arrays)
+        return self._bindings[graph]

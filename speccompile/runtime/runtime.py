@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 from pathlib import Path
 
+from speccompile.core.sampler import Sampler, SamplingParams
 from speccompile.core.speculative import autoregressive_generate, speculative_generate
 from speccompile.core.stats import GenerationStats
 from speccompile.errors import SpecCompileError
@@ -41,23 +42,27 @@ class Runtime:
         return self.bundle.gammas
 
     def generate(self, prompts, max_new_tokens: int = 64, mode: str = "speculative", gamma: int | None = None,
-                 temperature: float = 0.0, seed: int | None = None, on_tokens=None) -> list[GenerationResult]:
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 on_tokens=None) -> list[GenerationResult]:
         """Generate for a batch of prompts (strings or token-id lists); one result per prompt.
 
-        on_tokens(row, token_ids) is called as tokens are accepted, for streaming.
+        temperature 0 is greedy; otherwise tokens are sampled from the target's distribution after
+        temperature, top-k (0: off) and top-p (1: off), exactly, in both modes. Each sequence draws
+        from its own random stream spawned from `seed`. on_tokens(row, token_ids) is called as tokens
+        are accepted, for streaming.
         """
         if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
             raise SpecCompileError("prompts must be a list of strings or a list of token-id lists")
-        if temperature != 0.0:
-            raise SpecCompileError("only greedy decoding (temperature=0) is supported by this version")
+        params = SamplingParams(float(temperature), int(top_k), float(top_p))
         gamma = self._check_request(prompts, max_new_tokens, mode, gamma)
         token_prompts = [self._tokens(p) for p in prompts]
         self._check_lengths(token_prompts, max_new_tokens, gamma if mode == "speculative" else 0)
         eos = self.tokenizer.eos_token_ids
+        sampler = None if params.greedy else Sampler(params, len(prompts), seed)
         if mode == "speculative":
-            tokens, stats = speculative_generate(self.target, self.draft, token_prompts, gamma, max_new_tokens, eos, on_tokens)
+            tokens, stats = speculative_generate(self.target, self.draft, token_prompts, gamma, max_new_tokens, eos, on_tokens, sampler)
         else:
-            tokens, stats = autoregressive_generate(self.target, token_prompts, max_new_tokens, eos, on_tokens)
+            tokens, stats = autoregressive_generate(self.target, token_prompts, max_new_tokens, eos, on_tokens, sampler)
         return [GenerationResult(p, t, self.tokenizer.decode(t), s) for p, t, s in zip(prompts, tokens, stats)]
 
     # -- validation ---------------------------------------------------------------------------

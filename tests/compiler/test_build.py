@@ -17,7 +17,10 @@ def test_manifest_describes_every_graph_and_file(bundles):
     bundle = open_bundle(bundles("qwen2", "random"))
     m = bundle.manifest
     assert m["format_version"] == 1 and m["gammas"] == [1, 4] and m["max_seq"] == 96 and m["max_batch"] == 4
-    assert set(m["graphs"]) == {"target_forward", "draft_forward", "target_verify_g1", "target_verify_g4"}
+    assert set(m["graphs"]) == {
+        "target_forward", "draft_forward", "target_verify_g1", "target_verify_g4",
+        "target_sample", "draft_sample", "target_verify_sample_g1", "target_verify_sample_g4",
+    }
     assert m["models"]["target"]["config"]["model_type"] == "qwen2"
     for name, sha in m["files"].items():
         assert sha256_file(bundle.path / name) == sha

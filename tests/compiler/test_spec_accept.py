@@ -63,3 +63,92 @@ def test_node_carries_plugin_attributes_and_is_tensorrt_parsable():
     assert attrs["plugin_namespace"] == PLUGIN_NAMESPACE and attrs["plugin_version"] == PLUGIN_VERSION
     assert [f.name for f in model.functions] == ["SpecAccept"]
     assert tensorrt_violations(model) == []
+
+
+# -- sampling ops ------------------------------------------------------------------------------
+
+from speccompile.compiler.spec_accept import spec_op  # noqa: E402
+from speccompile.core.acceptance import sample_accept  # noqa: E402
+from speccompile.core.sampling import sample_from, transform  # noqa: E402
+
+SETTINGS = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 3, 0.5), (2.0, 40, 0.95)]
+
+
+def session_for(build_graph):
+    g = GraphBuilder("ops")
+    build_graph(g)
+    model = g.model({})
+    onnx.checker.check_model(model, full_check=True)
+    return ort.InferenceSession(model.SerializeToString())
+
+
+def transform_session(vocab):
+    def build_graph(g):
+        ins = [g.input("logits", FLOAT, ["batch", "rows", vocab]), g.input("temperature", FLOAT, ["batch"]),
+               g.input("top_k", INT64, ["batch"]), g.input("top_p", FLOAT, ["batch"])]
+        g.output(spec_op(g, "SpecTransform", *ins, vocab_size=vocab, out="probs"), "probs", FLOAT, ["batch", "rows", vocab])
+    return session_for(build_graph)
+
+
+@pytest.mark.parametrize("vocab", [7, 64])
+def test_in_graph_transform_equals_numpy_reference(vocab):
+    rng = np.random.default_rng(vocab)
+    logits = (3 * rng.standard_normal((len(SETTINGS), 3, vocab))).astype(np.float32)
+    temperature, top_k, top_p = (np.array(col, dtype) for col, dtype in zip(zip(*SETTINGS), (np.float32, np.int64, np.float32)))
+    [probs] = transform_session(vocab).run(None, {"logits": logits, "temperature": temperature, "top_k": top_k, "top_p": top_p})
+    for row, (t, k, p) in enumerate(SETTINGS):
+        expected = transform(logits[row], t, k, p)
+        np.testing.assert_allclose(probs[row], expected, atol=1e-6)
+        assert ((probs[row] > 0) == (expected > 0)).all(), f"different support for {SETTINGS[row]}"
+
+
+def test_in_graph_sample_equals_numpy_reference():
+    def build_graph(g):
+        probs, uniform = g.input("probs", FLOAT, ["batch", 9]), g.input("uniform", FLOAT, ["batch"])
+        g.output(spec_op(g, "SpecSample", probs, uniform, out="token"), "token", INT64, ["batch"])
+
+    rng = np.random.default_rng(0)
+    probs = rng.random((256, 9)).astype(np.float32) * (rng.random((256, 9)) < 0.5)
+    probs[:, 4] += 0.01  # every row has some mass
+    uniform = rng.random(256, dtype=np.float32)
+    uniform[:3] = [0.0, np.nextafter(np.float32(1), np.float32(0)), 0.5]
+    [tokens] = session_for(build_graph).run(None, {"probs": probs, "uniform": uniform})
+    assert tokens.tolist() == sample_from(probs, uniform).tolist()
+    assert (probs[np.arange(256), tokens] > 0).all()  # never a zero-probability token
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_in_graph_sampling_rule_equals_numpy_reference(gamma):
+    vocab, batch = 11, 64
+
+    def build_graph(g):
+        ins = [g.input("target_probs", FLOAT, ["batch", gamma + 1, vocab]), g.input("draft_probs", FLOAT, ["batch", gamma, vocab]),
+               g.input("draft_tokens", INT64, ["batch", gamma]), g.input("u_accept", FLOAT, ["batch", gamma]),
+               g.input("u_sample", FLOAT, ["batch"]), g.input("past_len", INT64, ["batch"])]
+        for name in spec_op(g, "SpecAccept", *ins, mode="sample", outputs=3, out=["accepted", "next_token", "new_len"]):
+            g.output(name, name, INT64, ["batch"])
+
+    rng = np.random.default_rng(gamma)
+    p = transform(rng.standard_normal((batch, gamma + 1, vocab)) * 2, 1.0, 0, 0.9)
+    q = transform(rng.standard_normal((batch, gamma, vocab)) * 2, 1.0, 4, 1.0)
+    q[:8] = p[:8, :gamma]  # rows where the draft equals the target: everything accepted
+    u_draft = rng.random((batch, gamma), dtype=np.float32)
+    drafts = np.stack([sample_from(q[:, j], u_draft[:, j]) for j in range(gamma)], axis=1)
+    feeds = {"target_probs": p, "draft_probs": q, "draft_tokens": drafts, "u_accept": rng.random((batch, gamma), dtype=np.float32),
+             "u_sample": rng.random(batch, dtype=np.float32), "past_len": rng.integers(0, 30, batch)}
+    got = session_for(build_graph).run(["accepted", "next_token", "new_len"], feeds)
+    expected = sample_accept(**feeds)
+    for name, a, b in zip(("accepted", "next_token", "new_len"), got, expected):
+        assert a.tolist() == b.tolist(), name
+    assert (expected[0][:8] == gamma).all() and 0 < expected[0][8:].mean() < gamma
+
+
+def test_one_hot_sampling_rule_is_the_greedy_rule():
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((32, 5, 13)).astype(np.float32)
+    drafts = np.where(rng.random((32, 4)) < 0.6, logits[:, :4].argmax(-1), rng.integers(0, 13, (32, 4)))
+    q = np.eye(13, dtype=np.float32)[drafts]
+    sampled = sample_accept(transform(logits, 0.0), q, drafts, rng.random((32, 4), dtype=np.float32), rng.random(32, dtype=np.float32), np.zeros(32, np.int64))
+    greedy = greedy_accept(logits.argmax(-1), drafts, np.zeros(32, np.int64))
+    for a, b in zip(sampled, greedy):
+        assert a.tolist() == b.tolist()

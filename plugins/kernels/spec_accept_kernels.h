@@ -1,0 +1,65 @@
+/*
+ * SpecAccept CUDA kernels behind a plain C ABI (no TensorRT dependency).
+ *
+ * The rules are exactly those of the numpy oracle, speccompile/core/acceptance.py and
+ * speccompile/core/sampling.py: same inputs, same integers out. Layouts are dense row-major,
+ * B = batch, G = γ (number of draft tokens), V = vocabulary size. All pointers are device pointers;
+ * the work is enqueued on `stream` and the call returns without synchronising.
+ *
+ * Every function returns 0 (cudaSuccess) when the kernel was enqueued, cudaErrorInvalidValue for
+ * bad sizes or missing pointers, or the launch error otherwise (a cudaError_t value as int).
+ * B == 0 enqueues nothing and returns 0; with G == 0 the G-sized inputs may be NULL.
+ */
+#ifndef SPECCOMPILE_SPEC_ACCEPT_KERNELS_H
+#define SPECCOMPILE_SPEC_ACCEPT_KERNELS_H
+
+#include <cuda_runtime_api.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define SPECCOMPILE_API __declspec(dllexport)
+#else
+#define SPECCOMPILE_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*
+ * Greedy acceptance (`greedy_accept` on target_tokens = argmax(logits, -1)).
+ *   t_j      = argmax_v logits[b, j, v]            first maximum on ties (NaN counts as maximal)
+ *   accepted = leading run of j < G with draft_tokens[b, j] == t_j
+ *   next     = t_accepted                          the correction, or the bonus token when all match
+ *   new_len  = past_len + accepted + 1
+ * logits [B, G+1, V] fp32, draft_tokens [B, G] int64, past_len [B] int64; outputs [B] int64.
+ */
+SPECCOMPILE_API int speccompile_greedy_accept(const float* logits, const int64_t* draft_tokens, const int64_t* past_len,
+    int B, int G, int V, int64_t* accepted, int64_t* next_token, int64_t* new_len, cudaStream_t stream);
+
+/*
+ * Speculative sampling (`sample_accept`).
+ *   accept d_j iff u_accept[b, j] * q_j(d_j) < p_j(d_j); n = leading run of accepts
+ *   next ~ max(0, p_n - q_n) with q_G := 0 (the bonus token is a draw from p_G); when that residual
+ *          has no mass (p_n == q_n) the draw is from p_n; drawn with u_sample[b] as `sample_from`
+ *   new_len = past_len + n + 1
+ * target_probs [B, G+1, V], draft_probs [B, G, V], u_accept [B, G], u_sample [B] fp32;
+ * draft_tokens [B, G], past_len [B] int64; outputs [B] int64. A draft id outside [0, V) is rejected.
+ */
+SPECCOMPILE_API int speccompile_sample_accept(const float* target_probs, const float* draft_probs,
+    const int64_t* draft_tokens, const float* u_accept, const float* u_sample, const int64_t* past_len, int B, int G,
+    int V, int64_t* accepted, int64_t* next_token, int64_t* new_len, cudaStream_t stream);
+
+/*
+ * Inverse-CDF sampling (`sample_from`): token[b] = #{i : c_i <= uniform[b] * c_{V-1}}, clamped to V-1,
+ * with c the inclusive fp32 prefix sums of probs[b, :] in index order. Weights need not be normalised.
+ * probs [B, V] fp32, uniform [B] fp32 in [0, 1); token [B] int64.
+ */
+SPECCOMPILE_API int speccompile_sample(const float* probs, const float* uniform, int B, int V, int64_t* token,
+    cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SPECCOMPILE_SPEC_ACCEPT_KERNELS_H */

@@ -1,0 +1,48 @@
+"""Numpy reference of the sampling transforms and of inverse-CDF sampling.
+
+These define the distribution speculative sampling preserves: the target's next-token distribution
+after temperature, top-k and top-p, exactly as computed here (the in-graph ops and the plugin
+kernels are tested against these functions). Every cut-off is a value threshold, so ties are kept
+or dropped together and the result never depends on sort order.
+"""
+
+import numpy as np
+
+
+def transform(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """Probabilities (fp32, last axis) after temperature, top-k, top-p.
+
+    temperature == 0: one-hot on the argmax (first maximum): greedy as a special case of sampling.
+    top_k > 0: keep tokens whose scaled logit is >= the k-th largest.
+    top_p < 1: keep the tokens whose probability is >= that of the m-th most likely token, where m is
+               the smallest count whose cumulative probability reaches top_p; then renormalise.
+    """
+    logits = np.asarray(logits, dtype=np.float32)
+    vocab = logits.shape[-1]
+    if temperature == 0:
+        return np.eye(vocab, dtype=np.float32)[logits.argmax(-1)]
+    z = logits / np.float32(temperature)
+    if 0 < top_k < vocab:
+        kth = -np.sort(-z, axis=-1)[..., top_k - 1 : top_k]
+        z = np.where(z >= kth, z, -np.inf)
+    z = z - z.max(-1, keepdims=True)
+    probs = np.exp(z)
+    probs = (probs / probs.sum(-1, keepdims=True)).astype(np.float32)
+    if top_p < 1.0:
+        ordered = -np.sort(-probs, axis=-1)
+        needed = np.minimum((np.cumsum(ordered, -1) < np.float32(top_p)).sum(-1, keepdims=True) + 1, vocab)
+        threshold = np.take_along_axis(ordered, needed - 1, axis=-1)
+        probs = np.where(probs >= threshold, probs, 0.0)
+        probs = (probs / probs.sum(-1, keepdims=True)).astype(np.float32)
+    return probs
+
+
+def sample_from(weights: np.ndarray, uniform: np.ndarray) -> np.ndarray:
+    """Inverse-CDF sampling along the last axis, one uniform in [0, 1) per row.
+
+    Token t is chosen iff c_{t-1} <= u * c_{V-1} < c_t with c the inclusive prefix sums, so a token
+    of zero weight is never chosen. Weights need not be normalised.
+    """
+    cdf = np.cumsum(np.asarray(weights, dtype=np.float32), axis=-1)
+    scaled = np.asarray(uniform, dtype=np.float32)[..., None] * cdf[..., -1:]
+    return np.minimum((cdf <= scaled).sum(-1), weights.shape[-1] - 1).astype(np.int64)

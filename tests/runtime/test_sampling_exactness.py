@@ -1,0 +1,143 @@
+"""Speculative sampling emits exactly the target's (transformed) distribution.
+
+On a tiny model with a 16-token vocabulary, the exact distribution of the first three generated
+tokens is computed from HF transformers logits and the numpy transform reference; thousands of
+speculative samples (a batch of sequences per seed, several seeds) must pass a chi-square test
+against it, for several sampling settings and a draft that disagrees with the target a lot. The same
+test must reject samples from a build whose residual step is deliberately broken.
+"""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import speccompile
+from speccompile.compiler import spec_accept
+from speccompile.core.sampling import transform
+from tests.tiny_models import make_checkpoint, make_word_tokenizer
+
+VOCAB = 16
+PROMPT = [3, 1, 4]
+BATCH, SEEDS = 500, 8  # 4000 samples per setting
+GAMMA = 3
+Z_0001 = 3.09  # one-sided standard normal quantile for alpha = 0.001
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small-vocab")
+    tok = make_word_tokenizer(VOCAB)
+    no_specials = dict(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    # init_std 0.5: peaked but not one-hot distributions, and a draft far from the target
+    target = make_checkpoint(root / "t", "llama", seed=0, tokenizer=tok, init_std=0.5, **no_specials)
+    draft = make_checkpoint(root / "d", "llama", seed=7, size="draft", tokenizer=tok, init_std=0.5, **no_specials)
+    return target, draft
+
+
+def build(pair, out):
+    return speccompile.build(*pair, out, gammas=[GAMMA], max_seq=16, max_batch=BATCH, log=lambda _: None)
+
+
+def exact_joint(target_dir, temperature, top_k, top_p) -> np.ndarray:
+    """P(t1, t2, t3) [V, V, V] from HF logits and the numpy transform."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(target_dir).eval()
+
+    def next_probs(prefixes):
+        with torch.no_grad():
+            logits = model(torch.tensor(prefixes)).logits[:, -1].numpy()
+        return transform(logits, temperature, top_k, top_p).astype(np.float64)
+
+    p1 = next_probs([PROMPT])[0]
+    p2 = next_probs([PROMPT + [a] for a in range(VOCAB)])  # [t1, t2]
+    p3 = next_probs([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)]).reshape(VOCAB, VOCAB, VOCAB)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def speculative_samples(bundle, temperature, top_k, top_p) -> np.ndarray:
+    runtime = speccompile.load(bundle)
+    samples = []
+    for seed in range(SEEDS):
+        results = runtime.generate([PROMPT] * BATCH, max_new_tokens=3, gamma=GAMMA, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, seed=seed)
+        samples += [r.token_ids for r in results]
+    return np.array(samples)
+
+
+def chi_square_rejects(counts: np.ndarray, expected_probs: np.ndarray) -> tuple[bool, float, float]:
+    """Pearson's test at alpha = 0.001; cells expecting < 5 samples are pooled into one."""
+    n = counts.sum()
+    expected = expected_probs * n
+    big = expected >= 5
+    observed = np.append(counts[big], counts[~big].sum())
+    expected = np.append(expected[big], expected[~big].sum())
+    keep = expected > 0
+    statistic = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    df = keep.sum() - 1
+    # Wilson-Hilferty approximation of the chi-square quantile (no scipy needed)
+    critical = df * (1 - 2 / (9 * df) + Z_0001 * np.sqrt(2 / (9 * df))) ** 3
+    return statistic > critical, statistic, critical
+
+
+def check(samples, joint):
+    """Test the (t1, t2) joint and the t3 marginal; returns True when any test rejects."""
+    pairs = np.bincount(samples[:, 0] * VOCAB + samples[:, 1], minlength=VOCAB * VOCAB)
+    third = np.bincount(samples[:, 2], minlength=VOCAB)
+    verdicts = [chi_square_rejects(pairs, joint.sum(2).ravel()), chi_square_rejects(third, joint.sum((0, 1)))]
+    return any(v[0] for v in verdicts), verdicts
+
+
+SETTINGS = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 8, 0.9)]
+
+
+@pytest.fixture(scope="module")
+def bundle(pair, tmp_path_factory):
+    return build(pair, tmp_path_factory.mktemp("b") / "bundle")
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", SETTINGS)
+def test_speculative_samples_follow_the_target_distribution(pair, bundle, temperature, top_k, top_p):
+    samples = speculative_samples(bundle, temperature, top_k, top_p)
+    rejected, verdicts = check(samples, exact_joint(pair[0], temperature, top_k, top_p))
+    assert not rejected, verdicts
+
+
+def test_the_draft_really_disagrees(bundle):
+    results = speccompile.load(bundle).generate([PROMPT] * 64, max_new_tokens=8, gamma=GAMMA, temperature=1.0, seed=0)
+    rate = sum(r.stats.accepted_tokens for r in results) / sum(r.stats.draft_tokens for r in results)
+    assert rate < 0.6, rate
+
+
+def test_a_broken_residual_step_is_detected(pair, tmp_path, monkeypatch):
+    """Negative control: sampling the correction from p instead of max(0, p - q) must fail the test."""
+    monkeypatch.setattr(spec_accept, "residual_weights", lambda f, p_n, q_n: p_n)
+    broken = build(pair, tmp_path / "broken")
+    samples = speculative_samples(broken, 1.0, 0, 1.0)
+    rejected, verdicts = check(samples, exact_joint(pair[0], 1.0, 0, 1.0))
+    assert rejected, verdicts
+
+
+def test_same_seed_same_tokens_different_seeds_differ(bundle):
+    runtime = speccompile.load(bundle)
+    run = lambda seed: [r.token_ids for r in runtime.generate([PROMPT] * 4, max_new_tokens=8, temperature=1.0, seed=seed)]  # noqa: E731
+    assert run(11) == run(11)
+    assert run(11) != run(12)
+    rows = run(11)
+    assert len({tuple(r) for r in rows}) > 1  # each sequence has its own stream
+
+
+def test_a_sequence_samples_the_same_alone_or_in_a_batch(bundle):
+    runtime = speccompile.load(bundle)
+    alone = runtime.generate([PROMPT], max_new_tokens=8, temperature=1.0, seed=5)[0].token_ids
+    batched = runtime.generate([PROMPT, [2, 2]], max_new_tokens=8, temperature=1.0, seed=5)[0].token_ids
+    assert alone == batched
+
+
+def test_autoregressive_sampling_follows_the_target_distribution(pair, bundle):
+    runtime = speccompile.load(bundle)
+    samples = []
+    for seed in range(SEEDS):
+        samples += [r.token_ids for r in runtime.generate([PROMPT] * BATCH, max_new_tokens=3, mode="autoregressive",
+                                                          temperature=0.7, top_k=5, seed=seed)]
+    rejected, verdicts = check(np.array(samples), exact_joint(pair[0], 0.7, 5, 1.0))
+    assert not rejected, verdicts
