@@ -114,6 +114,34 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
         click.echo(_stats_line(result.stats), err=True)
 
 
+@main.command()
+@click.argument("bundle", type=click.Path(), required=False)
+@click.option("--prompts", "prompts_file", type=click.Path(), default=None, help="JSON list of prompts, or one prompt per line.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--repeats", type=int, default=3, show_default=True)
+@click.option("--gamma", type=int, default=None, help="Draft tokens per iteration (default: the bundle's).")
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the summary keys.")
+@user_errors
+def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, as_json):
+    """Speculative vs autoregressive tokens/s on the same prompts (medians over repeats)."""
+    import speccompile
+    from speccompile.runtime.bench import bench as run_bench, read_prompts
+
+    runtime = speccompile.load(resolve_bundle(bundle))
+    sampling = {"temperature": temperature, "seed": 0} if temperature else {}
+    summary, details = run_bench(runtime, read_prompts(prompts_file), max_new_tokens, repeats, gamma, sampling)
+    if as_json:
+        click.echo(json.dumps(summary))
+        return
+    rows = [(k, summary[k]) for k in summary] + [(k, details[k]) for k in
+            ("target_step_ms", "draft_step_ms", "verify_ms", "overhead_ms_per_iteration", "draft_to_target_step_ratio", "acceptance_by_position")]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        shown = ", ".join(f"{v:.3f}" for v in value) if isinstance(value, list) else (f"{value:.3f}" if isinstance(value, float) else value)
+        click.echo(f"{key:<{width}}  {shown}")
+
+
 class _Streamer:
     """Prints text as tokens are accepted (decoding the whole tail so multi-byte tokens print whole)."""
 

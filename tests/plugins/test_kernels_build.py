@@ -1,0 +1,110 @@
+"""plugins/ builds: the kernels with nvcc alone and through CMake, with their C ABI exported.
+
+Nothing here needs a GPU. The TensorRT plugin library is built (and looked up in TensorRT's plugin
+registry) only where CMake finds TensorRT; elsewhere those tests skip and say so.
+"""
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from speccompile.compiler import spec_accept
+from speccompile.compiler.onnx_graph import OPSET
+from tests.plugins.kernels_lib import PLUGINS, SYMBOLS, exported_symbols, load_kernels
+
+CUDA_ERROR_INVALID_VALUE = 1
+
+
+def run(cmd: list[str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+# ---- nvcc alone ---------------------------------------------------------------------------------
+
+
+def test_nvcc_builds_the_kernels_with_their_c_abi(kernels_library):
+    assert set(SYMBOLS) <= exported_symbols(kernels_library("sm_80"))
+
+
+def test_kernel_header_is_plain_c(tmp_path):
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH (it supplies the CUDA include path)")
+    source = tmp_path / "uses_header.c"
+    source.write_text('#include "spec_accept_kernels.h"\nint main(void) { return 0; }\n')
+    run(["nvcc", "-x", "c", "-c", f"-I{PLUGINS / 'kernels'}", "-o", str(tmp_path / "uses_header.o"), str(source)])
+
+
+def test_bad_arguments_are_refused_before_any_launch(kernels_library):
+    """Argument checks return cudaErrorInvalidValue without touching the GPU, so they run anywhere."""
+    lib = load_kernels(kernels_library("sm_80"))
+    outs = [None] * 3
+    assert lib.speccompile_greedy_accept(None, None, None, 2, 1, 0, *outs, None) == CUDA_ERROR_INVALID_VALUE  # V = 0
+    assert lib.speccompile_greedy_accept(None, None, None, 2, 1, 8, *outs, None) == CUDA_ERROR_INVALID_VALUE  # NULLs
+    assert lib.speccompile_sample_accept(*[None] * 6, -1, 1, 8, *outs, None) == CUDA_ERROR_INVALID_VALUE  # B < 0
+    assert lib.speccompile_sample(None, None, 1, 8, None, None) == CUDA_ERROR_INVALID_VALUE
+    # An empty batch is a no-op, not an error.
+    assert lib.speccompile_greedy_accept(None, None, None, 0, 4, 8, *outs, None) == 0
+    assert lib.speccompile_sample_accept(*[None] * 6, 0, 4, 8, *outs, None) == 0
+    assert lib.speccompile_sample(None, None, 0, 8, None, None) == 0
+
+
+# ---- the plugin's identity --------------------------------------------------------------------------
+
+
+def test_plugin_answers_to_what_the_onnx_node_asks_for():
+    """TensorRT's parser looks the creator up by (op_type, plugin_version, plugin_namespace)."""
+    source = (PLUGINS / "tensorrt" / "spec_accept_plugin.cpp").read_text()
+    constants = dict(re.findall(r'constexpr char const\* (k\w+) = "([^"]*)";', source))
+    function = spec_accept.spec_accept_function(OPSET)
+    assert constants["kPLUGIN_NAME"] == function.name == "SpecAccept"
+    assert constants["kPLUGIN_VERSION"] == spec_accept.PLUGIN_VERSION
+    assert constants["kPLUGIN_NAMESPACE"] == spec_accept.PLUGIN_NAMESPACE
+    assert constants["kMODE_FIELD"] in function.attribute
+    assert re.search(r'extern "C" \w+ nvinfer1::IPluginCreatorInterface\* const\* getCreators\(int32_t& nbCreators\)', source)
+    assert "REGISTER_TENSORRT_PLUGIN(SpecAcceptPluginCreator)" in source
+
+
+# ---- CMake ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cmake_build(tmp_path_factory):
+    """plugins/ configured for one architecture: (build dir, configure log)."""
+    if shutil.which("cmake") is None or shutil.which("nvcc") is None:
+        pytest.skip("cmake and nvcc are both needed to build plugins/")
+    build = tmp_path_factory.mktemp("plugins-build")
+    configure = run(["cmake", "-S", str(PLUGINS), "-B", str(build), "-DCMAKE_CUDA_ARCHITECTURES=80", "-DCMAKE_BUILD_TYPE=Release"])
+    return build, configure.stdout
+
+
+@pytest.fixture(scope="module")
+def plugin_library(cmake_build):
+    build, log = cmake_build
+    if "TensorRT found" not in log:
+        pytest.skip("CMake found no TensorRT headers/libnvinfer (set TensorRT_ROOT): the plugin library is not built here")
+    run(["cmake", "--build", str(build), "--target", "speccompile_plugins", "-j", "2"])
+    return build / "libspeccompile_plugins.so"
+
+
+def test_cmake_builds_the_kernels_library(cmake_build):
+    build, log = cmake_build
+    assert "speccompile_plugins" in log  # says whether the TensorRT plugin is part of this build
+    run(["cmake", "--build", str(build), "--target", "speccompile_kernels", "-j", "2"])
+    assert set(SYMBOLS) <= exported_symbols(build / "libspeccompile_kernels.so")
+
+
+def test_cmake_builds_the_plugin_library_with_its_loader_entry_points(plugin_library):
+    assert {"getCreators", "setLoggerFinder", *SYMBOLS} <= exported_symbols(plugin_library)
+
+
+@pytest.mark.tensorrt
+def test_tensorrt_registry_finds_the_spec_accept_creator(plugin_library):
+    trt = pytest.importorskip("tensorrt")
+    registry = trt.get_plugin_registry()
+    assert registry.load_library(str(plugin_library)) is not None
+    creator = registry.get_creator("SpecAccept", spec_accept.PLUGIN_VERSION, spec_accept.PLUGIN_NAMESPACE)
+    assert creator is not None

@@ -1,0 +1,179 @@
+"""The SpecAccept CUDA kernels against the numpy oracle: the same integers out, on a CUDA device.
+
+The oracle is speccompile.core.acceptance (greedy_accept, sample_accept) and
+speccompile.core.sampling.sample_from. Sampling compares exactly, not statistically: the kernels
+repeat numpy's fp32 operations in numpy's order, so the same uniforms must pick the same tokens.
+"""
+
+import numpy as np
+import pytest
+
+from speccompile.core.acceptance import greedy_accept, sample_accept
+from speccompile.core.sampling import sample_from
+from tests.plugins import kernels_lib
+
+NO_DEVICE = kernels_lib.no_cuda_device_reason()
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(NO_DEVICE is not None, reason=str(NO_DEVICE))]
+
+SHAPES = [(1, 1, 2), (2, 0, 16), (5, 3, 50), (4, 4, 1000), (3, 4, 8192)]  # (B, γ, V)
+SAMPLE_KINDS = ["mixed", "all_accepted", "none_accepted", "one_hot", "p_equals_q"]
+
+
+@pytest.fixture(scope="module")
+def kernels(kernels_library):
+    return kernels_lib.load_kernels(kernels_library(kernels_lib.device_arch()))
+
+
+@pytest.fixture
+def device():
+    dev = kernels_lib.open_device()
+    yield dev
+    dev.free()
+
+
+def assert_same(got, want):
+    for name, g, w in zip(["accepted", "next_token", "new_len"], got, want):
+        np.testing.assert_array_equal(g, w, err_msg=name)
+
+
+# ---- inputs ---------------------------------------------------------------------------------------
+
+
+def softmax(logits):
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    return (e / e.sum(-1, keepdims=True)).astype(np.float32)
+
+
+def one_hot(tokens, vocab):
+    return np.eye(vocab, dtype=np.float32)[tokens]
+
+
+def uniforms(rng, batch):
+    """Uniforms in [0, 1), with both ends of the range represented."""
+    u = rng.random(batch, dtype=np.float32)
+    u[0], u[-1] = 0.0, np.nextafter(np.float32(1), np.float32(0))
+    return u
+
+
+def drafts_with_runs(rng, target_tokens, vocab):
+    """Drafts agreeing with the target for a random leading run; row 0 all, row 1 none."""
+    batch, gamma = target_tokens.shape[0], target_tokens.shape[1] - 1
+    runs = rng.integers(0, gamma + 1, size=batch)
+    runs[0] = gamma
+    if batch > 1:
+        runs[1] = 0
+    drafts = rng.integers(0, vocab, size=(batch, gamma))
+    for row, n in enumerate(runs):
+        drafts[row, :n] = target_tokens[row, :n]
+        if n < gamma:
+            drafts[row, n] = (target_tokens[row, n] + 1) % vocab  # the first mismatch
+    return drafts
+
+
+def draw_drafts(rng, q):
+    """d_j ~ q_j, the way the draft model proposes."""
+    batch, gamma, _ = q.shape
+    drafts = np.zeros((batch, gamma), np.int64)
+    for j in range(gamma):
+        drafts[:, j] = sample_from(q[:, j], rng.random(batch, dtype=np.float32))
+    return drafts
+
+
+def sample_case(rng, kind, batch, gamma, vocab):
+    """(p, q, draft_tokens, u_accept) for one kind of batch."""
+    p = softmax(2 * rng.standard_normal((batch, gamma + 1, vocab)))
+    q = softmax(2 * rng.standard_normal((batch, gamma, vocab)))
+    u_accept = rng.random((batch, gamma), dtype=np.float32)
+    if kind == "all_accepted":  # u = 0 accepts every draft p gives mass to: all of them under a softmax
+        u_accept[:] = 0
+    if kind == "none_accepted":  # p puts no mass on d_1: rejected, and the residual is p_0's one-hot
+        tokens = rng.integers(0, vocab, size=(batch, gamma + 1))
+        p, q = one_hot(tokens, vocab), one_hot((tokens[:, :gamma] + 1) % vocab, vocab)
+    if kind == "one_hot":  # temperature 0 on both sides: the greedy rule
+        tokens = rng.integers(0, vocab, size=(batch, gamma + 1))
+        proposed = np.where(rng.random((batch, gamma)) < 0.3, (tokens[:, :gamma] + 1) % vocab, tokens[:, :gamma])
+        p, q = one_hot(tokens, vocab), one_hot(proposed, vocab)
+    if kind == "p_equals_q":  # no residual: rows drafting a zero-mass token fall back to p_n
+        keep = rng.random((batch, gamma + 1, vocab)) < 0.5
+        keep[..., 0] = True
+        p = softmax(np.where(keep, 2 * rng.standard_normal(keep.shape), -np.inf))
+        q = p[:, :gamma].copy()
+    drafts = draw_drafts(rng, q)
+    if kind == "p_equals_q" and gamma > 0:
+        for row in range(0, batch, 2):
+            zero_mass = np.flatnonzero(p[row, 0] == 0)
+            if zero_mass.size:
+                drafts[row, 0] = zero_mass[0]
+    return p, q, drafts, u_accept
+
+
+# ---- greedy ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch,gamma,vocab", SHAPES)
+def test_greedy_accept_equals_reference(kernels, device, batch, gamma, vocab):
+    rng = np.random.default_rng(batch * 1000 + gamma * 10 + vocab)
+    logits = rng.standard_normal((batch, gamma + 1, vocab)).astype(np.float32)
+    if vocab <= 64:
+        logits = np.round(logits)  # many ties: the first maximum must win
+    drafts = drafts_with_runs(rng, logits.argmax(-1), vocab)
+    past_len = rng.integers(0, 100, size=batch)
+    got = kernels_lib.greedy_accept(kernels, device, logits, drafts, past_len)
+    assert_same(got, greedy_accept(logits.argmax(-1), drafts, past_len))
+
+
+def test_greedy_argmax_takes_the_first_maximum(kernels, device):
+    vocab = 300
+    logits = np.zeros((3, 3, vocab), np.float32)  # row 0: all equal -> token 0
+    logits[1, :, [7, 250]] = 5.0  # row 1: a tie at 7 and 250 -> 7
+    logits[2] = -np.inf  # row 2: all -inf -> token 0
+    drafts = np.array([[0, 0], [7, 250], [0, 1]])
+    past_len = np.array([3, 4, 5])
+    got = kernels_lib.greedy_accept(kernels, device, logits, drafts, past_len)
+    want = greedy_accept(logits.argmax(-1), drafts, past_len)
+    assert_same(got, want)
+    assert got[0].tolist() == [2, 1, 1] and got[1].tolist() == [0, 7, 0]
+
+
+# ---- speculative sampling ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", SAMPLE_KINDS)
+@pytest.mark.parametrize("batch,gamma,vocab", SHAPES)
+def test_sample_accept_equals_reference(kernels, device, kind, batch, gamma, vocab):
+    rng = np.random.default_rng([batch, gamma, vocab, SAMPLE_KINDS.index(kind)])
+    p, q, drafts, u_accept = sample_case(rng, kind, batch, gamma, vocab)
+    u_sample, past_len = uniforms(rng, batch), rng.integers(0, 100, size=batch)
+    got = kernels_lib.sample_accept(kernels, device, p, q, drafts, u_accept, u_sample, past_len)
+    want = sample_accept(p, q, drafts, u_accept, u_sample, past_len)
+    assert_same(got, want)
+    if kind == "all_accepted":
+        assert got[0].tolist() == [gamma] * batch
+    if kind == "none_accepted":
+        assert got[0].tolist() == [0] * batch
+
+
+# ---- plain sampling ---------------------------------------------------------------------------------
+
+
+def sample_weights(rng, kind, batch, vocab):
+    if kind == "softmax":
+        return softmax(3 * rng.standard_normal((batch, vocab)))
+    if kind == "sparse":  # zeros are never drawn
+        keep = rng.random((batch, vocab)) < 0.1
+        keep[:, -1] = True
+        return softmax(np.where(keep, rng.standard_normal((batch, vocab)), -np.inf))
+    if kind == "one_hot":
+        return one_hot(rng.integers(0, vocab, size=batch), vocab)
+    if kind == "boundaries":  # uniform weights: u lands exactly on CDF steps
+        return np.full((batch, vocab), 1.0 / vocab, np.float32)
+    return (3 * rng.random((batch, vocab))).astype(np.float32)  # unnormalised
+
+
+@pytest.mark.parametrize("kind", ["softmax", "sparse", "one_hot", "boundaries", "unnormalised"])
+@pytest.mark.parametrize("batch,vocab", [(1, 2), (8, 50), (4, 8192)])
+def test_sample_equals_reference(kernels, device, kind, batch, vocab):
+    rng = np.random.default_rng([batch, vocab, len(kind)])
+    probs = sample_weights(rng, kind, batch, vocab)
+    u = (np.arange(batch, dtype=np.float32) / batch) if kind == "boundaries" else uniforms(rng, batch)
+    np.testing.assert_array_equal(kernels_lib.sample(kernels, device, probs, u), sample_from(probs, u))
