@@ -84,7 +84,7 @@ def resolve_bundle(bundle):
 @click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text; repeat for a batch.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--mode", type=click.Choice(["speculative", "autoregressive"]), default="speculative", show_default=True)
-@click.option("--gamma", type=int, default=None, help="Draft tokens per iteration (default: the bundle's).")
+@click.option("--gamma", default=None, help="Draft tokens per iteration, or 'auto' (default: auto with a γ profile, else the bundle's).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0: off).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass (1: off).")
@@ -99,6 +99,7 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
     import speccompile
 
     runtime = speccompile.load(resolve_bundle(bundle))
+    gamma = _gamma_option(gamma)
     stream = _Streamer(runtime.tokenizer) if len(prompts) == 1 and not as_json else None
     results = runtime.generate(list(prompts), max_new_tokens=max_new_tokens, mode=mode, gamma=gamma,
                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, on_tokens=stream)
@@ -140,6 +141,74 @@ def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, as_
     for key, value in rows:
         shown = ", ".join(f"{v:.3f}" for v in value) if isinstance(value, list) else (f"{value:.3f}" if isinstance(value, float) else value)
         click.echo(f"{key:<{width}}  {shown}")
+
+
+def _gamma_option(value):
+    if value is None or value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise SpecCompileError(f"--gamma must be an integer or 'auto', got {value!r}") from None
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpecCompileError(f"expected comma-separated integers, got {text!r}") from None
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(), required=False)
+@click.option("--prompts", "prompts_file", type=click.Path(), default=None, help="Calibration prompts (JSON list or one per line).")
+@click.option("--batch-sizes", default="1,2,4,8", show_default=True)
+@click.option("--context-lengths", default="64,256", show_default=True)
+@click.option("--repeats", type=int, default=5, show_default=True)
+@click.option("--ops", is_flag=True, help="Also print ONNX Runtime's per-op time breakdown of each graph.")
+@click.option("--plots", "plots_dir", type=click.Path(), default=None, help="Where to save PNG plots (default: BUNDLE/profiles).")
+@user_errors
+def profile(bundle, prompts_file, batch_sizes, context_lengths, repeats, ops, plots_dir):
+    """Measure γ costs and acceptance on this hardware; store a γ profile in the bundle."""
+    from pathlib import Path
+
+    import speccompile
+    from speccompile.runtime import profile as prof
+    from speccompile.runtime.bench import read_prompts
+
+    runtime = speccompile.load(resolve_bundle(bundle))
+    log = lambda line: click.echo(line, err=True)  # noqa: E731
+    prompts = read_prompts(prompts_file)
+    batches = [b for b in _int_list(batch_sizes) if b <= runtime.max_batch] or [1]
+    result = prof.build_profile(runtime, prompts, batches, _int_list(context_lengths), repeats, log=log)
+    log("measuring batch-1 speedup per γ")
+    result["measured_speedup"] = prof.measured_speedups(runtime, prompts[:4])
+    path = prof.write_profile(runtime.bundle.path, result)
+    click.echo(_profile_table(result))
+    click.echo(f"profile written to {path}")
+    try:
+        for png in prof.save_plots(result, Path(plots_dir) if plots_dir else path.parent):
+            click.echo(f"plot: {png}")
+    except SpecCompileError as e:
+        log(f"no plots: {e}")
+    if ops:
+        for graph in ("target_forward", "draft_forward", f"target_verify_g{max(runtime.gammas)}"):
+            click.echo(f"\n{graph}: top ops by share (batch 1, context 32)")
+            for op, ms, share in prof.op_profile(runtime.bundle, graph, prof.graph_feeds(runtime.bundle, graph)):
+                click.echo(f"  {op:<22} {ms:8.3f} ms  {share:6.1%}")
+
+
+def _profile_table(result: dict) -> str:
+    lines = [f"acceptance by position (calibration): {', '.join(f'{p:.2f}' for p in result['acceptance_by_position'])}",
+             f"{'batch':>5} {'γ':>3} {'target ms':>10} {'draft ms':>9} {'verify ms':>10} {'predicted':>10} {'measured':>9}"]
+    for batch, entry in result["by_batch"].items():
+        for gamma in [0] + result["gammas"]:
+            verify = entry["verify_ms"].get(gamma, 0.0)
+            measured = result.get("measured_speedup", {}).get(gamma) if batch == 1 else None
+            mark = " <- γ*" if gamma == entry["best_gamma"] else ""
+            lines.append(f"{batch:>5} {gamma:>3} {entry['target_step_ms']:>10.3f} {entry['draft_step_ms']:>9.3f} {verify:>10.3f} "
+                         f"{entry['predicted_speedup'][gamma]:>9.2f}x {'' if measured is None else f'{measured:.2f}x':>9}{mark}")
+    return "\n".join(lines)
 
 
 class _Streamer:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from speccompile.core.engine import DecoderEngine, VerifierEngine
+from speccompile.core.gamma_policy import GammaPolicy
 from speccompile.core.sampler import Sampler
 from speccompile.core.stats import Clock, GenerationStats
 
@@ -89,11 +90,16 @@ def autoregressive_generate(target: DecoderEngine, prompts, max_new_tokens, eos_
     return _finish(outputs, stats, clock)
 
 
-def speculative_generate(target: VerifierEngine, draft: DecoderEngine, prompts, gamma, max_new_tokens, eos_ids,
-                         on_tokens=None, sampler: Sampler | None = None):
-    """Speculative decoding; greedy when sampler is None, else exact speculative sampling."""
+def speculative_generate(target: VerifierEngine, draft: DecoderEngine, prompts, gamma: int | GammaPolicy, max_new_tokens,
+                         eos_ids, on_tokens=None, sampler: Sampler | None = None):
+    """Speculative decoding; greedy when sampler is None, else exact speculative sampling.
+
+    gamma is a fixed γ, or a GammaPolicy that picks γ each iteration from its running estimate of
+    acceptance (and learns from every iteration's outcome).
+    """
     clock = Clock()
-    stats = [GenerationStats("speculative", gamma) for _ in prompts]
+    policy = gamma if isinstance(gamma, GammaPolicy) else None
+    stats = [GenerationStats("speculative", max(policy.gammas) if policy else gamma) for _ in prompts]
     with clock("prefill"):
         ids, lengths, last, outputs = _start(target, prompts, max_new_tokens, eos_ids, on_tokens, sampler)
         draft.start(len(prompts))
@@ -104,6 +110,8 @@ def speculative_generate(target: VerifierEngine, draft: DecoderEngine, prompts, 
     while not outputs.done.all():
         active = ~outputs.done
         target_before, draft_before = target.cache_lengths.copy(), draft.cache_lengths.copy()
+        if policy is not None:
+            gamma = policy.choose(allow_zero=False)
         with clock("draft"):
             drafts, draft_probs = _propose(draft, prev, last, gamma, sampler)
         with clock("verify"):
@@ -120,7 +128,9 @@ def speculative_generate(target: VerifierEngine, draft: DecoderEngine, prompts, 
         target.cache_lengths[~active] = target_before[~active]  # finished rows stand still
         draft.cache_lengths[~active] = draft_before[~active]
         for row in np.flatnonzero(active):
-            stats[row].record_iteration(int(accepted[row]))
+            stats[row].record_iteration(int(accepted[row]), gamma)
+            if policy is not None:
+                policy.observe(gamma, int(accepted[row]))
             outputs.emit(row, [*drafts[row, : accepted[row]], next_token[row]])
     return _finish(outputs, stats, clock)
 

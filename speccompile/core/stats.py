@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 @dataclass
 class GenerationStats:
     mode: str  # "speculative" or "autoregressive"
-    gamma: int  # draft tokens per iteration (0 for autoregressive)
+    gamma: int  # draft tokens per iteration (0 for autoregressive; the largest used when γ is adaptive)
     new_tokens: int = 0
     iterations: int = 0  # target passes after prefill (verifications, or decode steps)
     draft_tokens: int = 0
@@ -19,14 +19,18 @@ class GenerationStats:
     verify_ms: float = 0.0
     decode_ms: float = 0.0
     total_ms: float = 0.0
+    gammas_used: dict[int, int] = field(default_factory=dict)  # γ -> iterations run at it
 
     def __post_init__(self):
         self.accepted_at = self.accepted_at or [0] * self.gamma
 
-    def record_iteration(self, accepted: int) -> None:
+    def record_iteration(self, accepted: int, gamma: int | None = None) -> None:
+        """One iteration that proposed `gamma` drafts (default: self.gamma) and kept `accepted`."""
         self.iterations += 1
-        self.draft_tokens += self.gamma
+        self.draft_tokens += self.gamma if gamma is None else gamma
         self.accepted_tokens += accepted
+        used = self.gamma if gamma is None else gamma
+        self.gammas_used[used] = self.gammas_used.get(used, 0) + 1
         for k in range(accepted):
             self.accepted_at[k] += 1
 
@@ -52,6 +56,7 @@ class GenerationStats:
         return {
             "mode": self.mode,
             "gamma": self.gamma,
+            "gammas_used": self.gammas_used,
             "new_tokens": self.new_tokens,
             "iterations": self.iterations,
             "draft_tokens": self.draft_tokens,

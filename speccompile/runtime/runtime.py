@@ -1,8 +1,10 @@
 """`Runtime`: load a bundle, validate a request, run the speculative (or baseline) loop."""
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from speccompile.core.gamma_policy import GammaPolicy
 from speccompile.core.sampler import Sampler, SamplingParams
 from speccompile.core.speculative import autoregressive_generate, speculative_generate
 from speccompile.core.stats import GenerationStats
@@ -36,17 +38,24 @@ class Runtime:
         self.tokenizer = Tokenizer(bundle.path / bundle.manifest["tokenizer"]["dir"], bundle.manifest["tokenizer"])
         self.max_seq, self.max_batch = bundle.manifest["max_seq"], bundle.manifest["max_batch"]
         self.default_gamma = bundle.manifest["default_gamma"]
+        from speccompile.runtime.profile import find_profile
+
+        self.profile = find_profile(bundle.path)  # γ profile measured on this hardware, if any
+        self._calibrations: dict[int, dict] = {}  # batch size -> quick timings when no profile matches
+        self.log = lambda line: print(line, file=sys.stderr)
 
     @property
     def gammas(self) -> list[int]:
         return self.bundle.gammas
 
-    def generate(self, prompts, max_new_tokens: int = 64, mode: str = "speculative", gamma: int | None = None,
+    def generate(self, prompts, max_new_tokens: int = 64, mode: str = "speculative", gamma: int | str | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  on_tokens=None) -> list[GenerationResult]:
         """Generate for a batch of prompts (strings or token-id lists); one result per prompt.
 
-        temperature 0 is greedy; otherwise tokens are sampled from the target's distribution after
+        gamma: a compiled γ, or "auto" (the default when a γ profile matches this hardware): γ is
+        picked from the profile for this batch size and moved between compiled values as the running
+        acceptance estimate changes; γ* = 0 runs plain decoding. temperature 0 is greedy; otherwise tokens are sampled from the target's distribution after
         temperature, top-k (0: off) and top-p (1: off), exactly, in both modes. Each sequence draws
         from its own random stream spawned from `seed`. on_tokens(row, token_ids) is called as tokens
         are accepted, for streaming.
@@ -56,14 +65,32 @@ class Runtime:
         params = SamplingParams(float(temperature), int(top_k), float(top_p))
         gamma = self._check_request(prompts, max_new_tokens, mode, gamma)
         token_prompts = [self._tokens(p) for p in prompts]
-        self._check_lengths(token_prompts, max_new_tokens, gamma if mode == "speculative" else 0)
+        longest_gamma = max(self.gammas) if gamma == "auto" else gamma
+        self._check_lengths(token_prompts, max_new_tokens, longest_gamma if mode == "speculative" else 0)
         eos = self.tokenizer.eos_token_ids
         sampler = None if params.greedy else Sampler(params, len(prompts), seed)
+        if gamma == "auto":
+            gamma = self._gamma_policy(len(prompts))
+            if gamma.choose() == 0:
+                mode = "autoregressive"  # speculation does not pay here: plain decoding
         if mode == "speculative":
             tokens, stats = speculative_generate(self.target, self.draft, token_prompts, gamma, max_new_tokens, eos, on_tokens, sampler)
         else:
             tokens, stats = autoregressive_generate(self.target, token_prompts, max_new_tokens, eos, on_tokens, sampler)
         return [GenerationResult(p, t, self.tokenizer.decode(t), s) for p, t, s in zip(prompts, tokens, stats)]
+
+    # -- γ selection ---------------------------------------------------------------------------
+    def _gamma_policy(self, batch: int) -> GammaPolicy:
+        from speccompile.runtime.profile import measure_costs, timings_for_batch
+
+        if self.profile is not None:
+            return GammaPolicy(timings_for_batch(self.profile, batch), self.profile["acceptance_by_position"])
+        if batch not in self._calibrations:
+            if not self._calibrations:
+                self.log("no γ profile for this hardware in the bundle (run `speccompile profile`): calibrating quickly")
+            self._calibrations[batch] = measure_costs(self, batch, context=min(64, self.max_seq // 4), repeats=3)
+        prior = [0.5**k for k in range(1, max(self.gammas) + 1)]  # neutral until iterations are observed
+        return GammaPolicy(self._calibrations[batch], prior, prior_weight=2.0)
 
     # -- validation ---------------------------------------------------------------------------
     def _check_request(self, prompts, max_new_tokens, mode, gamma) -> int:
@@ -75,7 +102,10 @@ class Runtime:
             raise SpecCompileError(f"batch of {len(prompts)} prompts exceeds the bundle's max batch {self.max_batch} (rebuild with --max-batch)")
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise SpecCompileError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        gamma = self.default_gamma if gamma is None else gamma
+        if gamma is None:
+            gamma = "auto" if self.profile is not None else self.default_gamma
+        if gamma == "auto":
+            return gamma
         if mode == "speculative" and gamma not in self.gammas:
             raise SpecCompileError(f"γ={gamma} was not compiled into this bundle (compiled: {', '.join(map(str, self.gammas))})")
         return gamma

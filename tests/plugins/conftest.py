@@ -2,12 +2,12 @@ import shutil
 
 import pytest
 
+from tests.plugins.kernels_lib import compile_kernels
+
 
 @pytest.fixture(scope="session")
 def kernels_library(tmp_path_factory):
     """kernels_library(arch) -> path of the kernels built by nvcc for `arch`, compiled once per session."""
-    from tests.plugins.kernels_lib import compile_kernels
-
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH: the CUDA kernels cannot be compiled")
     built = {}

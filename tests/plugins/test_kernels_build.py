@@ -11,7 +11,6 @@ import subprocess
 import pytest
 
 from speccompile.compiler import spec_accept
-from speccompile.compiler.onnx_graph import OPSET
 from tests.plugins.kernels_lib import PLUGINS, SYMBOLS, exported_symbols, load_kernels
 
 CUDA_ERROR_INVALID_VALUE = 1
@@ -56,14 +55,18 @@ def test_bad_arguments_are_refused_before_any_launch(kernels_library):
 
 
 def test_plugin_answers_to_what_the_onnx_node_asks_for():
-    """TensorRT's parser looks the creator up by (op_type, plugin_version, plugin_namespace)."""
+    """TensorRT's parser looks the creator up by (op_type, plugin_version, plugin_namespace) and hands
+    it the node's inputs in ONNX order, which enqueue() indexes by position."""
     source = (PLUGINS / "tensorrt" / "spec_accept_plugin.cpp").read_text()
     constants = dict(re.findall(r'constexpr char const\* (k\w+) = "([^"]*)";', source))
-    function = spec_accept.spec_accept_function(OPSET)
-    assert constants["kPLUGIN_NAME"] == function.name == "SpecAccept"
     assert constants["kPLUGIN_VERSION"] == spec_accept.PLUGIN_VERSION
     assert constants["kPLUGIN_NAMESPACE"] == spec_accept.PLUGIN_NAMESPACE
-    assert constants["kMODE_FIELD"] in function.attribute
+    for mode, table in [("greedy", "kGREEDY_INPUTS"), ("sample", "kSAMPLE_INPUTS")]:
+        function = spec_accept.FUNCTIONS["SpecAccept", mode]()
+        block = re.search(table + r"\[\] = \{(.*?)\};", source, re.S).group(1)
+        assert function.name == constants["kPLUGIN_NAME"]
+        assert constants["kMODE_FIELD"] in function.attribute
+        assert re.findall(r"DataType::k\w+, // (\w+)", block) == list(function.input)
     assert re.search(r'extern "C" \w+ nvinfer1::IPluginCreatorInterface\* const\* getCreators\(int32_t& nbCreators\)', source)
     assert "REGISTER_TENSORRT_PLUGIN(SpecAcceptPluginCreator)" in source
 

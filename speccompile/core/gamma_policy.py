@@ -1,0 +1,54 @@
+"""Choosing γ: from a measured profile, then online as the acceptance estimate moves.
+
+The policy keeps, per draft position k, counts of "reached k" and "accepted k". Their ratio is the
+conditional acceptance c_k = P(d_k accepted | d_1..d_{k-1} accepted), and P_k = c_1 ... c_k is what
+the cost model needs. The profile's calibration enters as pseudo-counts (a prior worth
+`prior_weight` iterations), so the first iterations follow the profile and later ones the text at
+hand. Positions beyond the γ in use are not observed and keep their prior.
+"""
+
+from speccompile.core.cost_model import predicted_speedup
+
+
+class GammaPolicy:
+    def __init__(self, timings: dict, prior_by_position: list[float], prior_weight: float = 8.0):
+        """timings: {"target_step_ms", "draft_step_ms", "verify_ms": {γ: ms}} at this batch size."""
+        self.t_target, self.t_draft = timings["target_step_ms"], timings["draft_step_ms"]
+        self.t_verify = {int(g): ms for g, ms in timings["verify_ms"].items()}
+        self.gammas = sorted(self.t_verify)
+        conditional = _conditional(prior_by_position, max(self.gammas))
+        self.reached = [prior_weight] * len(conditional)
+        self.accepted = [prior_weight * c for c in conditional]
+
+    def acceptance_by_position(self, gamma: int) -> list[float]:
+        by_position, running = [], 1.0
+        for k in range(gamma):
+            running *= self.accepted[k] / self.reached[k]
+            by_position.append(running)
+        return by_position
+
+    def speedup(self, gamma: int) -> float:
+        if gamma == 0:
+            return 1.0
+        return predicted_speedup(self.acceptance_by_position(gamma), self.t_target, self.t_draft, self.t_verify[gamma])
+
+    def choose(self, allow_zero: bool = True) -> int:
+        """The γ with the best predicted speedup; 0 (plain decoding) when speculation does not pay."""
+        candidates = ([0] if allow_zero else []) + self.gammas
+        return max(candidates, key=lambda g: (self.speedup(g), -g))
+
+    def observe(self, gamma: int, accepted: int) -> None:
+        """One iteration at `gamma` accepted `accepted` drafts: positions 1..min(accepted+1, γ) were reached."""
+        for k in range(min(accepted + 1, gamma)):
+            self.reached[k] += 1
+            self.accepted[k] += k < accepted
+
+
+def _conditional(by_position: list[float], gamma: int) -> list[float]:
+    """c_k = P_k / P_{k-1}, padded to γ positions by repeating the last ratio."""
+    conditional, previous = [], 1.0
+    for p in by_position[:gamma]:
+        conditional.append(min(1.0, p / previous) if previous > 0 else 0.0)
+        previous = p
+    fill = conditional[-1] if conditional else 0.5
+    return conditional + [fill] * (gamma - len(conditional))

@@ -1,0 +1,42 @@
+"""γ selection from profile timings and online acceptance."""
+
+import pytest
+
+from speccompile.core.gamma_policy import GammaPolicy
+
+TIMINGS = {"target_step_ms": 10.0, "draft_step_ms": 1.0, "verify_ms": {1: 11.0, 2: 12.0, 4: 14.0, 8: 18.0}}
+
+
+def test_high_acceptance_picks_a_long_gamma():
+    policy = GammaPolicy(TIMINGS, [0.95 ** k for k in range(1, 9)])
+    # γ=8: E = 1 + sum .95^k (k=1..8) = 7.3; time 8 + 18 = 26; speedup = 73/26 = 2.81 (best)
+    assert policy.choose() == 8
+    assert policy.speedup(8) == pytest.approx((1 + sum(0.95 ** k for k in range(1, 9))) * 10 / 26)
+
+
+def test_a_draft_that_never_agrees_picks_zero():
+    policy = GammaPolicy(TIMINGS, [0.0] * 8)
+    assert policy.choose() == 0
+    assert policy.choose(allow_zero=False) == 1
+
+
+def test_moderate_acceptance_picks_a_short_gamma():
+    policy = GammaPolicy(TIMINGS, [0.5 ** k for k in range(1, 9)])
+    # γ=1: 1.5*10/12 = 1.25; γ=2: 1.75*10/14 = 1.25; γ=4: 1.9375*10/18 = 1.08 -> tie at 1 and 2, shorter wins
+    assert policy.choose() == 1
+
+
+def test_observations_move_the_choice():
+    policy = GammaPolicy(TIMINGS, [0.95 ** k for k in range(1, 9)], prior_weight=4)
+    assert policy.choose() == 8
+    for _ in range(40):
+        policy.observe(8, 0)  # the text turned hard: nothing is accepted
+    assert policy.choose() == 0
+    assert policy.acceptance_by_position(2)[0] < 0.1
+
+
+def test_observe_counts_only_reached_positions():
+    policy = GammaPolicy(TIMINGS, [0.5, 0.25, 0.125, 0.0625], prior_weight=2)
+    policy.observe(4, 2)  # d1, d2 accepted, d3 rejected, d4 never reached
+    assert policy.reached[:4] == [3, 3, 3, 2]
+    assert policy.accepted[:4] == [2, 2, 1, 1]

@@ -1,0 +1,72 @@
+"""γ profiles: measurement, round trip through the bundle, hardware matching, and γ = auto."""
+
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+import speccompile
+from speccompile.cli import main
+from speccompile.runtime import profile as prof
+from speccompile.runtime.hardware import fingerprint, fingerprint_key
+
+PROMPTS = ["import os", "def f(x):", "class A:"]
+
+
+@pytest.fixture
+def random_bundle(tmp_path, bundles):
+    return shutil.copytree(bundles("llama", "random"), tmp_path / "bundle")
+
+
+def test_profile_round_trip_and_hardware_matching(random_bundle):
+    runtime = speccompile.load(random_bundle)
+    profile = prof.build_profile(runtime, PROMPTS, [1, 2], [16], repeats=2, log=lambda _: None)
+    path = prof.write_profile(random_bundle, profile)
+    assert path.name == f"{fingerprint_key(fingerprint())}.json"
+    loaded = prof.find_profile(random_bundle)
+    assert loaded["by_batch"].keys() == {1, 2}
+    assert loaded["by_batch"][1]["verify_ms"].keys() == {1, 4}
+    assert loaded["acceptance_by_position"] == profile["acceptance_by_position"]
+    other = {**fingerprint(), "cpu": "another CPU"}
+    assert prof.find_profile(random_bundle, other) is None
+    assert prof.timings_for_batch(loaded, 3) is loaded["by_batch"][2]
+
+
+def test_auto_gamma_picks_plain_decoding_when_the_draft_never_agrees(random_bundle):
+    runtime = speccompile.load(random_bundle)
+    profile = prof.build_profile(runtime, PROMPTS, [1], [16], repeats=2, log=lambda _: None)
+    profile["acceptance_by_position"] = [0.0] * len(profile["acceptance_by_position"])
+    prof.write_profile(random_bundle, profile)
+    runtime = speccompile.load(random_bundle)  # now with a matching profile: γ defaults to auto
+    [result] = runtime.generate(["import os"], max_new_tokens=6)
+    assert result.stats.mode == "autoregressive"
+
+
+def test_auto_gamma_speculates_with_a_copy_draft(tmp_path, bundles):
+    bundle = shutil.copytree(bundles("llama", "copy"), tmp_path / "bundle")
+    runtime = speccompile.load(bundle)
+    profile = prof.build_profile(runtime, PROMPTS, [1], [16], repeats=2, log=lambda _: None)
+    assert profile["acceptance_by_position"] == [1.0] * 4
+    # Pretend drafting is nearly free so that speculating must pay off: γ* is the longest.
+    profile["by_batch"][1]["draft_step_ms"] = profile["by_batch"][1]["target_step_ms"] / 100
+    prof.write_profile(bundle, profile)
+    [result] = speccompile.load(bundle).generate(["import os"], max_new_tokens=20, gamma="auto")
+    assert result.stats.mode == "speculative" and set(result.stats.gammas_used) == {4}
+
+
+def test_auto_without_profile_says_so_once_and_calibrates(bundles, capsys):
+    runtime = speccompile.load(bundles("llama", "copy"))
+    runtime.generate(["import os"], max_new_tokens=4, gamma="auto")
+    runtime.generate(["import os"], max_new_tokens=4, gamma="auto")
+    assert capsys.readouterr().err.count("no γ profile for this hardware") == 1
+
+
+def test_cli_profile_writes_profile_and_plots(random_bundle, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("import os\n")
+    result = CliRunner().invoke(main, ["profile", str(random_bundle), "--prompts", str(prompts), "--batch-sizes", "1",
+                                       "--context-lengths", "16", "--repeats", "1", "--ops"])
+    assert result.exit_code == 0, result.output
+    assert "γ*" in result.stdout and "top ops by share" in result.stdout and "MatMul" in result.stdout
+    files = {p.suffix for p in (random_bundle / "profiles").iterdir()}
+    assert files == {".json", ".png"}
