@@ -36,6 +36,10 @@ def test_auto_gamma_picks_plain_decoding_when_the_draft_never_agrees(random_bund
     runtime = speccompile.load(random_bundle)
     profile = prof.build_profile(runtime, PROMPTS, [1], [16], repeats=2, log=lambda _: None)
     profile["acceptance_by_position"] = [0.0] * len(profile["acceptance_by_position"])
+    # Timings fixed (tiny models' step times are mostly noise): even with free verification, a draft
+    # that never agrees costs γ draft steps per target token.
+    entry = profile["by_batch"][1]
+    entry.update(target_step_ms=10.0, draft_step_ms=1.0, verify_ms={g: 10.0 for g in entry["verify_ms"]})
     prof.write_profile(random_bundle, profile)
     runtime = speccompile.load(random_bundle)  # now with a matching profile: γ defaults to auto
     [result] = runtime.generate(["import os"], max_new_tokens=6)
