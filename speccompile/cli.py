@@ -37,13 +37,29 @@ def main():
 @click.option("--max-seq", type=int, default=1024, show_default=True, help="KV-cache capacity (prompt + generated).")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Largest batch the bundle serves.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle directory.")
+@click.option("--backend", type=click.Choice(["onnx", "tensorrt"]), default="onnx", show_default=True,
+              help="tensorrt: also build TensorRT engines from the same ONNX graphs.")
+@click.option("--plugin-lib", type=click.Path(), default=None, help="libspeccompile_plugins.so (TensorRT backend).")
+@click.option("--timing-cache", type=click.Path(), default=None, help="TensorRT timing cache file to load and update.")
+@click.option("--hardware-compat", is_flag=True, help="TensorRT: engines portable across Ampere+ GPUs.")
+@click.option("--version-compat", is_flag=True, help="TensorRT: engines loadable by later TensorRT versions.")
 @user_errors
-def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force):
-    """Export a target/draft pair to a bundle of ONNX speculative graphs."""
+def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force, backend, plugin_lib, timing_cache,
+          hardware_compat, version_compat):
+    """Export a target/draft pair to a bundle of ONNX speculative graphs (and TensorRT engines)."""
     from speccompile.compiler.build import build_bundle
 
-    build_bundle(target_dir, draft_dir, out_dir, gammas=list(gammas), max_seq=max_seq, max_batch=max_batch,
-                 force=force, log=lambda line: click.echo(line, err=True))
+    log = lambda line: click.echo(line, err=True)  # noqa: E731
+    if backend == "tensorrt":  # fail before the ONNX export if the TensorRT side cannot run here
+        from speccompile.compiler.tensorrt_build import plugin_library, require_tensorrt
+
+        require_tensorrt()
+        plugin_library(plugin_lib)
+    build_bundle(target_dir, draft_dir, out_dir, gammas=list(gammas), max_seq=max_seq, max_batch=max_batch, force=force, log=log)
+    if backend == "tensorrt":
+        from speccompile.compiler.tensorrt_build import build_tensorrt_engines
+
+        build_tensorrt_engines(out_dir, plugin_lib, timing_cache, hardware_compat, version_compat, log=log)
 
 
 @main.command()
@@ -141,6 +157,19 @@ def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, as_
     for key, value in rows:
         shown = ", ".join(f"{v:.3f}" for v in value) if isinstance(value, list) else (f"{value:.3f}" if isinstance(value, float) else value)
         click.echo(f"{key:<{width}}  {shown}")
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(), required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print the inspection as JSON.")
+@user_errors
+def inspect(bundle, as_json):
+    """Graphs, engines, shapes and op counts of a bundle."""
+    from speccompile.runtime.bundle import open_bundle
+    from speccompile.runtime.inspect import describe, render
+
+    info = describe(open_bundle(resolve_bundle(bundle)))
+    click.echo(json.dumps(info, indent=1) if as_json else render(info))
 
 
 def _gamma_option(value):

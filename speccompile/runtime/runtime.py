@@ -28,13 +28,17 @@ class GenerationResult:
 
 class Runtime:
     def __init__(self, bundle: Bundle, backend: str = "onnxruntime", threads: int | None = None):
-        if backend != "onnxruntime":
-            raise SpecCompileError(f"unknown backend {backend!r} (available: onnxruntime)")
-        from speccompile.runtime.onnxruntime_engine import OrtModel
-
         self.bundle = bundle
-        self.target = OrtModel(bundle, "target", threads=threads)
-        self.draft = OrtModel(bundle, "draft", threads=threads)
+        if backend == "onnxruntime":
+            from speccompile.runtime.onnxruntime_engine import OrtModel
+
+            self.target, self.draft = (OrtModel(bundle, role, threads=threads) for role in ("target", "draft"))
+        elif backend == "tensorrt":
+            from speccompile.runtime.tensorrt_engine import TrtModel
+
+            self.target, self.draft = (TrtModel(bundle, role) for role in ("target", "draft"))
+        else:
+            raise SpecCompileError(f"unknown backend {backend!r} (available: onnxruntime, tensorrt)")
         self.tokenizer = Tokenizer(bundle.path / bundle.manifest["tokenizer"]["dir"], bundle.manifest["tokenizer"])
         self.max_seq, self.max_batch = bundle.manifest["max_seq"], bundle.manifest["max_batch"]
         self.default_gamma = bundle.manifest["default_gamma"]

@@ -1,0 +1,130 @@
+"""`build --backend tensorrt`: the bundle's ONNX graphs -> TensorRT engines, with our SpecAccept plugin.
+
+The same ONNX files ONNX Runtime runs are parsed by TensorRT (through Polygraphy's loaders). The
+plugin library is loaded first and the parser's ENABLE_PLUGIN_OVERRIDE flag is set where the parser
+has it, so speccompile-domain nodes that carry plugin attributes go to the plugin instead of being
+inlined. Graphs are fp32 in the ONNX and the network is strongly typed (TensorRT 10.x/11.x), so the
+precision is the ONNX's. Engines and their manifest entries are added to the bundle atomically.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from speccompile.errors import SpecCompileError
+from speccompile.runtime.bundle import MANIFEST, open_bundle, sha256_file
+
+ENGINES_DIR = "engines"
+PLUGIN_ENV = "SPECCOMPILE_PLUGIN_LIB"
+DEFAULT_PLUGIN = Path(__file__).resolve().parents[2] / "build" / "plugins" / "libspeccompile_plugins.so"
+
+
+def require_tensorrt():
+    """Import tensorrt and polygraphy, or fail with one line naming what is missing."""
+    missing = []
+    try:
+        import tensorrt
+    except ImportError:
+        missing.append("the tensorrt Python package (NVIDIA TensorRT 10.x/11.x with its native libraries)")
+        tensorrt = None
+    try:
+        import polygraphy  # noqa: F401
+    except ImportError:
+        missing.append("polygraphy")
+    if missing:
+        raise SpecCompileError("the TensorRT backend needs " + " and ".join(missing) + ": pip install 'speccompile[tensorrt]' on an NVIDIA machine")
+    return tensorrt
+
+
+def plugin_library(path=None) -> Path:
+    path = Path(path or os.environ.get(PLUGIN_ENV) or DEFAULT_PLUGIN)
+    if not path.is_file():
+        raise SpecCompileError(f"SpecAccept plugin library not found at {path}: build plugins/ with CMake (see plugins/README.md) or set {PLUGIN_ENV}")
+    return path
+
+
+def optimization_profiles(entry: dict, max_batch: int, max_seq: int) -> list[list[tuple]]:
+    """Per graph: [(input name, min, opt, max)] per profile.
+
+    forward/sample graphs: one profile for prefill (tokens 1..max_seq) and one for decode/draft
+    steps (tokens 1..2). Verification graphs have a fixed γ+1 and one profile. Batch is 1..max_batch.
+    """
+    token_ranges = [(1, max_seq // 4, max_seq), (1, 1, 2)] if entry["kind"].startswith("forward") else [None]
+    profiles = []
+    for tokens in token_ranges:
+        shapes = []
+        for spec in entry["inputs"]:
+            dims = spec["shape"]
+            lo = [1 if d == "batch" else (tokens[0] if d == "tokens" else d) for d in dims]
+            opt = [1 if d == "batch" else (tokens[1] if d == "tokens" else d) for d in dims]
+            hi = [max_batch if d == "batch" else (tokens[2] if d == "tokens" else d) for d in dims]
+            shapes.append((spec["name"], lo, opt, hi))
+        profiles.append(shapes)
+    return profiles
+
+
+def _gpu() -> dict:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()[0]
+        name, capability = (x.strip() for x in out.split(","))
+        return {"gpu": name, "compute_capability": capability}
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return {"gpu": "unknown", "compute_capability": "unknown"}
+
+
+def build_engine(trt, onnx_path: Path, profiles, plugin: Path, timing_cache: Path | None, hardware_compat: bool,
+                 version_compat: bool) -> bytes:
+    from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, LoadPlugins, NetworkFromOnnxPath, Profile
+
+    flags = [trt.OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE] if hasattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE") else []
+    network = LoadPlugins(plugins=[str(plugin)], obj=NetworkFromOnnxPath(str(onnx_path), flags=flags, strongly_typed=True))
+    trt_profiles = []
+    for shapes in profiles:
+        profile = Profile()
+        for name, lo, opt, hi in shapes:
+            profile.add(name, min=lo, opt=opt, max=hi)
+        trt_profiles.append(profile)
+    config = CreateConfig(
+        profiles=trt_profiles,
+        load_timing_cache=str(timing_cache) if timing_cache and timing_cache.exists() else None,
+        hardware_compatibility_level=trt.HardwareCompatibilityLevel.AMPERE_PLUS if hardware_compat else None,
+        version_compatible=version_compat or None,
+    )
+    return EngineBytesFromNetwork(network, config=config, save_timing_cache=str(timing_cache) if timing_cache else None)()
+
+
+def build_tensorrt_engines(bundle_dir, plugin=None, timing_cache=None, hardware_compat: bool = False,
+                           version_compat: bool = False, log=print) -> dict:
+    """Build one engine per graph of the bundle and record them in its manifest."""
+    trt = require_tensorrt()
+    plugin = plugin_library(plugin)
+    bundle = open_bundle(bundle_dir)
+    manifest = bundle.manifest
+    staging = bundle.path / f".{ENGINES_DIR}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    engines, gpu = {}, _gpu()
+    try:
+        for name, entry in manifest["graphs"].items():
+            log(f"  TensorRT engine for {name}")
+            profiles = optimization_profiles(entry, manifest["max_batch"], manifest["max_seq"])
+            data = build_engine(trt, bundle.graph_path(name), profiles, plugin, Path(timing_cache) if timing_cache else None,
+                                hardware_compat, version_compat)
+            (staging / f"{name}.engine").write_bytes(data)
+            engines[name] = {"file": f"{ENGINES_DIR}/{name}.engine", "tensorrt_version": trt.__version__, **gpu,
+                             "profiles": len(profiles), "hardware_compatible": hardware_compat, "version_compatible": version_compat}
+        shutil.rmtree(bundle.path / ENGINES_DIR, ignore_errors=True)
+        staging.rename(bundle.path / ENGINES_DIR)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    manifest["engines"] = engines
+    for entry in engines.values():
+        manifest["files"][entry["file"]] = sha256_file(bundle.path / entry["file"])
+    tmp = bundle.path / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    tmp.replace(bundle.path / MANIFEST)
+    return engines

@@ -1,0 +1,51 @@
+"""`inspect`: what a bundle holds, from its manifest (graphs, engines, shapes, op counts)."""
+
+from speccompile.runtime.bundle import Bundle
+
+
+def _is_cache(name: str) -> bool:
+    return name.startswith(("past_key", "past_value", "present_key", "present_value"))
+
+
+def describe(bundle: Bundle) -> dict:
+    m = bundle.manifest
+    size = sum(p.stat().st_size for p in bundle.path.rglob("*") if p.is_file())
+    return {
+        "path": str(bundle.path),
+        "format_version": m["format_version"],
+        "size_mb": round(size / 1e6, 2),
+        "gammas": m["gammas"],
+        "max_seq": m["max_seq"],
+        "max_batch": m["max_batch"],
+        "vocab_size": m["vocab_size"],
+        "models": {role: {k: info[k] for k in ("model_type", "num_params", "num_layers", "hidden_size", "num_heads", "num_kv_heads")}
+                   for role, info in m["models"].items()},
+        "graphs": {name: {"nodes": g["nodes"], "op_counts": g["op_counts"],
+                          "inputs": {i["name"]: [i["dtype"], i["shape"]] for i in g["inputs"] if not _is_cache(i["name"])},
+                          "outputs": {o["name"]: [o["dtype"], o["shape"]] for o in g["outputs"] if not _is_cache(o["name"])},
+                          "tensorrt_needs_plugin": bool(g.get("tensorrt_needs_plugin"))}
+                   for name, g in m["graphs"].items()},
+        "engines": m.get("engines", {}),
+    }
+
+
+def render(info: dict) -> str:
+    lines = [f"bundle {info['path']}  ({info['size_mb']} MB, format {info['format_version']})",
+             f"γ {info['gammas']}  max_seq {info['max_seq']}  max_batch {info['max_batch']}  vocab {info['vocab_size']}"]
+    for role, model in info["models"].items():
+        lines.append(f"{role}: {model['model_type']}, {model['num_params'] / 1e6:.2f}M params, {model['num_layers']} layers, "
+                     f"hidden {model['hidden_size']}, {model['num_heads']} heads / {model['num_kv_heads']} KV heads")
+    lines.append("graphs (the KV cache inputs/outputs past_*/present_* are omitted):")
+    for name, graph in info["graphs"].items():
+        top = ", ".join(f"{op} {n}" for op, n in sorted(graph["op_counts"].items(), key=lambda kv: -kv[1])[:6])
+        plugin = "  [TensorRT: plugin needed]" if graph["tensorrt_needs_plugin"] else ""
+        lines.append(f"  {name}: {graph['nodes']} nodes ({top}){plugin}")
+        lines.append("    in:  " + "; ".join(f"{k} {v[0]}{v[1]}" for k, v in graph["inputs"].items()))
+        lines.append("    out: " + "; ".join(f"{k} {v[0]}{v[1]}" for k, v in graph["outputs"].items()))
+    if info["engines"]:
+        lines.append("TensorRT engines:")
+        for name, engine in info["engines"].items():
+            lines.append(f"  {name}: {engine['file']} (TensorRT {engine['tensorrt_version']}, {engine['gpu']}, sm {engine['compute_capability']})")
+    else:
+        lines.append("TensorRT engines: none (build with --backend tensorrt on an NVIDIA machine)")
+    return "\n".join(lines)

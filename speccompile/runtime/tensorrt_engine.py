@@ -1,0 +1,123 @@
+"""TensorRT backend: the engine interface of `core/engine.py` over the bundle's TensorRT engines.
+
+Engines are deserialized after loading the SpecAccept plugin library. Device memory and streams come
+from Polygraphy's CUDA wrapper (no torch). Each layer's KV cache is one device buffer whose address is
+set for both `past_*` and `present_*`, so TensorScatter updates it in place, as on ONNX Runtime; a
+rollback is a smaller `past_len`. Only small outputs (tokens, lengths, probabilities) are copied back.
+
+This module has not been executed on a machine with TensorRT yet (see README: backends and hardware).
+"""
+
+import numpy as np
+
+from speccompile.errors import SpecCompileError
+from speccompile.runtime.bundle import Bundle
+from speccompile.runtime.onnxruntime_engine import OUTPUTS
+
+PREFILL_PROFILE, DECODE_PROFILE = 0, 1  # forward engines: tokens 1..max_seq, tokens 1..2
+
+
+class TrtModel:
+    def __init__(self, bundle: Bundle, role: str, plugin=None):
+        from speccompile.compiler.tensorrt_build import plugin_library, require_tensorrt
+
+        trt = require_tensorrt()
+        from polygraphy import cuda
+
+        if "engines" not in bundle.manifest:
+            raise SpecCompileError(f"{bundle.path}: no TensorRT engines in this bundle (build with --backend tensorrt)")
+        trt.get_plugin_registry().load_library(str(plugin_library(plugin)))
+        self._trt, self._cuda = trt, cuda
+        self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        info = bundle.model(role)
+        self.bundle, self.role = bundle, role
+        self.num_layers, self.kv_heads, self.head_dim = info["num_layers"], info["num_kv_heads"], info["head_dim"]
+        self.max_seq, self.vocab_size = bundle.manifest["max_seq"], bundle.manifest["vocab_size"]
+        self.stream = cuda.Stream()
+        self._contexts: dict = {}
+        self.cache: list = []
+        self.cache_lengths = np.zeros(0, dtype=np.int64)
+
+    def compiled_gammas(self) -> list[int]:
+        return self.bundle.gammas if self.role == "target" else []
+
+    # -- engine interface ---------------------------------------------------------------------
+    def start(self, batch_size: int) -> None:
+        if len(self.cache_lengths) != batch_size:
+            shape = (batch_size, self.kv_heads, self.max_seq, self.head_dim)
+            self.cache = [self._cuda.DeviceArray(shape=shape, dtype=np.float32) for _ in range(2 * self.num_layers)]
+            for buffer in self.cache:
+                buffer.copy_from(np.zeros(shape, dtype=np.float32), self.stream)
+        self.cache_lengths = np.zeros(batch_size, dtype=np.int64)
+
+    def forward(self, tokens, token_count):
+        out = self._run(f"{self.role}_forward", "forward", input_ids=tokens, past_len=self.cache_lengths, token_count=token_count)
+        self.cache_lengths = self.cache_lengths + token_count
+        return out["next_token"]
+
+    def forward_sample(self, tokens, token_count, params, uniform):
+        out = self._run(f"{self.role}_sample", "sample", input_ids=tokens, past_len=self.cache_lengths,
+                        token_count=token_count, uniform=uniform, **params)
+        self.cache_lengths = self.cache_lengths + token_count
+        return out["next_token"], out["probs"]
+
+    def verify(self, tokens):
+        out = self._run(f"target_verify_g{tokens.shape[1] - 1}", "verify", input_ids=tokens, past_len=self.cache_lengths)
+        self.cache_lengths = out["new_len"]
+        return out["accepted"], out["next_token"]
+
+    def verify_sample(self, tokens, draft_probs, params, u_accept, u_sample):
+        out = self._run(f"target_verify_sample_g{tokens.shape[1] - 1}", "verify_sample", input_ids=tokens,
+                        past_len=self.cache_lengths, draft_probs=draft_probs, u_accept=u_accept, u_sample=u_sample, **params)
+        self.cache_lengths = out["new_len"]
+        return out["accepted"], out["next_token"]
+
+    # -- execution ----------------------------------------------------------------------------
+    def _context(self, graph: str):
+        if graph not in self._contexts:
+            entry = self.bundle.manifest["engines"].get(graph)
+            if entry is None:
+                raise SpecCompileError(f"no TensorRT engine for graph {graph} in this bundle")
+            engine = self._runtime.deserialize_cuda_engine((self.bundle.path / entry["file"]).read_bytes())
+            if engine is None:
+                raise SpecCompileError(f"TensorRT could not deserialize {entry['file']} (built for {entry['gpu']}, TensorRT {entry['tensorrt_version']})")
+            self._contexts[graph] = (engine, engine.create_execution_context(), {})
+        return self._contexts[graph]
+
+    def _run(self, graph: str, kind: str, **inputs) -> dict[str, np.ndarray]:
+        engine, context, scratch = self._context(graph)
+        if kind in ("forward", "sample"):
+            profile = PREFILL_PROFILE if inputs["input_ids"].shape[1] > 2 else DECODE_PROFILE
+            context.set_optimization_profile_async(profile, self.stream.ptr)
+        for i in range(self.num_layers):
+            for k, kind_name in enumerate(("key", "value")):
+                buffer = self.cache[2 * i + k]
+                context.set_input_shape(f"past_{kind_name}.{i}", buffer.shape)
+                context.set_tensor_address(f"past_{kind_name}.{i}", buffer.ptr)
+                context.set_tensor_address(f"present_{kind_name}.{i}", buffer.ptr)  # in place
+        for name, value in inputs.items():
+            host = np.ascontiguousarray(value)
+            device = self._scratch(scratch, name, host.shape, host.dtype)
+            device.copy_from(host, self.stream)
+            context.set_input_shape(name, host.shape)
+            context.set_tensor_address(name, device.ptr)
+        batch = len(self.cache_lengths)
+        outputs = {}
+        for name in OUTPUTS[kind]:
+            shape, dtype = ((batch, self.vocab_size), np.float32) if name == "probs" else ((batch,), np.int64)
+            outputs[name] = self._scratch(scratch, name, shape, dtype)
+            context.set_tensor_address(name, outputs[name].ptr)
+        if not context.execute_async_v3(self.stream.ptr):
+            raise SpecCompileError(f"TensorRT failed to execute {graph}")
+        result = {name: buffer.copy_to(np.empty(buffer.shape, dtype=buffer.dtype), self.stream) for name, buffer in outputs.items()}
+        self.stream.synchronize()
+        return result
+
+    def _scratch(self, scratch: dict, name: str, shape, dtype):
+        """A device buffer per tensor name, grown when a larger shape comes."""
+        buffer = scratch.get(name)
+        if buffer is None or buffer.dtype != dtype or np.prod(buffer.shape) < np.prod(shape):
+            buffer = self._cuda.DeviceArray(shape=tuple(shape), dtype=dtype)
+            scratch[name] = buffer
+        buffer.resize(tuple(shape))
+        return buffer

@@ -1,0 +1,70 @@
+"""The TensorRT path: what runs anywhere (profiles, clear errors, inspect), and, where TensorRT and a
+GPU exist, engines built from the bundle that generate exactly what ONNX Runtime generates."""
+
+import importlib.util
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from speccompile.cli import main
+from speccompile.compiler.tensorrt_build import optimization_profiles
+from speccompile.runtime.bundle import open_bundle
+
+HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
+
+
+def test_optimization_profiles_cover_prefill_decode_and_fixed_gamma(bundles):
+    manifest = open_bundle(bundles("llama", "random")).manifest
+    prefill, decode = optimization_profiles(manifest["graphs"]["target_forward"], max_batch=4, max_seq=96)
+    ids = {name: (lo, opt, hi) for name, lo, opt, hi in prefill}["input_ids"]
+    assert ids == ([1, 1], [1, 24], [4, 96])
+    assert {name: (lo, hi) for name, lo, _, hi in decode}["input_ids"] == ([1, 1], [4, 2])
+    [verify] = optimization_profiles(manifest["graphs"]["target_verify_g4"], max_batch=4, max_seq=96)
+    shapes = {name: (lo, hi) for name, lo, _, hi in verify}
+    assert shapes["input_ids"] == ([1, 5], [4, 5])
+    assert shapes["past_key.0"] == ([1, 2, 96, 16], [4, 2, 96, 16])
+
+
+@pytest.mark.skipif(HAS_TENSORRT, reason="checks the message shown where TensorRT is absent")
+def test_build_without_tensorrt_is_one_clear_error_and_writes_nothing(tmp_path, checkpoints):
+    result = CliRunner().invoke(main, ["build", "--target", str(checkpoints("llama")), "--draft", str(checkpoints("llama")),
+                                       "--out", str(tmp_path / "b"), "--backend", "tensorrt"])
+    assert result.exit_code == 1
+    assert "the TensorRT backend needs the tensorrt Python package" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.skipif(HAS_TENSORRT, reason="checks the message shown where TensorRT is absent")
+def test_tensorrt_runtime_without_tensorrt_is_a_clear_error(bundles):
+    import speccompile
+    from speccompile.errors import SpecCompileError
+
+    with pytest.raises(SpecCompileError, match="tensorrt Python package"):
+        speccompile.load(bundles("llama", "random"), backend="tensorrt")
+
+
+def test_inspect_lists_graphs_shapes_and_op_counts(bundles):
+    result = CliRunner().invoke(main, ["inspect", str(bundles("qwen2", "random"))])
+    assert result.exit_code == 0, result.output
+    assert "target_verify_g4" in result.stdout and "SpecAccept 1" in result.stdout
+    assert "past_len int64['batch']" in result.stdout and "accepted int64['batch']" in result.stdout
+    info = json.loads(CliRunner().invoke(main, ["inspect", str(bundles("qwen2", "random")), "--json"]).stdout)
+    assert info["graphs"]["target_verify_sample_g4"]["op_counts"]["SpecAccept"] == 1
+    assert info["engines"] == {}
+
+
+@pytest.mark.tensorrt
+@pytest.mark.skipif(not HAS_TENSORRT, reason="tensorrt is not installed (needs NVIDIA TensorRT and a GPU)")
+def test_tensorrt_engines_generate_what_onnxruntime_generates(tmp_path, bundles):  # pragma: no cover - needs TensorRT
+    import shutil
+
+    import speccompile
+    from speccompile.compiler.tensorrt_build import build_tensorrt_engines
+
+    bundle = shutil.copytree(bundles("llama", "random"), tmp_path / "b")
+    build_tensorrt_engines(bundle, log=lambda _: None)
+    prompts = [[5, 17, 33], [8, 9, 10, 11, 12]]
+    ort = [r.token_ids for r in speccompile.load(bundle).generate(prompts, max_new_tokens=16, gamma=4)]
+    trt = [r.token_ids for r in speccompile.load(bundle, backend="tensorrt").generate(prompts, max_new_tokens=16, gamma=4)]
+    assert trt == ort
