@@ -47,7 +47,7 @@ def test_tensorrt_runtime_without_tensorrt_is_a_clear_error(bundles):
 def test_inspect_lists_graphs_shapes_and_op_counts(bundles):
     result = CliRunner().invoke(main, ["inspect", str(bundles("qwen2", "random"))])
     assert result.exit_code == 0, result.output
-    assert "target_verify_g4" in result.stdout and "SpecAccept 1" in result.stdout
+    assert "target_verify_g4: " in result.stdout and "[TensorRT: plugin needed]" not in result.stdout.split("target_verify_g4: ")[1].splitlines()[0]
     assert "past_len int64['batch']" in result.stdout and "accepted int64['batch']" in result.stdout
     info = json.loads(CliRunner().invoke(main, ["inspect", str(bundles("qwen2", "random")), "--json"]).stdout)
     assert info["graphs"]["target_verify_sample_g4"]["op_counts"]["SpecAccept"] == 1
