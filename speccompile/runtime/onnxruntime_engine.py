@@ -28,24 +28,29 @@ def _ort():
     return onnxruntime
 
 
-def session_options(threads: int | None = None):
+def session_options(threads: int | None = None, spinning: bool | None = None):
     ort = _ort()
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:
         options.intra_op_num_threads = threads
+    if spinning is not None:
+        # Spinning pool threads keep a core busy after each run; in the speculative loop that core
+        # is wanted by the other model's session, which runs next.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     return options
 
 
 class OrtModel:
     """Sessions, KV cache and per-sequence cache lengths of one model of a bundle."""
 
-    def __init__(self, bundle: Bundle, role: str, providers=("CPUExecutionProvider",), threads: int | None = None):
+    def __init__(self, bundle: Bundle, role: str, providers=("CPUExecutionProvider",), threads: int | None = None,
+                 spinning: bool | None = None):
         info = bundle.model(role)
         self.bundle, self.role = bundle, role
         self.num_layers, self.kv_heads, self.head_dim = info["num_layers"], info["num_kv_heads"], info["head_dim"]
         self.max_seq, self.vocab_size = bundle.manifest["max_seq"], bundle.manifest["vocab_size"]
-        self._options, self._providers = session_options(threads), list(providers)
+        self._options, self._providers = session_options(threads, spinning), list(providers)
         self._sessions: dict = {}
         self._bindings: dict = {}
         self.cache: list = []

@@ -1,0 +1,75 @@
+"""Measure the demo pair: held-out acceptance, step-time ratio, speed, sampling acceptance.
+
+    python tools/measure_demo.py [--bundle DIR] [--out measurements.json]
+
+Prompts are the first lines of held-out standard-library files (never seen in training): each
+prompt is a file's first `--prompt-lines` non-empty lines. Everything runs on ONNX Runtime, CPU.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import speccompile  # noqa: E402
+from speccompile.runtime.bench import bench  # noqa: E402
+from speccompile.runtime.profile import measure_costs  # noqa: E402
+from speccompile.training.corpus import read_texts, stdlib_split  # noqa: E402
+
+
+def heldout_prompts(count: int, lines: int) -> list[str]:
+    _, heldout = stdlib_split()
+    prompts = []
+    for text in read_texts(heldout):
+        body = [line for line in text.splitlines() if line.strip()][:lines]
+        if len(body) == lines:
+            prompts.append("\n".join(body) + "\n")
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def acceptance(runtime, prompts, gamma, max_new_tokens, **sampling) -> dict:
+    drafted = accepted = iterations = 0
+    by_position = [0] * gamma
+    for i, prompt in enumerate(prompts):
+        [r] = runtime.generate([prompt], max_new_tokens=max_new_tokens, gamma=gamma, seed=i, **sampling)
+        drafted += r.stats.draft_tokens
+        accepted += r.stats.accepted_tokens
+        iterations += r.stats.iterations
+        by_position = [a + b for a, b in zip(by_position, r.stats.accepted_at)]
+    return {"acceptance_rate": accepted / drafted, "mean_accepted_length": accepted / iterations,
+            "acceptance_by_position": [n / iterations for n in by_position], "prompts": len(prompts)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bundle", default=None, help="default: the embedded demo bundle")
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--prompt-lines", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    runtime = speccompile.load(args.bundle)
+    prompts = heldout_prompts(args.prompts, args.prompt_lines)
+    results = {"greedy_gamma4": acceptance(runtime, prompts, 4, args.max_new_tokens)}
+    for t in (0.7, 1.0):
+        results[f"temperature_{t}_gamma4"] = acceptance(runtime, prompts, 4, args.max_new_tokens, temperature=t)
+    costs = [measure_costs(runtime, batch=1, context=c, repeats=10) for c in (64, 256)]
+    t_target = statistics.mean(c["target_step_ms"] for c in costs)
+    t_draft = statistics.mean(c["draft_step_ms"] for c in costs)
+    results["step_ms"] = {"target": t_target, "draft": t_draft, "draft_to_target_ratio": t_draft / t_target,
+                          "verify_gamma4": statistics.mean(c["verify_ms"][4] for c in costs)}
+    summary, details = bench(runtime, prompts[:8], max_new_tokens=args.max_new_tokens, repeats=3, gamma=4)
+    results["bench_gamma4_batch1"] = {**summary, **{k: details[k] for k in ("target_step_ms", "draft_step_ms", "verify_ms", "overhead_ms_per_iteration")}}
+    text = json.dumps(results, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
