@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from speccompile.compiler.architectures import ACTIVATIONS, ARCHITECTURES, Architecture
-from speccompile.errors import SpecCompileError
+from speccompile.errors import SpecCompileError, read_json_object
 
 
 @dataclass
@@ -69,13 +69,7 @@ def _read_config(path: Path) -> dict:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise SpecCompileError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
-    try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SpecCompileError(f"{config_file}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise SpecCompileError(f"{config_file}: expected a JSON object")
-    return config
+    return read_json_object(config_file)
 
 
 def _hyper_parameters(path: Path, config: dict, arch: Architecture) -> dict:

@@ -1,11 +1,10 @@
 """A bundle on disk: manifest.json + ONNX graphs + weights + tokenizer, integrity-checked on open."""
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from speccompile.errors import SpecCompileError
+from speccompile.errors import SpecCompileError, read_json_object
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -43,11 +42,8 @@ def open_bundle(path, verify: bool = True) -> Bundle:
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
         raise SpecCompileError(f"{path}: not a speccompile bundle (no {MANIFEST})")
-    try:
-        manifest = json.loads(manifest_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SpecCompileError(f"{manifest_file}: not valid JSON ({e})") from None
-    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    manifest = read_json_object(manifest_file)
+    version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise SpecCompileError(
             f"{path}: bundle format version {version!r} is not supported (this speccompile reads version {FORMAT_VERSION}); rebuild the bundle"
