@@ -136,7 +136,7 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
 @click.option("--prompts", "prompts_file", type=click.Path(), default=None, help="JSON list of prompts, or one prompt per line.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--repeats", type=int, default=3, show_default=True)
-@click.option("--gamma", type=int, default=None, help="Draft tokens per iteration (default: the bundle's).")
+@click.option("--gamma", default=None, help="Draft tokens per iteration, or 'auto' (default: the bundle's).")
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the summary keys.")
 @user_errors
@@ -147,7 +147,7 @@ def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, as_
 
     runtime = speccompile.load(resolve_bundle(bundle))
     sampling = {"temperature": temperature, "seed": 0} if temperature else {}
-    summary, details = run_bench(runtime, read_prompts(prompts_file), max_new_tokens, repeats, gamma, sampling)
+    summary, details = run_bench(runtime, read_prompts(prompts_file), max_new_tokens, repeats, _gamma_option(gamma), sampling)
     if as_json:
         click.echo(json.dumps(summary))
         return

@@ -2,7 +2,7 @@
 
     python tools/train_demo.py tokenizer WORK      # byte-level BPE on the stdlib train split
     python tools/train_demo.py target WORK         # Llama-family target; resumes from WORK/target_ckpt
-    python tools/train_demo.py export WORK DEST    # fp16 safetensors + tokenizer into DEST
+    python tools/train_demo.py export WORK DEST [--model DIR]  # fp16 safetensors + tokenizer into DEST
 
 Everything is seeded and recorded in WORK/recipe.json; the loss curve goes to WORK/target_log.jsonl.
 """
@@ -155,11 +155,15 @@ def train_target(work: Path, steps: int | None) -> None:
 # export
 
 
-def export(work: Path, dest: Path) -> None:
+def export(work: Path, dest: Path, model_dir: Path | None = None) -> None:
+    """Ship a checkpoint (default: the trained target) as fp16 safetensors with the demo tokenizer."""
+    import shutil
+
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(work / "target", dtype=torch.float16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir or work / "target", dtype=torch.float16)
+    shutil.rmtree(dest, ignore_errors=True)
     model.save_pretrained(dest)
     transformers.AutoTokenizer.from_pretrained(work / "tokenizer").save_pretrained(dest)
     print(f"exported {dest}")
@@ -171,15 +175,17 @@ def main():
     parser.add_argument("work", type=Path)
     parser.add_argument("dest", type=Path, nargs="?")
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--model", type=Path, default=None, help="export: the checkpoint to ship (default WORK/target)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    (args.work / "recipe.json").write_text(json.dumps({**RECIPE, "python": sys.version}, indent=1))
+    if args.what != "export":
+        (args.work / "recipe.json").write_text(json.dumps({**RECIPE, "python": sys.version}, indent=1))
     if args.what == "tokenizer":
         train_tokenizer(args.work)
     elif args.what == "target":
         train_target(args.work, args.steps)
     else:
-        export(args.work, args.dest)
+        export(args.work, args.dest, args.model)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ def bench(runtime, prompts: list[str], max_new_tokens: int = 64, repeats: int = 
         raise SpecCompileError(f"--repeats must be positive, got {repeats}")
     gamma = runtime.default_gamma if gamma is None else gamma
     sampling = sampling or {}
+    requested = gamma
     _run_all(runtime, prompts[:1], "autoregressive", gamma, 8, sampling)  # warm-up: sessions, caches
     _run_all(runtime, prompts[:1], "speculative", gamma, 8, sampling)
     ar_rates, spec_rates, ar_stats, spec_stats = [], [], [], []
@@ -57,6 +58,12 @@ def bench(runtime, prompts: list[str], max_new_tokens: int = 64, repeats: int = 
         rate, stats = _run_all(runtime, prompts, "speculative", gamma, max_new_tokens, sampling)
         spec_rates.append(rate)
         spec_stats += stats
+    if gamma == "auto":  # report the γ the policy used most; the cost model is evaluated at it
+        used: dict[int, int] = {}
+        for s in spec_stats:
+            for g, n in s.gammas_used.items():
+                used[g] = used.get(g, 0) + n
+        gamma = max(used, key=used.get) if used else 0
     details = _cost_details(ar_stats, spec_stats, gamma)
     ar, spec = statistics.median(ar_rates), statistics.median(spec_rates)
     summary = {
@@ -65,7 +72,7 @@ def bench(runtime, prompts: list[str], max_new_tokens: int = 64, repeats: int = 
         "speedup": spec / ar,
         "acceptance_rate": details["accepted_tokens"] / max(1, details["draft_tokens"]),
         "mean_accepted_length": details["accepted_tokens"] / max(1, details["iterations"]),
-        "gamma": gamma,
+        "gamma": requested if requested == "auto" else gamma,
         "predicted_speedup": details["predicted_speedup"],
         "efficiency": (spec / ar) / details["predicted_speedup"],
     }
@@ -75,22 +82,22 @@ def bench(runtime, prompts: list[str], max_new_tokens: int = 64, repeats: int = 
 
 def _cost_details(ar_stats, spec_stats, gamma) -> dict:
     iterations = sum(s.iterations for s in spec_stats)
-    accepted_at = [sum(s.accepted_at[k] for s in spec_stats) for k in range(gamma)]
+    accepted_at = [sum(s.accepted_at[k] for s in spec_stats if k < len(s.accepted_at)) for k in range(gamma)]
     t_target = sum(s.decode_ms for s in ar_stats) / max(1, sum(s.iterations for s in ar_stats))
     # draft/verify clocks are per generate call (batch 1 here), so sum them over calls
-    t_draft = sum(s.draft_ms for s in spec_stats) / max(1, iterations * gamma)
+    t_draft = sum(s.draft_ms for s in spec_stats) / max(1, sum(s.draft_tokens for s in spec_stats))
     t_verify = sum(s.verify_ms for s in spec_stats) / max(1, iterations)
     t_loop = sum(s.total_ms - s.prefill_ms for s in spec_stats) / max(1, iterations)
     by_position = [count / max(1, iterations) for count in accepted_at]
     return {
         "iterations": iterations,
-        "draft_tokens": iterations * gamma,
-        "accepted_tokens": sum(accepted_at),
+        "draft_tokens": sum(s.draft_tokens for s in spec_stats),
+        "accepted_tokens": sum(s.accepted_tokens for s in spec_stats),
         "acceptance_by_position": by_position,
         "target_step_ms": t_target,
         "draft_step_ms": t_draft,
         "verify_ms": t_verify,
-        "overhead_ms_per_iteration": t_loop - gamma * t_draft - t_verify,
+        "overhead_ms_per_iteration": t_loop - sum(s.draft_tokens for s in spec_stats) / max(1, iterations) * t_draft - t_verify,
         "draft_to_target_step_ratio": t_draft / t_target if t_target else 0.0,
         "predicted_speedup": predicted_speedup(by_position, t_target, t_draft, t_verify),
     }
