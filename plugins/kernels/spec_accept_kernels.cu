@@ -1,8 +1,10 @@
 /*
- * SpecAccept kernels: the acceptance rule of speculative decoding, one thread block per sequence.
+ * speccompile kernels: the acceptance rule of speculative decoding (SpecAccept) and inverse-CDF sampling
+ * (SpecSample), one thread block per sequence; the sampling transform (SpecTransform), one per row.
  *
  * The oracle is numpy (speccompile/core/acceptance.py, sampling.py); the tests demand equal integers,
- * so every floating-point step below is the same fp32 operation, in the same order, as numpy's:
+ * so every floating-point step below is the same fp32 operation, in the same order, as numpy's (the
+ * transform's softmax excepted, see its section):
  * products and differences use the _rn intrinsics (never contracted into an FMA), prefix sums run in
  * index order on one thread, and this file must not be built with --use_fast_math (it flushes
  * denormals and would change the bits).
@@ -21,6 +23,7 @@
 #include "spec_accept_kernels.h"
 
 #include <cuda_runtime.h>
+#include <limits.h>
 #include <math.h>
 
 namespace
@@ -233,6 +236,287 @@ __global__ void sampleKernel(const float* probs, const float* uniform, int V, in
         token[b] = t;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Sampling transform (temperature, top-k, top-p), one thread block per row
+//
+// Both cut-offs are value thresholds, found without sorting the row:
+//  - top-k: the k-th largest z, by radix select on the order-preserving uint32 image of the floats
+//    (four 8-bit passes of a 256-bin histogram, each over the whole row). Exact, any V.
+//  - top-p: m = 1 + #{i : c_i < p} needs the prefix sums c of the probabilities in descending order,
+//    summed like np.cumsum: sequentially, in fp32. The row is consumed from the top in chunks: radix
+//    select finds the kTopPChunk-th largest key below the previous chunk, the keys above it (and below
+//    that chunk) are gathered into shared memory and bitonic-sorted, and thread 0 adds them in order,
+//    then the copies of the selected key itself (the ties, however many). Equal values sum the same in any
+//    order, so this is numpy's sum bit for bit on the same probabilities. It stops at the first
+//    c_i >= p (threshold: that value) or as soon as an addition no longer changes c (every later value
+//    is no larger, so c can never reach p: m = V, the threshold is the smallest value, all are kept).
+//    A peaked distribution finishes in the first chunk; each further chunk costs five more passes.
+// Nothing holds a whole row, so there is no vocabulary limit beyond V fitting an int. The softmax sum
+// runs as a block reduction, not in numpy's pairwise order, and expf is not numpy's exp, so the
+// probabilities agree to fp32 rounding, not bit for bit.
+
+constexpr int kTopPChunk = 4096;           // keys sorted per step of the top-p walk: 16 KiB of shared memory
+constexpr uint32_t kNoBound = 0xffffffffu; // above every key orderKey() produces
+
+// a > b  <=>  orderKey(a) > orderKey(b) for non-NaN floats (-0 sits just below +0, which compare equal
+// as floats anyway). NaN maps to 0, below everything: where np.sort leaves it in a descending sort.
+__device__ uint32_t orderKey(float x)
+{
+    if (isnan(x))
+        return 0u;
+    const uint32_t bits = __float_as_uint(x);
+    return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+__device__ float keyValue(uint32_t key)
+{
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+// numpy's max: a NaN wins.
+struct MaxOf
+{
+    __device__ float operator()(float a, float b) const
+    {
+        return (isnan(a) || a > b) ? a : b;
+    }
+};
+
+struct SumOf
+{
+    __device__ float operator()(float a, float b) const
+    {
+        return __fadd_rn(a, b);
+    }
+};
+
+// Reduce one value per thread over the block; the result goes to every thread.
+template <typename Op>
+__device__ float blockReduce(float x, Op op, float identity)
+{
+    __shared__ float partial[kThreads / 32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int offset = 16; offset > 0; offset /= 2)
+        x = op(x, __shfl_down_sync(0xffffffffu, x, offset));
+    if (lane == 0)
+        partial[warp] = x;
+    __syncthreads();
+    if (warp == 0)
+    {
+        x = lane < kThreads / 32 ? partial[lane] : identity;
+        for (int offset = 16; offset > 0; offset /= 2)
+            x = op(x, __shfl_down_sync(0xffffffffu, x, offset));
+        if (lane == 0)
+            partial[0] = x;
+    }
+    __syncthreads();
+    const float result = partial[0];
+    __syncthreads(); // everyone has read partial[0] before the next call overwrites it
+    return result;
+}
+
+struct Selection
+{
+    uint32_t key; // the k-th largest key below the bound
+    int above;    // keys in (key, bound)
+    int equal;    // keys == key
+};
+
+// The k-th largest of the keys below `bound` (1 <= k <= their number), MSB first: each pass counts the
+// candidates still sharing the digits chosen so far in a 256-bin histogram and picks the digit holding
+// the k-th. keyOf(i) must return the same key on every call. The result goes to every thread.
+template <typename KeyOf>
+__device__ Selection selectKth(KeyOf keyOf, int V, uint32_t bound, int k)
+{
+    __shared__ int histogram[256];
+    __shared__ Selection chosen;
+    if (threadIdx.x == 0)
+        chosen = Selection{0u, 0, 0};
+    uint32_t prefix = 0u, mask = 0u;
+    for (int shift = 24; shift >= 0; shift -= 8)
+    {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x)
+            histogram[i] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < V; i += blockDim.x)
+        {
+            const uint32_t key = keyOf(i);
+            if (key < bound && (key & mask) == prefix)
+                atomicAdd(&histogram[(key >> shift) & 0xffu], 1);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0)
+        {
+            int digit = 255, above = chosen.above;
+            while (digit > 0 && above + histogram[digit] < k)
+                above += histogram[digit--];
+            chosen = Selection{prefix | (static_cast<uint32_t>(digit) << shift), above, histogram[digit]};
+        }
+        __syncthreads();
+        prefix = chosen.key;
+        mask |= 0xffu << shift;
+    }
+    const Selection result = chosen;
+    __syncthreads(); // everyone has read `chosen` before the next call resets it
+    return result;
+}
+
+// Sort keys[0, count) in descending order (bitonic network; count <= kTopPChunk).
+__device__ void sortDescending(uint32_t* keys, int count)
+{
+    int n = 1;
+    while (n < count)
+        n *= 2;
+    for (int i = count + threadIdx.x; i < n; i += blockDim.x)
+        keys[i] = 0u; // padding sinks to the end
+    __syncthreads();
+    for (int size = 2; size <= n; size *= 2)
+    {
+        for (int stride = size / 2; stride > 0; stride /= 2)
+        {
+            for (int i = threadIdx.x; i < n / 2; i += blockDim.x)
+            {
+                const int a = 2 * i - (i & (stride - 1)), b = a + stride;
+                const bool descending = (a & size) == 0; // the last merge (size == n) is descending throughout
+                const uint32_t ka = keys[a], kb = keys[b];
+                if ((ka < kb) == descending)
+                {
+                    keys[a] = kb;
+                    keys[b] = ka;
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+// The top-p threshold of a row of probabilities: the probability of the m-th most likely token,
+// m = 1 + #{i : c_i < topP} clamped to V, c the inclusive fp32 prefix sums in descending value order.
+// 0 when that is the smallest probability (everything is kept). Returned to every thread.
+__device__ float topPThreshold(const float* probs, int V, float topP, uint32_t* chunk)
+{
+    __shared__ int gathered;
+    __shared__ int decided;
+    __shared__ float threshold;
+    const auto keyOf = [probs](int i) { return orderKey(probs[i]); };
+    float c = 0.0f; // the running prefix sum, on thread 0
+    uint32_t bound = kNoBound; // keys >= bound are summed already
+    int consumed = 0;
+    while (true)
+    {
+        // Every thread runs the same iterations: the exit is decided on thread 0 and read back from shared.
+        const Selection s = selectKth(keyOf, V, bound, min(kTopPChunk, V - consumed));
+        if (threadIdx.x == 0)
+            gathered = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < V; i += blockDim.x)
+        {
+            const uint32_t key = keyOf(i);
+            if (key > s.key && key < bound)
+                chunk[atomicAdd(&gathered, 1)] = key; // s.above < kTopPChunk of them
+        }
+        __syncthreads();
+        sortDescending(chunk, s.above);
+        if (threadIdx.x == 0)
+        {
+            // Adds x to c; true once the answer is known.
+            auto add = [&](float x) {
+                const float next = __fadd_rn(c, x);
+                if (next >= topP)
+                {
+                    threshold = x; // c_i >= p first here: m = i + 1
+                    return true;
+                }
+                if (next == c)
+                {
+                    threshold = 0.0f; // c is stuck below p: m = V, keep everything
+                    return true;
+                }
+                c = next;
+                return false;
+            };
+            bool done = false;
+            for (int j = 0; j < s.above && !done; ++j)
+                done = add(keyValue(chunk[j]));
+            const float tie = keyValue(s.key);
+            for (int j = 0; j < s.equal && !done; ++j)
+                done = add(tie);
+            if (!done && consumed + s.above + s.equal >= V)
+            {
+                threshold = 0.0f; // c never reached p: m = V
+                done = true;
+            }
+            decided = done;
+        }
+        __syncthreads();
+        if (decided)
+            break;
+        consumed += s.above + s.equal;
+        bound = s.key;
+    }
+    return threshold; // written before the last __syncthreads, not written again
+}
+
+__global__ void transformKernel(const float* logits, const float* temperature, const int64_t* topK, const float* topP,
+    int R, int V, float* probs)
+{
+    __shared__ uint32_t chunk[kTopPChunk];
+    const int64_t row = blockIdx.x;
+    const int64_t b = row / R;
+    const float* x = logits + row * V;
+    float* out = probs + row * V; // may be x: x[i] is last read by the thread that overwrites it, after all other reads
+    const float t = temperature[b];
+    if (t == 0.0f)
+    {
+        // Greedy: one-hot on the first maximum of the logits.
+        const int best = blockArgmax(x, V);
+        for (int i = threadIdx.x; i < V; i += blockDim.x)
+            out[i] = i == best ? 1.0f : 0.0f;
+        return;
+    }
+    const auto z = [x, t](int i) { return __fdiv_rn(x[i], t); };
+    // top-k: keep z >= the k-th largest z
+    const int64_t k = topK[b];
+    const bool cut = 0 < k && k < V;
+    const auto zKey = [&z](int i) { return orderKey(z(i)); };
+    const float kth = cut ? keyValue(selectKth(zKey, V, kNoBound, static_cast<int>(k)).key) : -INFINITY;
+    const auto masked = [&](int i) {
+        const float zi = z(i);
+        return (!cut || zi >= kth) ? zi : -INFINITY; // np.where(z >= kth, z, -inf)
+    };
+    // softmax: exp(z - max) / sum
+    float m = -INFINITY;
+    for (int i = threadIdx.x; i < V; i += blockDim.x)
+        m = MaxOf{}(m, masked(i));
+    m = blockReduce(m, MaxOf{}, -INFINITY);
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < V; i += blockDim.x)
+    {
+        const float e = expf(__fsub_rn(masked(i), m));
+        out[i] = e;
+        sum = __fadd_rn(sum, e);
+    }
+    sum = blockReduce(sum, SumOf{}, 0.0f);
+    for (int i = threadIdx.x; i < V; i += blockDim.x)
+        out[i] = __fdiv_rn(out[i], sum); // each thread divides what it wrote
+    const float p = topP[b];
+    if (!(p < 1.0f))
+        return;
+    // top-p: keep probs >= the threshold, renormalise
+    __syncthreads(); // the whole row is written before anyone walks it
+    const float threshold = topPThreshold(out, V, p, chunk);
+    sum = 0.0f;
+    for (int i = threadIdx.x; i < V; i += blockDim.x)
+    {
+        const float kept = out[i] >= threshold ? out[i] : 0.0f;
+        out[i] = kept;
+        sum = __fadd_rn(sum, kept);
+    }
+    sum = blockReduce(sum, SumOf{}, 0.0f);
+    for (int i = threadIdx.x; i < V; i += blockDim.x)
+        out[i] = __fdiv_rn(out[i], sum);
+}
+
 int launched()
 {
     return static_cast<int>(cudaGetLastError());
@@ -282,5 +566,20 @@ extern "C" int speccompile_sample(
     if (!probs || !uniform || !token)
         return cudaErrorInvalidValue;
     sampleKernel<<<B, kThreads, 0, stream>>>(probs, uniform, V, token);
+    return launched();
+}
+
+extern "C" int speccompile_transform(const float* logits, const float* temperature, const int64_t* top_k,
+    const float* top_p, int B, int R, int V, float* probs, cudaStream_t stream)
+{
+    if (B < 0 || R < 0 || V < 1)
+        return cudaErrorInvalidValue;
+    if (B == 0 || R == 0)
+        return cudaSuccess;
+    if (!logits || !temperature || !top_k || !top_p || !probs)
+        return cudaErrorInvalidValue;
+    if (static_cast<int64_t>(B) * R > INT_MAX) // one block per row; gridDim.x is at most 2^31 - 1
+        return cudaErrorInvalidValue;
+    transformKernel<<<B * R, kThreads, 0, stream>>>(logits, temperature, top_k, top_p, R, V, probs);
     return launched();
 }

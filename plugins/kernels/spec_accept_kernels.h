@@ -1,10 +1,12 @@
 /*
- * SpecAccept CUDA kernels behind a plain C ABI (no TensorRT dependency).
+ * The speccompile CUDA kernels (SpecAccept, SpecSample, SpecTransform) behind a plain C ABI (no
+ * TensorRT dependency).
  *
  * The rules are exactly those of the numpy oracle, speccompile/core/acceptance.py and
- * speccompile/core/sampling.py: same inputs, same integers out. Layouts are dense row-major,
- * B = batch, G = γ (number of draft tokens), V = vocabulary size. All pointers are device pointers;
- * the work is enqueued on `stream` and the call returns without synchronising.
+ * speccompile/core/sampling.py: same inputs, same integers out (and, for the transform, the same
+ * probabilities to within fp32 rounding). Layouts are dense row-major, B = batch, G = γ (number of
+ * draft tokens), R = rows per batch entry, V = vocabulary size. All pointers are device pointers; the
+ * work is enqueued on `stream` and the call returns without synchronising.
  *
  * Every function returns 0 (cudaSuccess) when the kernel was enqueued, cudaErrorInvalidValue for
  * bad sizes or missing pointers, or the launch error otherwise (a cudaError_t value as int).
@@ -57,6 +59,25 @@ SPECCOMPILE_API int speccompile_sample_accept(const float* target_probs, const f
  */
 SPECCOMPILE_API int speccompile_sample(const float* probs, const float* uniform, int B, int V, int64_t* token,
     cudaStream_t stream);
+
+/*
+ * Sampling transform (`transform`), row by row: probs[b, r, :] = transform(logits[b, r, :], temperature[b],
+ * top_k[b], top_p[b]), the distribution SpecTransform hands to sampling:
+ *   temperature == 0  one-hot on the first maximum of the logits (NaN counts as maximal)
+ *   otherwise         z = logits / temperature;
+ *                     0 < top_k < V: keep z >= the top_k-th largest z (ties kept), the rest drop out;
+ *                     softmax;
+ *                     top_p < 1: keep probs >= the probability of the m-th most likely token, where
+ *                     m = 1 + #{i : c_i < top_p} clamped to V, c the inclusive fp32 prefix sums of the
+ *                     probabilities sorted in descending order; renormalise.
+ * logits [B, R, V], temperature [B], top_p [B] fp32; top_k [B] int64; probs [B, R, V] fp32 (may be
+ * `logits` itself). One thread block per row, B * R <= INT_MAX; any V >= 1 (selection is by radix
+ * select, not a sort, so there is no vocabulary limit). R == 0 is a no-op like B == 0.
+ * Values match the numpy reference to within fp32 rounding (exp and the softmax sum run in a different
+ * order); the kept set matches exactly except when the top-p prefix sum lands within rounding of top_p.
+ */
+SPECCOMPILE_API int speccompile_transform(const float* logits, const float* temperature, const int64_t* top_k,
+    const float* top_p, int B, int R, int V, float* probs, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -1,10 +1,13 @@
 /*
  * The SpecAccept IPluginV3 (see spec_accept_plugin.h): shapes, types and registration for TensorRT;
- * the rule itself runs in the CUDA kernels of plugins/kernels.
+ * the rule itself runs in the CUDA kernels of plugins/kernels. The library's entry points
+ * (setLoggerFinder, getCreators) live here too and serve SpecTransform and SpecSample as well
+ * (spec_sampling_plugins.cpp).
  */
 #include "spec_accept_plugin.h"
 
 #include "spec_accept_kernels.h"
+#include "spec_sampling_plugins.h"
 
 #include <algorithm>
 #include <atomic>
@@ -77,6 +80,8 @@ bool hasArity(AcceptMode mode, int32_t nbInputs, int32_t nbOutputs)
 
 std::atomic<nvinfer1::ILoggerFinder*> gLoggerFinder{nullptr};
 
+} // namespace
+
 void logError(char const* message) noexcept
 {
     nvinfer1::ILoggerFinder* finder = gLoggerFinder.load();
@@ -88,6 +93,9 @@ void logError(char const* message) noexcept
     }
     std::cerr << "[speccompile] " << message << std::endl;
 }
+
+namespace
+{
 
 // ---------------------------------------------------------------------------------------------
 // Fields and shapes
@@ -340,8 +348,10 @@ extern "C" SPECCOMPILE_PLUGIN_API void setLoggerFinder(nvinfer1::ILoggerFinder* 
 
 extern "C" SPECCOMPILE_PLUGIN_API nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators)
 {
-    static speccompile::SpecAcceptPluginCreator creator;
-    static nvinfer1::IPluginCreatorInterface* const creators[] = {&creator};
-    nbCreators = 1;
+    static speccompile::SpecAcceptPluginCreator acceptCreator;
+    static speccompile::SpecTransformPluginCreator transformCreator;
+    static speccompile::SpecSamplePluginCreator sampleCreator;
+    static nvinfer1::IPluginCreatorInterface* const creators[] = {&acceptCreator, &transformCreator, &sampleCreator};
+    nbCreators = static_cast<int32_t>(sizeof(creators) / sizeof(creators[0]));
     return creators;
 }

@@ -95,6 +95,10 @@ private:
     nvinfer1::PluginFieldCollection mFields;
 };
 
+//! Report an error through the logger TensorRT handed to setLoggerFinder (stderr before that); shared by
+//! all the plugins of this library.
+void logError(char const* message) noexcept;
+
 } // namespace speccompile
 
 #endif // SPECCOMPILE_SPEC_ACCEPT_PLUGIN_H

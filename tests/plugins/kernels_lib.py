@@ -1,4 +1,4 @@
-"""Build the SpecAccept CUDA kernels with nvcc and call their C ABI from Python (ctypes).
+"""Build the speccompile CUDA kernels with nvcc and call their C ABI from Python (ctypes).
 
 Device memory comes from torch when it has CUDA, else from libcudart through ctypes, so the kernels
 can be checked on a GPU machine with or without a CUDA build of torch.
@@ -13,13 +13,14 @@ import numpy as np
 
 PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
 KERNELS_CU = PLUGINS / "kernels" / "spec_accept_kernels.cu"
-SYMBOLS = ("speccompile_greedy_accept", "speccompile_sample_accept", "speccompile_sample")
+SYMBOLS = ("speccompile_greedy_accept", "speccompile_sample_accept", "speccompile_sample", "speccompile_transform")
 
 P, I, S = ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p  # device pointer, int, cudaStream_t
 SIGNATURES = {
     "speccompile_greedy_accept": [P, P, P, I, I, I, P, P, P, S],
     "speccompile_sample_accept": [P, P, P, P, P, P, I, I, I, P, P, P, S],
     "speccompile_sample": [P, P, I, I, P, S],
+    "speccompile_transform": [P, P, P, P, I, I, I, P, S],
 }
 
 # ---- build -------------------------------------------------------------------------------------
@@ -160,7 +161,7 @@ def open_device():
     return TorchDevice(torch) if torch is not None else CudartDevice(load_cudart())
 
 
-# ---- the three kernels, numpy in, numpy out ---------------------------------------------------------------
+# ---- the kernels, numpy in, numpy out -------------------------------------------------------------------
 
 
 def _outputs(device, batch: int, count: int) -> list[int]:
@@ -190,4 +191,15 @@ def sample(lib, device, probs, uniform):
     [out] = _outputs(device, batch, 1)
     ins = [device.put(np.asarray(probs, np.float32)), device.put(np.asarray(uniform, np.float32))]
     assert lib.speccompile_sample(*ins, batch, vocab, out, device.stream) == 0
+    return device.get(out)
+
+
+def transform(lib, device, logits, temperature, top_k, top_p, in_place=False):
+    """probs [B, R, V] for logits [B, R, V] and per-batch temperature, top_k, top_p; with in_place the
+    kernel overwrites the logits buffer."""
+    batch, rows, vocab = logits.shape
+    x = device.put(np.asarray(logits, np.float32))
+    out = x if in_place else device.put(np.zeros((batch, rows, vocab), np.float32))
+    params = [device.put(np.asarray(a, dt)) for a, dt in [(temperature, np.float32), (top_k, np.int64), (top_p, np.float32)]]
+    assert lib.speccompile_transform(x, *params, batch, rows, vocab, out, device.stream) == 0
     return device.get(out)

@@ -10,7 +10,11 @@ import subprocess
 
 import pytest
 
+from onnx import TensorProto
+
 from speccompile.compiler import spec_accept
+from speccompile.compiler.onnx_graph import GraphBuilder
+from speccompile.compiler.transformer import _sampling_inputs
 from tests.plugins.kernels_lib import PLUGINS, SYMBOLS, exported_symbols, load_kernels
 
 CUDA_ERROR_INVALID_VALUE = 1
@@ -45,10 +49,18 @@ def test_bad_arguments_are_refused_before_any_launch(kernels_library):
     assert lib.speccompile_greedy_accept(None, None, None, 2, 1, 8, *outs, None) == CUDA_ERROR_INVALID_VALUE  # NULLs
     assert lib.speccompile_sample_accept(*[None] * 6, -1, 1, 8, *outs, None) == CUDA_ERROR_INVALID_VALUE  # B < 0
     assert lib.speccompile_sample(None, None, 1, 8, None, None) == CUDA_ERROR_INVALID_VALUE
+    assert lib.speccompile_transform(*[None] * 4, 2, 1, 0, None, None) == CUDA_ERROR_INVALID_VALUE  # V = 0
+    assert lib.speccompile_transform(*[None] * 4, 2, -1, 8, None, None) == CUDA_ERROR_INVALID_VALUE  # R < 0
+    assert lib.speccompile_transform(*[None] * 4, 2, 3, 8, None, None) == CUDA_ERROR_INVALID_VALUE  # NULLs
+    fake = 256  # never dereferenced: the B * R check comes first
+    big = 1 << 16  # B * R = 2^32 rows: more than a grid holds
+    assert lib.speccompile_transform(*[fake] * 4, big, big, 8, fake, None) == CUDA_ERROR_INVALID_VALUE
     # An empty batch is a no-op, not an error.
     assert lib.speccompile_greedy_accept(None, None, None, 0, 4, 8, *outs, None) == 0
     assert lib.speccompile_sample_accept(*[None] * 6, 0, 4, 8, *outs, None) == 0
     assert lib.speccompile_sample(None, None, 0, 8, None, None) == 0
+    assert lib.speccompile_transform(*[None] * 4, 0, 3, 8, None, None) == 0
+    assert lib.speccompile_transform(*[None] * 4, 2, 0, 8, None, None) == 0  # no rows
 
 
 # ---- the plugin's identity --------------------------------------------------------------------------
@@ -69,6 +81,44 @@ def test_plugin_answers_to_what_the_onnx_node_asks_for():
         assert re.findall(r"DataType::k\w+, // (\w+)", block) == list(function.input)
     assert re.search(r'extern "C" \w+ nvinfer1::IPluginCreatorInterface\* const\* getCreators\(int32_t& nbCreators\)', source)
     assert "REGISTER_TENSORRT_PLUGIN(SpecAcceptPluginCreator)" in source
+
+
+def dtype_table(source: str, table: str) -> list[tuple[str, str]]:
+    """[(DataType, tensor name)] of a `constexpr DataType table[] = {...}` in a plugin source."""
+    block = re.search(table + r"\[\] = \{(.*?)\};", source, re.S).group(1)
+    return re.findall(r"DataType::(k\w+), // (\w+)", block)
+
+
+def test_sampling_plugins_answer_to_what_the_onnx_nodes_ask_for():
+    """SpecTransform and SpecSample: identity, the `mode` field, and the inputs and outputs in ONNX order
+    with the dtypes the graphs feed them (speccompile/compiler/transformer.py)."""
+    source = (PLUGINS / "tensorrt" / "spec_sampling_plugins.cpp").read_text()
+    constants = dict(re.findall(r'constexpr char const\* (k\w+) = "([^"]*)";', source))
+    assert constants["kPLUGIN_VERSION"] == spec_accept.PLUGIN_VERSION
+    assert constants["kPLUGIN_NAMESPACE"] == spec_accept.PLUGIN_NAMESPACE
+    # The graphs' tensors: sampling controls as transformer._sampling_inputs declares them, the rest fixed.
+    g = GraphBuilder("controls")
+    _sampling_inputs(g)
+    trt_types = {TensorProto.FLOAT: "kFLOAT", TensorProto.INT64: "kINT64"}
+    dtypes = {v.name: trt_types[v.type.tensor_type.elem_type] for v in g.inputs}
+    dtypes.update(logits="kFLOAT", probs="kFLOAT", uniform="kFLOAT", token="kINT64")
+    for prefix, function in [("TRANSFORM", spec_accept.spec_transform_function(64)), ("SAMPLE", spec_accept.spec_sample_function())]:
+        assert function.name == constants[f"k{prefix}_NAME"]
+        assert constants["kMODE_FIELD"] in function.attribute
+        for table, names in [("INPUTS", function.input), ("OUTPUTS", function.output)]:
+            entries = dtype_table(source, f"k{prefix}_{table}")
+            assert [name for _, name in entries] == list(names)
+            assert [dtype for dtype, _ in entries] == [dtypes[name] for name in names]
+        # The node's `mode` is what the plugin serializes.
+        g = GraphBuilder("node")
+        spec_accept.spec_op(g, function.name, *function.input, out=list(function.output)[0], vocab_size=64)
+        [node] = [n for n in g.nodes if n.op_type == function.name]
+        assert {a.name: a.s.decode() for a in node.attribute}[constants["kMODE_FIELD"]] == constants["kMODE_DEFAULT"]
+        assert f"REGISTER_TENSORRT_PLUGIN({function.name}PluginCreator)" in source
+    # loadLibrary registers what getCreators() returns: all three ops.
+    entry = (PLUGINS / "tensorrt" / "spec_accept_plugin.cpp").read_text().split("getCreators(int32_t& nbCreators)")[1]
+    for op in ("SpecAccept", "SpecTransform", "SpecSample"):
+        assert f"speccompile::{op}PluginCreator " in entry
 
 
 # ---- CMake ------------------------------------------------------------------------------------------
@@ -105,9 +155,10 @@ def test_cmake_builds_the_plugin_library_with_its_loader_entry_points(plugin_lib
 
 
 @pytest.mark.tensorrt
-def test_tensorrt_registry_finds_the_spec_accept_creator(plugin_library):
+def test_tensorrt_registry_finds_the_creators(plugin_library):
     trt = pytest.importorskip("tensorrt")
     registry = trt.get_plugin_registry()
     assert registry.load_library(str(plugin_library)) is not None
-    creator = registry.get_creator("SpecAccept", spec_accept.PLUGIN_VERSION, spec_accept.PLUGIN_NAMESPACE)
-    assert creator is not None
+    for op in ("SpecAccept", "SpecTransform", "SpecSample"):
+        creator = registry.get_creator(op, spec_accept.PLUGIN_VERSION, spec_accept.PLUGIN_NAMESPACE)
+        assert creator is not None, op

@@ -1,15 +1,17 @@
-"""The SpecAccept CUDA kernels against the numpy oracle: the same integers out, on a CUDA device.
+"""The speccompile CUDA kernels against the numpy oracle, on a CUDA device.
 
 The oracle is speccompile.core.acceptance (greedy_accept, sample_accept) and
-speccompile.core.sampling.sample_from. Sampling compares exactly, not statistically: the kernels
-repeat numpy's fp32 operations in numpy's order, so the same uniforms must pick the same tokens.
+speccompile.core.sampling (sample_from, transform). Sampling compares exactly, not statistically: the
+kernels repeat numpy's fp32 operations in numpy's order, so the same uniforms must pick the same
+tokens. The transform's probabilities agree to fp32 rounding (exp and the softmax sum differ from
+numpy's), and its kept set exactly.
 """
 
 import numpy as np
 import pytest
 
 from speccompile.core.acceptance import greedy_accept, sample_accept
-from speccompile.core.sampling import sample_from
+from speccompile.core.sampling import sample_from, transform
 from tests.plugins import kernels_lib
 
 NO_DEVICE = kernels_lib.no_cuda_device_reason()
@@ -179,3 +181,59 @@ def test_sample_equals_reference(kernels, device, kind, batch, vocab):
     probs = sample_weights(rng, kind, batch, vocab)
     u = (np.arange(batch, dtype=np.float32) / batch) if kind == "boundaries" else uniforms(rng, batch)
     np.testing.assert_array_equal(kernels_lib.sample(kernels, device, probs, u), sample_from(probs, u))
+
+
+# ---- sampling transform -------------------------------------------------------------------------------
+
+TRANSFORM_SETTINGS = [  # (temperature, top_k, top_p), one per batch entry
+    (0.0, 0, 1.0),  # greedy: one-hot on the first maximum
+    (1.0, 0, 1.0),  # plain softmax
+    (0.7, 5, 1.0),
+    (1.3, 0, 0.8),
+    (0.5, 3, 0.5),
+    (2.0, 40, 0.95),
+    (1.0, 0, 0.0),  # top_p 0: the most likely token and its ties
+    (1.0, -1, 0.9),  # top_k <= 0: no top-k cut
+    (0.9, 2**40, 0.99),  # top_k >= V: no top-k cut
+    (1.0, 1, 1.0),  # top_k 1: the maximum and its ties
+    (3.0, 1000, 0.999),
+    (4.0, 0, 0.999),  # nearly flat: at large V the top-p walk runs over several chunks
+]
+TRANSFORM_KINDS = ["normal", "ties", "masked"]
+
+
+def transform_logits(rng, kind, batch, rows, vocab):
+    if kind == "ties":  # few distinct values: ties at the top-k and top-p thresholds
+        return np.round(2 * rng.standard_normal((batch, rows, vocab))).astype(np.float32)
+    logits = 3 * rng.standard_normal((batch, rows, vocab))
+    if kind == "masked":  # -inf logits (banned tokens) end with probability 0
+        logits[rng.random(logits.shape) < 0.3] = -np.inf
+        logits[..., 0] = 1.0
+    return logits.astype(np.float32)
+
+
+def transform_params(settings):
+    """temperature, top_k, top_p arrays ([B] each) for a list of settings."""
+    columns = zip(*settings)
+    return tuple(np.array(column, dtype) for column, dtype in zip(columns, (np.float32, np.int64, np.float32)))
+
+
+@pytest.mark.parametrize("kind", TRANSFORM_KINDS)
+@pytest.mark.parametrize("vocab", [7, 64, 8192, 50257])
+def test_transform_equals_reference(kernels, device, vocab, kind):
+    rng = np.random.default_rng([vocab, TRANSFORM_KINDS.index(kind)])
+    logits = transform_logits(rng, kind, len(TRANSFORM_SETTINGS), 3, vocab)
+    temperature, top_k, top_p = transform_params(TRANSFORM_SETTINGS)
+    probs = kernels_lib.transform(kernels, device, logits, temperature, top_k, top_p)
+    for b, setting in enumerate(TRANSFORM_SETTINGS):
+        want = transform(logits[b], float(temperature[b]), int(top_k[b]), float(top_p[b]))  # the fp32 values the kernel saw
+        np.testing.assert_allclose(probs[b], want, rtol=0, atol=1e-6, err_msg=f"probabilities for {setting}")
+        np.testing.assert_array_equal(probs[b] > 0, want > 0, err_msg=f"kept tokens for {setting}")
+
+
+def test_transform_may_overwrite_its_logits(kernels, device):
+    rng = np.random.default_rng(7)
+    logits = transform_logits(rng, "normal", 3, 2, 1000)
+    params = transform_params([(0.0, 0, 1.0), (0.8, 50, 0.9), (1.0, 0, 0.95)])
+    in_place = kernels_lib.transform(kernels, device, logits, *params, in_place=True)
+    np.testing.assert_array_equal(in_place, kernels_lib.transform(kernels, device, logits, *params))
