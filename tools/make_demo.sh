@@ -9,7 +9,7 @@ WORK=${WORK:-work/demo}
 python tools/train_demo.py target "$WORK" --steps 900
 python tools/train_demo.py export "$WORK" speccompile/demo/target
 speccompile distill --target speccompile/demo/target --corpus stdlib --out "$WORK/draft" \
-    --layers 3 --hidden 192 --intermediate 512 --steps 1200 --batch 16 --seq-len 128 --lr 3e-3 --seed 0 \
+    --layers 3 --hidden 192 --intermediate 512 --steps 2000 --batch 16 --seq-len 128 --lr 3e-3 --seed 0 \
     --generated-fraction 0.2 --checkpoint-every 50
 python tools/train_demo.py export "$WORK" speccompile/demo/draft --model "$WORK/draft"
 python tools/measure_demo.py --out "$WORK/measurements.json"

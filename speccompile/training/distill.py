@@ -154,8 +154,16 @@ def _resume(out_dir: Path, draft, optimizer, rng, o: DistillOptions, log) -> int
     draft.load_state_dict(state["draft"])
     optimizer.load_state_dict(state["optimizer"])
     rng.bit_generator.state = state["rng"]
+    _truncate_log(out_dir / LOG, state["step"])
     log(f"resuming from the checkpoint at step {state['step']} in {out_dir}")
     return state["step"]
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop log lines of steps after the checkpoint: an interrupted run redoes them."""
+    if path.exists():
+        lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in lines))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -61,6 +61,31 @@ def test_resume_continues_from_the_checkpoint(tmp_path, checkpoints, corpus):
     assert steps == list(range(1, 21))
 
 
+def test_an_interrupted_run_resumes_from_its_last_checkpoint(tmp_path, checkpoints, corpus, monkeypatch):
+    from speccompile.training import distill as module
+
+    out = tmp_path / "d"
+    calls = {"n": 0}
+    real_batch = module._batch
+
+    def interrupt_at_step_15(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 15:
+            raise KeyboardInterrupt
+        return real_batch(*args, **kwargs)
+
+    monkeypatch.setattr(module, "_batch", interrupt_at_step_15)
+    with pytest.raises(KeyboardInterrupt):
+        distill(checkpoints("gpt2"), corpus, out, DistillOptions(steps=20, **OPTIONS), log=lambda _: None)
+    monkeypatch.setattr(module, "_batch", real_batch)
+    assert (out / "distill_state.pt").exists()  # the step-10 checkpoint survived the interruption
+    lines = []
+    distill(checkpoints("gpt2"), corpus, out, DistillOptions(steps=20, **OPTIONS), log=lines.append)
+    assert any("resuming from the checkpoint at step 10" in line for line in lines)
+    steps = [json.loads(line)["step"] for line in (out / "distill_log.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 21))
+
+
 def test_resume_with_a_different_shape_is_refused(tmp_path, checkpoints, corpus):
     out = tmp_path / "d"
     distill(checkpoints("gpt2"), corpus, out, DistillOptions(steps=2, **OPTIONS), log=lambda _: None)
