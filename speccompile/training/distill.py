@@ -207,7 +207,7 @@ def _lr(step: int, o: DistillOptions) -> float:
 def _train(target, draft, tokenizer, optimizer, rng, tokens, step, out_dir: Path, o: DistillOptions, log) -> None:
     import torch
 
-    started, log_file = time.time(), open(out_dir / LOG, "a")
+    started, first_step, log_file = time.time(), step, open(out_dir / LOG, "a")
     while step < o.steps:
         batch = _batch(target, tokenizer, tokens, rng, o, step)
         with torch.no_grad():
@@ -222,7 +222,8 @@ def _train(target, draft, tokenizer, optimizer, rng, tokens, step, out_dir: Path
         step += 1
         log_file.write(json.dumps({"step": step, "kl": round(loss.item(), 4), "elapsed_s": round(time.time() - started, 1)}) + "\n")
         if step % max(1, o.steps // 20) == 0 or step == o.steps:
-            log(f"step {step}/{o.steps}  kl {loss.item():.4f}  {step * o.batch * o.seq_len / (time.time() - started):.0f} tok/s")
+            rate = (step - first_step) * o.batch * o.seq_len / (time.time() - started)
+            log(f"step {step}/{o.steps}  kl {loss.item():.4f}  {rate:.0f} tok/s")
         if step % o.checkpoint_every == 0 or step == o.steps:
             _checkpoint(out_dir, draft, optimizer, rng, step, o)
     log_file.close()
