@@ -78,6 +78,7 @@ def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force, bac
 @click.option("--generated-fraction", type=float, default=0.25, show_default=True,
               help="Share of batches whose second half the target generates.")
 @click.option("--checkpoint-every", type=int, default=50, show_default=True)
+@click.option("--init", type=click.Path(), default=None, help="Start from an existing draft checkpoint (e.g. to keep distilling it).")
 @user_errors
 def distill(target_dir, corpus, out_dir, **options):
     """Train a small draft that matches the target's next-token distribution."""

@@ -20,11 +20,17 @@ from speccompile.runtime.profile import measure_costs  # noqa: E402
 from speccompile.training.corpus import read_texts, stdlib_split  # noqa: E402
 
 
-def heldout_prompts(count: int, lines: int) -> list[str]:
+def heldout_prompts(count: int, lines: int, from_code: bool = False) -> list[str]:
+    """`lines` non-empty lines of held-out files: from each file's start, or (from_code) from its
+    first line that starts a top-level def or class (skipping licence headers and docstrings)."""
     _, heldout = stdlib_split()
     prompts = []
     for text in read_texts(heldout):
-        body = [line for line in text.splitlines() if line.strip()][:lines]
+        body = [line for line in text.splitlines() if line.strip()]
+        if from_code:
+            starts = [i for i, line in enumerate(body) if line.startswith(("def ", "class "))]
+            body = body[starts[0]:] if starts else []
+        body = body[:lines]
         if len(body) == lines:
             prompts.append("\n".join(body) + "\n")
         if len(prompts) == count:
@@ -55,7 +61,9 @@ def main():
     args = parser.parse_args()
     runtime = speccompile.load(args.bundle)
     prompts = heldout_prompts(args.prompts, args.prompt_lines)
-    results = {"greedy_gamma4": acceptance(runtime, prompts, 4, args.max_new_tokens)}
+    code_prompts = heldout_prompts(args.prompts, args.prompt_lines, from_code=True)
+    results = {"greedy_gamma4": acceptance(runtime, prompts, 4, args.max_new_tokens),
+               "greedy_gamma4_code_prompts": acceptance(runtime, code_prompts, 4, args.max_new_tokens)}
     for t in (0.7, 1.0):
         results[f"temperature_{t}_gamma4"] = acceptance(runtime, prompts, 4, args.max_new_tokens, temperature=t)
     costs = [measure_costs(runtime, batch=1, context=c, repeats=10) for c in (64, 256)]

@@ -38,10 +38,11 @@ class DistillOptions:
     generated_fraction: float = 0.25
     checkpoint_every: int = 50
     eval_windows: int = 16
+    init: str | None = None  # an existing draft checkpoint to start from (its size overrides layers/hidden/...)
 
     def shape(self) -> dict:
         """The options that fix the draft's weights; a resumed run must keep them."""
-        return {k: getattr(self, k) for k in ("layers", "hidden", "heads", "intermediate", "seed")}
+        return {k: getattr(self, k) for k in ("layers", "hidden", "heads", "intermediate", "seed", "init")}
 
 
 def distill(target_dir, corpus, out_dir, options: DistillOptions, log=print) -> Path:
@@ -131,9 +132,13 @@ def _new_draft(target, model_type: str, o: DistillOptions):
     import torch
     import transformers
 
-    config = draft_config(target.config, model_type, o)
     torch.manual_seed(o.seed)
-    draft = transformers.AutoModelForCausalLM.from_config(config)
+    if o.init:
+        draft = transformers.AutoModelForCausalLM.from_pretrained(o.init, dtype=torch.float32)
+        if draft.config.model_type != model_type or draft.config.vocab_size != target.config.vocab_size:
+            raise SpecCompileError(f"--init {o.init}: a {draft.config.model_type} with {draft.config.vocab_size} tokens cannot draft for this {model_type} target")
+    else:
+        draft = transformers.AutoModelForCausalLM.from_config(draft_config(target.config, model_type, o))
     n_draft, n_target = (sum(p.numel() for p in m.parameters()) for m in (draft, target))
     if n_draft >= n_target:
         raise SpecCompileError(f"draft of {n_draft / 1e6:.2f}M parameters is not smaller than the {n_target / 1e6:.2f}M-parameter target")

@@ -112,3 +112,12 @@ def test_draft_larger_than_target_is_refused(tmp_path, checkpoints, corpus):
     with pytest.raises(SpecCompileError, match="not smaller than"):
         distill(checkpoints("llama"), corpus, tmp_path / "d", DistillOptions(**{**OPTIONS, "hidden": 256, "layers": 4}), log=lambda _: None)
     assert not (tmp_path / "d").exists()
+
+
+def test_init_continues_an_existing_draft(tmp_path, smooth_target, corpus):
+    first = distill(smooth_target, corpus, tmp_path / "a", DistillOptions(**{**OPTIONS, "steps": 30}), log=lambda _: None)
+    lines = []
+    distill(smooth_target, corpus, tmp_path / "b", DistillOptions(**{**OPTIONS, "steps": 5, "init": str(first)}), log=lines.append)
+    trained = json.loads((first / "distill.json").read_text())["agreement"]
+    [start] = [line for line in lines if line.startswith("untrained draft")]
+    assert trained > 0.1 and start.endswith(f"{trained:.3f}")  # the second run started where the first ended
