@@ -61,7 +61,7 @@ def distill(target_dir, corpus, out_dir, options: DistillOptions, log=print) -> 
     rng = np.random.default_rng(options.seed)
     step = _resume(out_dir, draft, optimizer, rng, options, log)
     if step == 0:
-        log(f"untrained draft: agreement with target {_agreement(target, draft, eval_tokens, options):.3f}")
+        log(f"initial draft: agreement with target {_agreement(target, draft, eval_tokens, options):.3f}")
     out_dir.mkdir(parents=True, exist_ok=True)
     _train(target, draft, tokenizer, optimizer, rng, train_tokens, step, out_dir, options, log)
     agreement = _agreement(target, draft, eval_tokens, options)

@@ -119,5 +119,5 @@ def test_init_continues_an_existing_draft(tmp_path, smooth_target, corpus):
     lines = []
     distill(smooth_target, corpus, tmp_path / "b", DistillOptions(**{**OPTIONS, "steps": 5, "init": str(first)}), log=lines.append)
     trained = json.loads((first / "distill.json").read_text())["agreement"]
-    [start] = [line for line in lines if line.startswith("untrained draft")]
+    [start] = [line for line in lines if line.startswith("initial draft")]
     assert trained > 0.1 and start.endswith(f"{trained:.3f}")  # the second run started where the first ended
