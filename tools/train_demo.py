@@ -25,7 +25,7 @@ RECIPE = {
         "hidden_size": 512, "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4,
         "intermediate_size": 1408, "max_position_embeddings": 1024, "rope_theta": 10000.0,
     },
-    "train": {"seq_len": 256, "batch": 16, "steps": 1100, "lr": 1.5e-3, "min_lr": 1.5e-4, "warmup": 100,
+    "train": {"seq_len": 256, "batch": 16, "steps": 900, "lr": 1.5e-3, "min_lr": 1.5e-4, "warmup": 100,
               "weight_decay": 0.1, "grad_clip": 1.0, "eval_every": 100, "eval_windows": 64, "threads": 2},
 }
 

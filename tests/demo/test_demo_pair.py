@@ -24,7 +24,7 @@ def test_the_pair_loads_in_transformers_and_shares_the_tokenizer():
     assert target.config.model_type == draft.config.model_type == "llama"
     n_target = sum(p.numel() for p in target.parameters())
     n_draft = sum(p.numel() for p in draft.parameters())
-    assert n_target >= 20e6 and n_draft * 8 < n_target
+    assert n_target >= 20e6 and n_draft * 5 < n_target
     tokenizers = [transformers.AutoTokenizer.from_pretrained(d) for d in (DEMO_TARGET, DEMO_DRAFT)]
     assert tokenizers[0].get_vocab() == tokenizers[1].get_vocab()
 
@@ -45,10 +45,9 @@ def looks_like_python(text: str) -> bool:
 
 @pytest.fixture(scope="module")
 def demo_runtime(tmp_path_factory):
-    import os
-
-    os.environ["SPECCOMPILE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    return speccompile.load()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECCOMPILE_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield speccompile.load()
 
 
 def test_the_target_writes_python_and_speculation_is_lossless(demo_runtime):
