@@ -50,7 +50,7 @@ class OrtModel:
         self.bundle, self.role = bundle, role
         self.num_layers, self.kv_heads, self.head_dim = info["num_layers"], info["num_kv_heads"], info["head_dim"]
         self.max_seq, self.vocab_size = bundle.manifest["max_seq"], bundle.manifest["vocab_size"]
-        self._options, self._providers = session_options(threads, spinning), list(providers)
+        self._threads, self._spinning, self._providers = threads, spinning, list(providers)
         self._sessions: dict = {}
         self._bindings: dict = {}
         self.cache: list = []
@@ -94,8 +94,20 @@ class OrtModel:
         if graph not in self._sessions:
             if graph not in self.bundle.manifest["graphs"]:
                 raise SpecCompileError(f"graph {graph} is not in this bundle")
-            self._sessions[graph] = _ort().InferenceSession(str(self.bundle.graph_path(graph)), self._options, providers=self._providers)
+            options = session_options(self._threads, self._spin(graph))
+            self._sessions[graph] = _ort().InferenceSession(str(self.bundle.graph_path(graph)), options, providers=self._providers)
         return self._sessions[graph]
+
+    def _spin(self, graph: str) -> bool:
+        """Pool threads spin after a run only where the same session runs again next (decode steps).
+
+        In the speculative loop a verification is followed by draft steps on another session:
+        spinning verify threads would take the cores those steps need (measured on the demo pair,
+        2 cores: verification 7.1 -> 5.9 ms, draft step unchanged, with spinning off).
+        """
+        if self._spinning is not None:
+            return self._spinning
+        return "_verify" not in graph
 
     def _run(self, graph: str, kind: str, **inputs) -> dict[str, np.ndarray]:
         binding, outputs = self._binding(graph, kind)
