@@ -10,11 +10,11 @@ precision is the ONNX's. Engines and their manifest entries are added to the bun
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 from speccompile.errors import SpecCompileError
 from speccompile.runtime.bundle import MANIFEST, open_bundle, sha256_file
+from speccompile.runtime.hardware import gpu as gpu_info
 
 ENGINES_DIR = "engines"
 PLUGIN_ENV = "SPECCOMPILE_PLUGIN_LIB"
@@ -65,16 +65,6 @@ def optimization_profiles(entry: dict, max_batch: int, max_seq: int) -> list[lis
     return profiles
 
 
-def _gpu() -> dict:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()[0]
-        name, capability = (x.strip() for x in out.split(","))
-        return {"gpu": name, "compute_capability": capability}
-    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
-        return {"gpu": "unknown", "compute_capability": "unknown"}
-
-
 def build_engine(trt, onnx_path: Path, profiles, plugin: Path, timing_cache: Path | None, hardware_compat: bool,
                  version_compat: bool) -> bytes:
     from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, LoadPlugins, NetworkFromOnnxPath, Profile
@@ -106,7 +96,7 @@ def build_tensorrt_engines(bundle_dir, plugin=None, timing_cache=None, hardware_
     staging = bundle.path / f".{ENGINES_DIR}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
-    engines, gpu = {}, _gpu()
+    engines, gpu = {}, gpu_info()
     try:
         for name, entry in manifest["graphs"].items():
             log(f"  TensorRT engine for {name}")

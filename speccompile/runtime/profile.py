@@ -111,7 +111,7 @@ def build_profile(runtime, prompts, batch_sizes, context_lengths, repeats: int =
         best = max(speedups, key=lambda g: (speedups[g], -g))
         by_batch[batch] = {**costs, "per_context": dict(zip(contexts, per_context)), "overhead_ms": overhead,
                            "predicted_speedup": speedups, "best_gamma": best}
-    fp = fingerprint()
+    fp = fingerprint(runtime.backend)
     return {
         "fingerprint": fp,
         "key": fingerprint_key(fp),

@@ -28,7 +28,7 @@ class GenerationResult:
 
 class Runtime:
     def __init__(self, bundle: Bundle, backend: str = "onnxruntime", threads: int | None = None):
-        self.bundle = bundle
+        self.bundle, self.backend = bundle, backend
         if backend == "onnxruntime":
             from speccompile.runtime.onnxruntime_engine import OrtModel
 
@@ -44,9 +44,10 @@ class Runtime:
         self.tokenizer = Tokenizer(bundle.path / bundle.manifest["tokenizer"]["dir"], bundle.manifest["tokenizer"])
         self.max_seq, self.max_batch = bundle.manifest["max_seq"], bundle.manifest["max_batch"]
         self.default_gamma = bundle.manifest["default_gamma"]
+        from speccompile.runtime.hardware import fingerprint
         from speccompile.runtime.profile import find_profile
 
-        self.profile = find_profile(bundle.path)  # γ profile measured on this hardware, if any
+        self.profile = find_profile(bundle.path, fingerprint(backend))  # measured on this hardware and backend, if any
         self._calibrations: dict[int, dict] = {}  # batch size -> quick timings when no profile matches
         self.log = lambda line: print(line, file=sys.stderr)
 
