@@ -32,17 +32,22 @@ def checkpoints(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="session")
 def bundles(tmp_path_factory, checkpoints):
-    """bundles(family, draft) -> path of a built bundle; draft is "copy" (the target itself) or "random"."""
+    """bundles(family, draft, draft_weights) -> path of a built bundle; draft is "copy" (the target
+    itself) or "random"; draft_weights as `speccompile build --draft-weights` (default: float32 for
+    the copy, so that it agrees with the target exactly; int8, the build's default, for random)."""
     from speccompile.compiler.build import build_bundle
 
     made = {}
 
-    def get(family: str, draft: str = "copy"):
-        if (family, draft) not in made:
+    def get(family: str, draft: str = "copy", draft_weights: str | None = None):
+        draft_weights = draft_weights or ("float32" if draft == "copy" else "int8")
+        key = family, draft, draft_weights
+        if key not in made:
             target = checkpoints(family, "target")
             draft_dir = target if draft == "copy" else checkpoints(family, "draft")
-            out = tmp_path_factory.mktemp(f"bundle-{family}-{draft}") / "bundle"
-            made[family, draft] = build_bundle(target, draft_dir, out, gammas=[1, 4], max_seq=96, max_batch=4, log=lambda _: None)
-        return made[family, draft]
+            out = tmp_path_factory.mktemp(f"bundle-{family}-{draft}-{draft_weights}") / "bundle"
+            made[key] = build_bundle(target, draft_dir, out, gammas=[1, 4], max_seq=96, max_batch=4,
+                                     draft_weights=draft_weights, log=lambda _: None)
+        return made[key]
 
     return get

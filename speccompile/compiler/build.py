@@ -17,7 +17,7 @@ from pathlib import Path
 import onnx
 
 from speccompile.compiler.checkpoint import ModelSpec, check_max_seq, load_checkpoint
-from speccompile.compiler.onnx_graph import OPSET, WeightFile
+from speccompile.compiler.onnx_graph import MATMUL_WEIGHTS, OPSET, WeightFile
 from speccompile.compiler.tokenizer import check_compatible, eos_token_ids, load_tokenizer, save_tokenizer
 from speccompile.compiler.transformer import build_forward_graph, build_verify_graph
 from speccompile.compiler.trt_rules import check_tensorrt_compatible
@@ -44,9 +44,13 @@ PHASES = ["load target", "load draft", "check compatibility", "export graphs", "
 
 
 def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 1024, max_batch: int = 8,
-                 force: bool = False, log=print) -> Path:
+                 force: bool = False, draft_weights: str = "int8", log=print) -> Path:
+    """`draft_weights`: how the draft's matmul weights are stored, "int8" (weight-only, per output
+    column) or "float32". The target is always float32: its numerics are the output."""
     out_dir = Path(out_dir)
     gammas = _check_options(out_dir, list(gammas), max_seq, max_batch, force)
+    if draft_weights not in MATMUL_WEIGHTS:
+        raise SpecCompileError(f"--draft-weights must be one of {', '.join(MATMUL_WEIGHTS)}, got {draft_weights!r}")
     progress = Progress(PHASES, log)
 
     progress("load target")
@@ -63,7 +67,7 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         check_max_seq(spec, max_seq)
 
     progress("export graphs")
-    graphs = _export_graphs(target, draft, gammas, max_seq, vocab_out)
+    graphs = _export_graphs(target, draft, gammas, max_seq, vocab_out, draft_weights)
     for name, (builder, _) in graphs.items():
         log(f"  {name}: {len(builder.nodes)} nodes")
 
@@ -101,12 +105,12 @@ def _check_options(out_dir: Path, gammas: list[int], max_seq: int, max_batch: in
     return list(dict.fromkeys(gammas))  # unique, in the order given
 
 
-def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_out) -> dict:
+def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_out, draft_weights) -> dict:
     """name -> (GraphBuilder, role)."""
     graphs = {}
-    for role, spec in (("target", target), ("draft", draft)):
+    for role, spec, weights in (("target", target, "float32"), ("draft", draft, draft_weights)):
         for sample, name in ((False, f"{role}_forward"), (True, f"{role}_sample")):
-            graphs[name] = (build_forward_graph(spec, name, max_seq, vocab_out, sample=sample), role)
+            graphs[name] = (build_forward_graph(spec, name, max_seq, vocab_out, sample=sample, matmul_weights=weights), role)
     for gamma in gammas:
         for sample, name in ((False, f"target_verify_g{gamma}"), (True, f"target_verify_sample_g{gamma}")):
             graphs[name] = (build_verify_graph(target, name, gamma, max_seq, vocab_out, sample=sample), "target")
@@ -158,7 +162,7 @@ def _graph_entry(staging: Path, name: str, role: str, gamma, needs_plugin: list[
     }
 
 
-def _model_entry(spec: ModelSpec, weight_file: WeightFile) -> dict:
+def _model_entry(spec: ModelSpec, weight_file: WeightFile, matmul_weights: str) -> dict:
     hp = spec.hp
     return {
         "source": str(spec.path.resolve()),
@@ -171,6 +175,7 @@ def _model_entry(spec: ModelSpec, weight_file: WeightFile) -> dict:
         "hidden_size": hp["hidden_size"],
         "vocab_size": hp["vocab_size"],
         "weights_file": weight_file.filename,
+        "matmul_weights": matmul_weights,
         "config": spec.config,
     }
 
@@ -189,7 +194,8 @@ def _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max
         "max_seq": max_seq,
         "max_batch": max_batch,
         "vocab_size": vocab_out,
-        "models": {role: _model_entry(spec, weight_files[role]) for role, spec in (("target", target), ("draft", draft))},
+        "models": {role: _model_entry(spec, weight_files[role], graphs[f"{role}_forward"][0].matmul_weights)
+                   for role, spec in (("target", target), ("draft", draft))},
         "tokenizer": {
             "dir": "tokenizer",
             "eos_token_ids": eos_token_ids(target, tokenizer),

@@ -12,18 +12,22 @@ from onnx import TensorProto, helper, numpy_helper
 OPSET = 24  # TensorScatter (in-place KV write) needs 24; TensorRT 10.15's parser reads opsets 9..24
 IR_VERSION = 10
 FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
+WEIGHT_DTYPES = {np.dtype(np.float32): (TensorProto.FLOAT, "<f4"), np.dtype(np.int8): (TensorProto.INT8, "i1")}
+MATMUL_WEIGHTS = ("float32", "int8")
 
 
 class GraphBuilder:
     """Accumulates nodes, inputs, outputs and initializers for one ONNX graph."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, matmul_weights: str = "float32"):
+        assert matmul_weights in MATMUL_WEIGHTS, f"matmul_weights {matmul_weights!r} not in {MATMUL_WEIGHTS}"
         self.name = name
+        self.matmul_weights = matmul_weights
         self.nodes: list[onnx.NodeProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self.constants: dict[str, onnx.TensorProto] = {}
-        self.weights: dict[str, np.ndarray] = {}  # name -> array, written to the weights file
+        self.weights: dict[str, np.ndarray] = {}  # name -> array (float32 or int8), written to the weights file
         self.functions: list[onnx.FunctionProto] = []
         self.domains: dict[str, int] = {}
         self.scope = ""
@@ -42,9 +46,26 @@ class GraphBuilder:
         return name
 
     def weight(self, name: str, array: np.ndarray) -> str:
-        assert array.dtype == np.float32, f"weight {name} is {array.dtype}, expected float32"
+        assert array.dtype in WEIGHT_DTYPES, f"weight {name} is {array.dtype}, expected one of {list(WEIGHT_DTYPES)}"
         self.weights[name] = array
         return name
+
+    def matmul(self, x: str, name: str, weight: np.ndarray) -> str:
+        """x @ weight [K, N], with the weight stored as this graph's `matmul_weights` say.
+
+        int8: symmetric per-output-column scales, q = round(W / s), s = max_k |W[k, n]| / 127, and
+        DequantizeLinear(q, s) feeding the MatMul. That is the standard weight-only pattern: ONNX
+        Runtime fuses it into MatMulNBits (a quarter of the weight bytes a GEMV streams), TensorRT
+        into an int8 weight-only GEMM. Used for the draft, whose precision moves only the acceptance
+        rate, never the output.
+        """
+        if self.matmul_weights == "float32":
+            return self.op("MatMul", x, self.weight(name, weight))
+        scale = np.abs(weight).max(axis=0) / 127.0
+        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+        quantized = np.clip(np.rint(weight / scale), -127, 127).astype(np.int8)
+        dequantized = self.op("DequantizeLinear", self.weight(name + "_q", quantized), self.weight(name + "_scale", scale), axis=1)
+        return self.op("MatMul", x, dequantized)
 
     def const(self, value, dtype=np.int64) -> str:
         """A small constant (shape, axes, scalar) stored inline in the graph."""
@@ -88,7 +109,7 @@ class GraphBuilder:
 
 
 def _external_tensor(name: str, array: np.ndarray, location: str, offset: int, length: int) -> onnx.TensorProto:
-    tensor = onnx.TensorProto(name=name, data_type=FLOAT, dims=list(array.shape))
+    tensor = onnx.TensorProto(name=name, data_type=WEIGHT_DTYPES[array.dtype][0], dims=list(array.shape))
     tensor.data_location = onnx.TensorProto.EXTERNAL
     for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
         tensor.external_data.add(key=key, value=value)
@@ -119,7 +140,7 @@ class WeightFile:
         with open(path, "wb") as f:
             for offset, array in self._arrays:
                 f.seek(offset)
-                f.write(np.ascontiguousarray(array, dtype="<f4").tobytes())
+                f.write(np.ascontiguousarray(array, dtype=WEIGHT_DTYPES[array.dtype][1]).tobytes())
 
 
 class FunctionBuilder:

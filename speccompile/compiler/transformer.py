@@ -23,10 +23,12 @@ from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT64, GraphBuilder
 from speccompile.compiler.spec_accept import OUTPUTS, spec_accept_node, spec_op
 
 
-def build_forward_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int, sample: bool = False) -> GraphBuilder:
+def build_forward_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int, sample: bool = False,
+                        matmul_weights: str = "float32") -> GraphBuilder:
     """Greedy (`next_token` = argmax) or, with sample=True, sampled from the transformed
-    distribution with a supplied uniform per sequence (outputs `next_token` and `probs`)."""
-    g = GraphBuilder(name)
+    distribution with a supplied uniform per sequence (outputs `next_token` and `probs`).
+    `matmul_weights` "int8" stores the projection and LM-head weights quantized (see GraphBuilder.matmul)."""
+    g = GraphBuilder(name, matmul_weights)
     ids = g.input("input_ids", INT64, ["batch", "tokens"])
     past_len = g.input("past_len", INT64, ["batch"])
     token_count = g.input("token_count", INT64, ["batch"])
@@ -94,50 +96,48 @@ def _decoder(g: GraphBuilder, spec: ModelSpec, ids: str, past_len: str, max_seq:
     x = g.op("Gather", g.weight("embed", w["embed"]), ids)
     if "pos_embed" in w:
         x = g.op("Add", x, g.op("Gather", g.weight("pos_embed", w["pos_embed"]), positions))
-    rope = _rope_tables(g, spec, positions, max_seq) if spec.arch.block == "llama" else None
-    kv_len, mask = _attention_mask(g, spec, past_len, num_tokens, positions)
+    rope = _rope_tables(g, spec, max_seq) if spec.arch.block == "llama" else None
+    kv_len, mask = _attention_mask(g, past_len, num_tokens, positions)
     for i in range(hp["num_layers"]):
         g.scope = f"layer{i}/"
-        x = _block(g, spec, i, x, past_len, rope, kv_len, mask, max_seq)
+        x = _block(g, spec, i, x, past_len, positions, rope, kv_len, mask, max_seq)
     g.scope = ""
     return x
 
 
-def _attention_mask(g, spec, past_len, num_tokens, positions):
+def _attention_mask(g, past_len, num_tokens, positions):
     """Keys read: positions [0, max(past_len)+T). Query at position p sees key j iff j <= p."""
     kv_len = g.op("Add", g.op("ReduceMax", past_len, keepdims=1), g.op("Unsqueeze", num_tokens, g.const([0])))
     key_pos = g.op("Range", g.const(0), g.op("Squeeze", kv_len, g.const([0])), g.const(1))  # [L]
     visible = g.op("LessOrEqual", key_pos, g.op("Unsqueeze", positions, g.const([2])))  # [B, T, L]
-    # Queries are laid out as [B, H_kv, G*T, L] (G query heads share one KV head): row g*T+t.
-    group = spec.hp["num_heads"] // spec.hp["num_kv_heads"]
-    visible = g.op("Tile", visible, g.const([1, group, 1]))
-    return kv_len, g.op("Unsqueeze", visible, g.const([1]))  # [B, 1, G*T, L]
+    return kv_len, g.op("Unsqueeze", visible, g.const([1]))  # [B, 1, T, L]: the same for every head
 
 
-def _block(g, spec, i, x, past_len, rope, kv_len, mask, max_seq):
+def _block(g, spec, i, x, past_len, positions, rope, kv_len, mask, max_seq):
     p = f"layers.{i}."
     h = _norm(g, spec, x, p + "attn_norm")
-    x = g.op("Add", x, _attention(g, spec, i, h, past_len, rope, kv_len, mask, max_seq))
+    x = g.op("Add", x, _attention(g, spec, i, h, past_len, positions, rope, kv_len, mask, max_seq))
     h = _norm(g, spec, x, p + "mlp_norm")
     return g.op("Add", x, _mlp(g, spec, p, h))
 
 
-def _attention(g, spec, i, h, past_len, rope, kv_len, mask, max_seq):
+def _attention(g, spec, i, h, past_len, positions, rope, kv_len, mask, max_seq):
+    """One fused QKV projection, RoPE, the cache write, and ONNX Attention (GQA from the shapes).
+
+    Few, large nodes on purpose: at decode time a small model's step cost is per-node overhead
+    (ONNX Runtime CPU), and TensorRT maps RMSNormalization/RotaryEmbedding/Attention to fused layers.
+    """
     hp, p = spec.hp, f"layers.{i}."
     heads, kv_heads, head_dim = hp["num_heads"], hp["num_kv_heads"], hp["head_dim"]
-    q = _split_heads(g, _linear(g, spec, h, p + "q"), heads, head_dim)  # [B, Hq, T, D]
-    k = _split_heads(g, _linear(g, spec, h, p + "k"), kv_heads, head_dim)
-    v = _split_heads(g, _linear(g, spec, h, p + "v"), kv_heads, head_dim)
+    qkv = _linear(g, spec, h, p + "qkv", parts=(p + "q", p + "k", p + "v"))  # [B, T, (Hq+2Hkv)*D]
+    qkv = g.op("Reshape", qkv, g.const([0, 0, heads + 2 * kv_heads, head_dim]))
+    qkv = g.op("Transpose", qkv, perm=[0, 2, 1, 3])  # [B, Hq+2Hkv, T, D]
+    q, k, v = g.op("Split", qkv, g.const([heads, kv_heads, kv_heads]), axis=1, outputs=3)
     if rope is not None:
-        q, k = _rotate(g, q, rope), _rotate(g, k, rope)
+        q, k = (g.op("RotaryEmbedding", t, *rope, positions) for t in (q, k))
     keys = _write_cache(g, f"key.{i}", k, past_len, spec, max_seq, kv_len)
     values = _write_cache(g, f"value.{i}", v, past_len, spec, max_seq, kv_len)
-    grouped_q = g.op("Reshape", q, g.const([0, kv_heads, -1, head_dim]))  # [B, H_kv, G*T, D]
-    scores = g.op("MatMul", grouped_q, g.op("Transpose", keys, perm=[0, 1, 3, 2]))
-    scores = g.op("Mul", scores, g.const(hp["attn_scale"], np.float32))
-    scores = g.op("Where", mask, scores, g.const(np.finfo(np.float32).min, np.float32))
-    context = g.op("MatMul", g.op("Softmax", scores, axis=-1), values)  # [B, H_kv, G*T, D]
-    context = g.op("Reshape", context, g.const([0, heads, -1, head_dim]))
+    context = g.op("Attention", q, keys, values, mask, scale=float(hp["attn_scale"]))  # [B, Hq, T, D]
     context = g.op("Transpose", context, perm=[0, 2, 1, 3])
     context = g.op("Reshape", context, g.const([0, 0, heads * head_dim]))
     return _linear(g, spec, context, p + "o")
@@ -152,49 +152,42 @@ def _write_cache(g, name, new, past_len, spec, max_seq, kv_len):
     return g.op("Slice", present, g.const([0]), kv_len, g.const([2]))
 
 
-def _split_heads(g, x, heads, head_dim):
-    x = g.op("Reshape", x, g.const([0, 0, heads, head_dim]))
-    return g.op("Transpose", x, perm=[0, 2, 1, 3])
-
-
 # ---------------------------------------------------------------------------------------------
-# rotary embeddings (HF "rotate_half" convention)
+# rotary embeddings (HF "rotate_half" convention = ONNX RotaryEmbedding with interleaved=0)
 
 
 def rope_tables(theta: float, head_dim: int, max_seq: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos [S, D] and signed sin [S, D] so that rope(x) = x*cos + swap_halves(x)*sin.
+    """cos and sin [S, D/2] of position × inverse frequency, computed in fp32 as HF does.
 
-    HF: rope(x) = x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1] and cos/sin repeated
-    over both halves; [-x2, x1] * [s, s] == [x2, x1] * [-s, s]. Computed in fp32 as HF does.
+    RotaryEmbedding rotates the pairs (x_j, x_{j+D/2}): [x1*cos - x2*sin, x2*cos + x1*sin], which is
+    HF's x*cos + rotate_half(x)*sin with cos/sin repeated over both halves.
     """
     inv_freq = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))).astype(np.float32)
     freqs = np.arange(max_seq, dtype=np.float32)[:, None] * inv_freq[None, :]
-    cos, sin = np.cos(freqs), np.sin(freqs)
-    return np.concatenate([cos, cos], -1).astype(np.float32), np.concatenate([-sin, sin], -1).astype(np.float32)
+    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
 
 
-def _rope_tables(g, spec, positions, max_seq):
+def _rope_tables(g, spec, max_seq):
     cos, sin = rope_tables(spec.hp["rope_theta"], spec.hp["head_dim"], max_seq)
-    cos = g.op("Unsqueeze", g.op("Gather", g.weight("rope_cos", cos), positions), g.const([1]))  # [B,1,T,D]
-    sin = g.op("Unsqueeze", g.op("Gather", g.weight("rope_sin", sin), positions), g.const([1]))
-    return cos, sin
-
-
-def _rotate(g, x, rope):
-    cos, sin = rope
-    first, second = g.op("Split", x, axis=-1, num_outputs=2, outputs=2)
-    swapped = g.op("Concat", second, first, axis=-1)
-    return g.op("Add", g.op("Mul", x, cos), g.op("Mul", swapped, sin))
+    return g.weight("rope_cos", cos), g.weight("rope_sin", sin)
 
 
 # ---------------------------------------------------------------------------------------------
 # norms, projections, MLP
 
 
-def _linear(g, spec, x, prefix):
-    y = g.op("MatMul", x, g.weight(prefix + "_w", spec.weights[prefix + "_w"]))
-    if prefix + "_b" in spec.weights:
-        y = g.op("Add", y, g.weight(prefix + "_b", spec.weights[prefix + "_b"]))
+def _linear(g, spec, x, prefix, parts=None):
+    """x @ W (+ b). With `parts`, W is those projections side by side: one MatMul instead of several
+    (their outputs are split or reshaped by the caller)."""
+    w = spec.weights
+    names = parts or (prefix,)
+    weight = w[names[0] + "_w"] if parts is None else np.concatenate([w[n + "_w"] for n in names], axis=1)
+    y = g.matmul(x, prefix + "_w", weight)
+    has_bias = [n + "_b" in w for n in names]
+    assert all(has_bias) or not any(has_bias), f"{prefix}: bias on some of {names} only"
+    if all(has_bias):
+        bias = np.concatenate([w[n + "_b"] for n in names])
+        y = g.op("Add", y, g.weight(prefix + "_b", bias))
     return y
 
 
@@ -204,17 +197,13 @@ def _norm(g, spec, x, prefix):
     eps = float(spec.hp["norm_eps"])
     if spec.arch.block == "gpt2":
         return g.op("LayerNormalization", x, scale, g.weight(prefix + "_b", w[prefix + "_b"]), axis=-1, epsilon=eps)
-    # RMSNorm from primitives (RMSNormalization is opset 23 and too new for older TensorRT parsers).
-    mean_square = g.op("ReduceMean", g.op("Mul", x, x), g.const([-1]), keepdims=1)
-    inv_rms = g.op("Reciprocal", g.op("Sqrt", g.op("Add", mean_square, g.const(eps, np.float32))))
-    return g.op("Mul", g.op("Mul", x, inv_rms), scale)
+    return g.op("RMSNormalization", x, scale, axis=-1, epsilon=eps)
 
 
 def _mlp(g, spec, p, h):
     if spec.arch.block == "llama":  # down(silu(gate(h)) * up(h))
-        gate = _linear(g, spec, h, p + "gate")
-        act = g.op("Mul", gate, g.op("Sigmoid", gate))
-        return _linear(g, spec, g.op("Mul", act, _linear(g, spec, h, p + "up")), p + "down")
+        gate, up = g.op("Split", _linear(g, spec, h, p + "gate_up", parts=(p + "gate", p + "up")), axis=-1, num_outputs=2, outputs=2)
+        return _linear(g, spec, g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up), p + "down")
     return _linear(g, spec, _gelu_tanh(g, _linear(g, spec, h, p + "up")), p + "down")
 
 
@@ -231,4 +220,4 @@ def _lm_head(g, spec, hidden, vocab_out):
     head = spec.weights["lm_head"]
     if head.shape[1] != vocab_out:  # draft and target may pad their embeddings differently
         head = np.ascontiguousarray(head[:, :vocab_out])
-    return g.op("MatMul", hidden, g.weight("lm_head", head))
+    return g.matmul(hidden, "lm_head", head)

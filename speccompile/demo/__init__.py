@@ -2,7 +2,8 @@
 
 Every command that takes a bundle uses the demo bundle when given none. It is built on first use
 into the user cache directory (or $SPECCOMPILE_CACHE), under a name keyed by the sha256 of the demo
-checkpoint files, so a changed pair is rebuilt and an unchanged one never is.
+checkpoint files and of the compiler's source, so a changed pair or a changed compiler is rebuilt and
+an unchanged one never is.
 """
 
 import hashlib
@@ -14,6 +15,7 @@ from speccompile.errors import SpecCompileError
 DEMO_ROOT = Path(__file__).resolve().parent
 DEMO_TARGET = DEMO_ROOT / "target"
 DEMO_DRAFT = DEMO_ROOT / "draft"
+COMPILER_ROOT = DEMO_ROOT.parent / "compiler"
 DEMO_GAMMAS = [4, 2, 6]  # the first is the default γ
 DEMO_MAX_SEQ = 1024
 DEMO_MAX_BATCH = 8
@@ -29,10 +31,10 @@ def cache_dir() -> Path:
 
 
 def demo_key(target: Path = None, draft: Path = None) -> str:
-    """sha256 over the demo checkpoints' file names and contents."""
+    """sha256 over the file names and contents of the demo checkpoints and the compiler package."""
     digest = hashlib.sha256()
-    for root in (target or DEMO_TARGET, draft or DEMO_DRAFT):
-        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+    for root in (target or DEMO_TARGET, draft or DEMO_DRAFT, COMPILER_ROOT):
+        for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
             digest.update(str(path.relative_to(root.parent)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()

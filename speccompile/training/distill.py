@@ -212,7 +212,7 @@ def _lr(step: int, o: DistillOptions) -> float:
 def _train(target, draft, tokenizer, optimizer, rng, tokens, step, out_dir: Path, o: DistillOptions, log) -> None:
     import torch
 
-    started, first_step, log_file = time.time(), step, open(out_dir / LOG, "a")
+    started, first_step, log_file = time.time(), step, open(out_dir / LOG, "a", buffering=1)
     while step < o.steps:
         batch = _batch(target, tokenizer, tokens, rng, o, step)
         with torch.no_grad():

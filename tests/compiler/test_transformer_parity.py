@@ -1,6 +1,7 @@
 """Logits of the exported graphs against the HF transformers forward (fp32, tiny random models)."""
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -59,12 +60,34 @@ def test_prefill_and_decode_logits_match_hf(family, checkpoints, bundles):
             assert out["next_token"][row] == np.argmax(out["logits"][row])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_draft_graph_matches_its_own_hf_model(family, checkpoints, bundles):
-    bundle = open_bundle(bundles(family, "random"))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints(family, "draft")).eval()
-    session = ort.InferenceSession(str(bundle.graph_path("draft_forward")))
-    prompt = [1, 2, 3, 4, 5]
+def draft_logits(bundle_dir, prompt, optimized_model=None) -> np.ndarray:
+    bundle = open_bundle(bundle_dir)
+    options = ort.SessionOptions()
+    if optimized_model:
+        options.optimized_model_filepath = str(optimized_model)
+    session = ort.InferenceSession(str(bundle.graph_path("draft_forward")), options)
     out = run_forward(session, bundle.manifest, "draft", np.array([prompt], np.int64), np.zeros(1, np.int64),
-                      np.array([5], np.int64), empty_cache(bundle.manifest, "draft", 1))
-    np.testing.assert_allclose(out["logits"][0], hf_last_logits(hf, prompt), atol=ATOL)
+                      np.array([len(prompt)], np.int64), empty_cache(bundle.manifest, "draft", 1))
+    return out["logits"][0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float32_draft_graph_matches_its_own_hf_model(family, checkpoints, bundles):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints(family, "draft")).eval()
+    prompt = [1, 2, 3, 4, 5]
+    np.testing.assert_allclose(draft_logits(bundles(family, "random", "float32"), prompt), hf_last_logits(hf, prompt), atol=ATOL)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_int8_draft_is_close_to_float32_and_runs_as_fused_int8_gemm(family, bundles, tmp_path):
+    """int8 weight-only draft: logits within quantization error of the float32 draft, and ONNX
+    Runtime fuses every DequantizeLinear -> MatMul into MatMulNBits (otherwise it would fold the
+    weights back to float32 and the draft would gain nothing)."""
+    prompt = [1, 2, 3, 4, 5]
+    exact = draft_logits(bundles(family, "random", "float32"), prompt)
+    optimized = tmp_path / "draft_optimized.onnx"
+    quantized = draft_logits(bundles(family, "random", "int8"), prompt, optimized_model=optimized)
+    error = np.abs(quantized - exact).max() / np.abs(exact).max()
+    assert 0 < error < 0.05, f"int8 draft logits off by {error:.3%} of their range"
+    ops = [node.op_type for node in onnx.load(str(optimized), load_external_data=False).graph.node]
+    assert "MatMulNBits" in ops and "DequantizeLinear" not in ops, sorted(set(ops))
