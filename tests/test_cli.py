@@ -162,3 +162,11 @@ def test_build_reports_phases(tmp_path, checkpoints):
     assert code == 0, output
     assert "[1/6] load target" in output and "[6/6] write bundle" in output
     assert (tmp_path / "b" / "manifest.json").is_file()
+
+
+def test_build_draft_weights_option(tmp_path, checkpoints):
+    code, output = run(*build_args(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b", "--max-seq", 64,
+                                   "--draft-weights", "float32"))
+    assert code == 0, output
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert manifest["models"]["draft"]["matmul_weights"] == "float32"

@@ -45,6 +45,28 @@ def test_graphs_pass_onnx_checker_and_tensorrt_rules(bundles, family):
         assert model.opset_import[0].version == 24
 
 
+def test_draft_matmuls_are_int8_weight_only_and_the_target_stays_float32(bundles):
+    bundle = open_bundle(bundles("llama", "random"))
+    models = bundle.manifest["models"]
+    assert models["draft"]["matmul_weights"] == "int8" and models["target"]["matmul_weights"] == "float32"
+    for name, role in (("draft_forward", "draft"), ("target_verify_g4", "target")):
+        graph = onnx.load(str(bundle.graph_path(name)), load_external_data=False).graph
+        int8 = {t.name for t in graph.initializer if t.data_type == onnx.TensorProto.INT8}
+        dequantized = {n.input[0] for n in graph.node if n.op_type == "DequantizeLinear"}
+        matmuls = sum(n.op_type == "MatMul" for n in graph.node)
+        # per layer: qkv, o, gate_up, down; plus the LM head
+        expected = 4 * models[role]["num_layers"] + 1 if role == "draft" else 0
+        assert len(int8) == len(dequantized & int8) == expected, (name, sorted(int8))
+        assert matmuls == 4 * models[role]["num_layers"] + 1
+
+
+def test_float32_draft_on_request(bundles):
+    bundle = open_bundle(bundles("llama", "random", "float32"))
+    assert bundle.manifest["models"]["draft"]["matmul_weights"] == "float32"
+    graph = onnx.load(str(bundle.graph_path("draft_forward")), load_external_data=False).graph
+    assert not any(n.op_type == "DequantizeLinear" for n in graph.node)
+
+
 def test_verification_graph_returns_only_integers_per_sequence(bundles):
     bundle = open_bundle(bundles("llama", "random"))
     outputs = bundle.manifest["graphs"]["target_verify_g4"]["outputs"]
