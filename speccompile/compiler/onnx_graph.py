@@ -55,8 +55,8 @@ class GraphBuilder:
 
         int8: symmetric per-output-column scales, q = round(W / s), s = max_k |W[k, n]| / 127, and
         DequantizeLinear(q, s) feeding the MatMul. That is the standard weight-only pattern: ONNX
-        Runtime fuses it into MatMulNBits (a quarter of the weight bytes a GEMV streams), TensorRT
-        into an int8 weight-only GEMM. Used for the draft, whose precision moves only the acceptance
+        Runtime fuses it into MatMulNBits (a quarter of the weight bytes a GEMV streams); TensorRT's
+        parser reads it as explicit quantization. Used for the draft, whose precision moves only the acceptance
         rate, never the output.
         """
         if self.matmul_weights == "float32":
