@@ -1,0 +1,59 @@
+"""GraphBuilder.matmul: float32 weights as they are, int8 weights as DequantizeLinear(q, scale) -> MatMul."""
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto
+
+from speccompile.compiler.onnx_graph import FLOAT, GraphBuilder, WeightFile
+
+
+def run_matmul(weight: np.ndarray, x: np.ndarray, matmul_weights: str, tmp_path) -> np.ndarray:
+    g = GraphBuilder("m", matmul_weights)
+    y = g.matmul(g.input("x", FLOAT, list(x.shape)), "w", weight)
+    g.output(y, "y", FLOAT, [x.shape[0], weight.shape[1]])
+    weights = WeightFile("w.bin")
+    weights.add(g.weights)
+    weights.write(tmp_path / "w.bin")
+    model = g.model(weights.locations)
+    (tmp_path / "m.onnx").write_bytes(model.SerializeToString())
+    return ort.InferenceSession(str(tmp_path / "m.onnx")).run(None, {"x": x})[0]
+
+
+def test_float32_matmul_is_exact(tmp_path):
+    rng = np.random.default_rng(0)
+    w, x = rng.standard_normal((32, 48)).astype(np.float32), rng.standard_normal((3, 32)).astype(np.float32)
+    np.testing.assert_allclose(run_matmul(w, x, "float32", tmp_path), x @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_matmul_is_per_column_symmetric(tmp_path):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((64, 40)).astype(np.float32) * np.linspace(0.01, 3.0, 40, dtype=np.float32)
+    w[:, 7] = 0.0  # an all-zero column must not divide by zero
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    g = GraphBuilder("m", "int8")
+    g.matmul("x", "w", w)
+    q, scale = g.weights["w_q"], g.weights["w_scale"]
+    assert q.dtype == np.int8 and scale.shape == (40,) and np.abs(q).max() == 127
+    # each column's largest weight maps to ±127, and dequantization is within half a step of the weight
+    assert np.all(np.abs(q.astype(np.float32) * scale - w) <= scale / 2 + 1e-7)
+    # ONNX Runtime's fused kernel also rounds the activations to int8 (per block), so the product is
+    # close to, not equal to, x @ dequantized(W)
+    y, exact = run_matmul(w, x, "int8", tmp_path), x @ w
+    assert np.abs(y - exact).max() < 0.02 * np.abs(exact).max()
+
+
+def test_int8_weights_are_written_as_int8_external_data(tmp_path):
+    g = GraphBuilder("m", "int8")
+    g.matmul("x", "w", np.ones((4, 4), np.float32))
+    weights = WeightFile("w.bin")
+    weights.add(g.weights)
+    weights.write(tmp_path / "w.bin")
+    types = {t.name: t.data_type for t in g.model(weights.locations).graph.initializer}
+    assert types["w_q"] == TensorProto.INT8 and types["w_scale"] == TensorProto.FLOAT
+    assert weights.locations["w_q"][2] == 16  # bytes: one per weight
+
+
+def test_unknown_weight_format_is_a_bug():
+    with pytest.raises(AssertionError, match="matmul_weights"):
+        GraphBuilder("m", "int3")
