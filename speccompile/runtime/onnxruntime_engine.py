@@ -89,6 +89,11 @@ class OrtModel:
         self.cache_lengths = out["new_len"].copy()
         return out["accepted"].copy(), out["next_token"].copy()
 
+    def load_graphs(self, graphs: list[str]) -> None:
+        """Create the sessions for these graphs now, so that no generation times a session load."""
+        for graph in graphs:
+            self._session(graph)
+
     # -- sessions and buffers -----------------------------------------------------------------
     def _session(self, graph: str):
         if graph not in self._sessions:

@@ -73,6 +73,11 @@ class TrtModel:
         return out["accepted"], out["next_token"]
 
     # -- execution ----------------------------------------------------------------------------
+    def load_graphs(self, graphs: list[str]) -> None:
+        """Deserialize these engines now, so that no generation times an engine load."""
+        for graph in graphs:
+            self._context(graph)
+
     def _context(self, graph: str):
         if graph not in self._contexts:
             entry = self.bundle.manifest["engines"].get(graph)

@@ -90,3 +90,20 @@ def test_streaming_callback_sees_every_token_in_order(bundles):
     seen = {0: [], 1: []}
     results = runtime.generate(PROMPTS[:2], max_new_tokens=10, on_tokens=lambda row, ids: seen[row].extend(ids))
     assert [seen[0], seen[1]] == [r.token_ids for r in results]
+
+
+@pytest.mark.parametrize("temperature, graphs", [(0.0, ["target_verify_g4", "draft_forward"]),
+                                                 (0.8, ["target_verify_sample_g4", "draft_sample"])])
+def test_graphs_are_loaded_before_the_clock_starts(bundles, temperature, graphs):
+    """Session loads (tens of ms) must not land in the first iteration's verify/draft time."""
+    runtime = speccompile.load(bundles("llama", "random"))
+    loaded_at_first_call = []
+    verify = runtime.target.verify_sample if temperature else runtime.target.verify
+
+    def spy(*args, **kwargs):
+        loaded_at_first_call.append(set(runtime.target._sessions) | set(runtime.draft._sessions))
+        return verify(*args, **kwargs)
+
+    setattr(runtime.target, "verify_sample" if temperature else "verify", spy)
+    runtime.generate([PROMPTS[0]], max_new_tokens=4, gamma=4, temperature=temperature, seed=0)
+    assert loaded_at_first_call and set(graphs) <= loaded_at_first_call[0]
