@@ -260,4 +260,13 @@ def _agreement(target, draft, tokens, o: DistillOptions) -> float:
 def _save(out_dir: Path, draft, tokenizer, o: DistillOptions, results: dict) -> None:
     draft.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    (out_dir / "distill.json").write_text(json.dumps({"options": asdict(o), **results}, indent=1))
+    report = {"options": asdict(o), "draft": draft_shape(draft), **results}
+    (out_dir / "distill.json").write_text(json.dumps(report, indent=1))
+
+
+def draft_shape(draft) -> dict:
+    """The trained draft's size as it is (with --init, the size options were not used)."""
+    fields = ARCHITECTURES[draft.config.model_type].fields
+    shape = {ours: getattr(draft.config, fields[ours]) for ours in ("num_layers", "hidden_size", "num_heads", "intermediate_size")
+             if ours in fields}
+    return {**shape, "parameters": sum(p.numel() for p in draft.parameters())}

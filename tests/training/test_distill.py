@@ -117,7 +117,9 @@ def test_draft_larger_than_target_is_refused(tmp_path, checkpoints, corpus):
 def test_init_continues_an_existing_draft(tmp_path, smooth_target, corpus):
     first = distill(smooth_target, corpus, tmp_path / "a", DistillOptions(**{**OPTIONS, "steps": 30}), log=lambda _: None)
     lines = []
-    distill(smooth_target, corpus, tmp_path / "b", DistillOptions(**{**OPTIONS, "steps": 5, "init": str(first)}), log=lines.append)
+    second = distill(smooth_target, corpus, tmp_path / "b", DistillOptions(**{**OPTIONS, "steps": 5, "init": str(first), "hidden": 16}),
+                     log=lines.append)
     trained = json.loads((first / "distill.json").read_text())["agreement"]
+    assert json.loads((second / "distill.json").read_text())["draft"]["hidden_size"] == 32  # the --init draft's size, not --hidden
     [start] = [line for line in lines if line.startswith("initial draft")]
     assert trained > 0.1 and start.endswith(f"{trained:.3f}")  # the second run started where the first ended
