@@ -19,6 +19,7 @@ class GammaPolicy:
         conditional = _conditional(prior_by_position, max(self.gammas))
         self.reached = [prior_weight] * len(conditional)
         self.accepted = [prior_weight * c for c in conditional]
+        self.iterations = 0  # observed so far
 
     def acceptance_by_position(self, gamma: int) -> list[float]:
         by_position, running = [], 1.0
@@ -39,6 +40,7 @@ class GammaPolicy:
 
     def observe(self, gamma: int, accepted: int) -> None:
         """One iteration at `gamma` accepted `accepted` drafts: positions 1..min(accepted+1, γ) were reached."""
+        self.iterations += 1
         for k in range(min(accepted + 1, gamma)):
             self.reached[k] += 1
             self.accepted[k] += k < accepted

@@ -48,7 +48,7 @@ class Runtime:
         from speccompile.runtime.profile import find_profile
 
         self.profile = find_profile(bundle.path, fingerprint(backend))  # measured on this hardware and backend, if any
-        self._calibrations: dict[int, dict] = {}  # batch size -> quick timings when no profile matches
+        self._policies: dict[int, GammaPolicy] = {}  # batch size -> online policy when no profile matches
         self.log = lambda line: print(line, file=sys.stderr)
 
     @property
@@ -62,7 +62,9 @@ class Runtime:
 
         gamma: a compiled γ, or "auto" (the default when a γ profile matches this hardware): γ is
         picked from the profile for this batch size and moved between compiled values as the running
-        acceptance estimate changes; γ* = 0 runs plain decoding. temperature 0 is greedy; otherwise tokens are sampled from the target's distribution after
+        acceptance estimate changes; γ* = 0 runs plain decoding. Without a profile, step costs are
+        calibrated quickly once and acceptance is learned across this runtime's requests (the first
+        one speculates, to have something to learn from). temperature 0 is greedy; otherwise tokens are sampled from the target's distribution after
         temperature, top-k (0: off) and top-p (1: off), exactly, in both modes. Each sequence draws
         from its own random stream spawned from `seed`. on_tokens(row, token_ids) is called as tokens
         are accepted, for streaming.
@@ -78,8 +80,10 @@ class Runtime:
         sampler = None if params.greedy else Sampler(params, len(prompts), seed)
         if gamma == "auto":
             gamma = self._gamma_policy(len(prompts))
-            if gamma.choose() == 0:
-                mode = "autoregressive"  # speculation does not pay here: plain decoding
+            # γ* = 0: speculation does not pay here, decode plainly. Without a profile that verdict
+            # needs observed acceptance, so the first request speculates (see _gamma_policy).
+            if gamma.choose() == 0 and (self.profile is not None or gamma.iterations > 0):
+                mode = "autoregressive"
         self._load_graphs(mode, gamma, params.greedy)
         if mode == "speculative":
             tokens, stats = speculative_generate(self.target, self.draft, token_prompts, gamma, max_new_tokens, eos, on_tokens, sampler)
@@ -103,12 +107,15 @@ class Runtime:
 
         if self.profile is not None:
             return GammaPolicy(timings_for_batch(self.profile, batch), self.profile["acceptance_by_position"])
-        if batch not in self._calibrations:
-            if not self._calibrations:
+        # No profile: step costs from a quick calibration, acceptance learned from this runtime's own
+        # requests. The policy is kept per batch size, so what one request observed steers the next.
+        if batch not in self._policies:
+            if not self._policies:
                 self.log("no γ profile for this hardware in the bundle (run `speccompile profile`): calibrating quickly")
-            self._calibrations[batch] = measure_costs(self, batch, context=min(64, self.max_seq // 4), repeats=3)
-        prior = [0.5**k for k in range(1, max(self.gammas) + 1)]  # neutral until iterations are observed
-        return GammaPolicy(self._calibrations[batch], prior, prior_weight=2.0)
+            costs = measure_costs(self, batch, context=min(64, self.max_seq // 4), repeats=3)
+            prior = [0.5**k for k in range(1, max(self.gammas) + 1)]  # neutral, worth 2 iterations
+            self._policies[batch] = GammaPolicy(costs, prior, prior_weight=2.0)
+        return self._policies[batch]
 
     # -- validation ---------------------------------------------------------------------------
     def _check_request(self, prompts, max_new_tokens, mode, gamma) -> int:

@@ -65,6 +65,21 @@ def test_auto_without_profile_says_so_once_and_calibrates(bundles, capsys):
     assert capsys.readouterr().err.count("no γ profile for this hardware") == 1
 
 
+def test_auto_without_profile_learns_acceptance_across_requests(bundles):
+    """No profile: the first request speculates (there is no acceptance to judge by yet); a draft
+    that never agrees then sends the next request to plain decoding."""
+    runtime = speccompile.load(bundles("llama", "random"))
+    [first] = runtime.generate([[5, 6, 7]], max_new_tokens=24, gamma="auto")
+    assert first.stats.mode == "speculative" and first.stats.iterations > 0
+    policy = runtime._policies[1]
+    assert policy.iterations == first.stats.iterations and first.stats.acceptance_rate < 0.2
+    # tiny models' step times are mostly noise: pin them (a verification costs a step, a draft step 0.3)
+    policy.t_target, policy.t_draft, policy.t_verify = 10.0, 3.0, {g: 10.0 for g in policy.t_verify}
+    [second] = runtime.generate([[5, 6, 7]], max_new_tokens=8, gamma="auto")
+    assert second.stats.mode == "autoregressive"
+    assert runtime._policies[1] is policy  # kept, not recalibrated
+
+
 def test_cli_profile_writes_profile_and_plots(random_bundle, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("import os\n")
