@@ -139,12 +139,14 @@ def write_profile(bundle_path: Path, profile: dict) -> Path:
 
 
 def _int_keys(profile: dict) -> dict:
-    """JSON turns int keys into strings; turn batch sizes and γ back into ints."""
+    """JSON turns int keys into strings; turn batch sizes, contexts and γ back into ints."""
     by_batch = {}
     for batch, entry in profile["by_batch"].items():
         entry = dict(entry)
         entry["verify_ms"] = {int(g): v for g, v in entry["verify_ms"].items()}
         entry["predicted_speedup"] = {int(g): v for g, v in entry["predicted_speedup"].items()}
+        entry["per_context"] = {int(c): {**costs, "verify_ms": {int(g): v for g, v in costs["verify_ms"].items()}}
+                                for c, costs in entry.get("per_context", {}).items()}
         by_batch[int(batch)] = entry
     return {**profile, "by_batch": by_batch}
 
@@ -159,10 +161,31 @@ def find_profile(bundle_path: Path, fp: dict | None = None) -> dict | None:
     return _int_keys(profile) if profile.get("fingerprint") == fp else None
 
 
-def timings_for_batch(profile: dict, batch: int) -> dict:
-    """The measured batch size closest to `batch` (the smaller one on a tie)."""
+def timings_for_batch(profile: dict, batch: int, context: int | None = None) -> dict:
+    """Step costs at the measured batch size closest to `batch` (the smaller one on a tie).
+
+    With `context`, costs are interpolated linearly between the measured context lengths (and held
+    at the nearest one outside them): attention and cache reads make every step grow with context,
+    and a request's costs are those at its own lengths, not the average of the calibration points.
+    """
     nearest = min(profile["by_batch"], key=lambda b: (abs(b - batch), b))
-    return profile["by_batch"][nearest]
+    entry = profile["by_batch"][nearest]
+    if context is None or not entry.get("per_context"):
+        return entry
+    return interpolate_costs(entry["per_context"], context)
+
+
+def interpolate_costs(per_context: dict[int, dict], context: int) -> dict:
+    points = sorted(per_context)
+    context = min(max(context, points[0]), points[-1])
+    upper = next(c for c in points if c >= context)
+    lower = max(c for c in points if c <= context)
+    w = 0.0 if upper == lower else (context - lower) / (upper - lower)
+    lo, hi = per_context[lower], per_context[upper]
+    mix = lambda a, b: (1 - w) * a + w * b  # noqa: E731
+    return {"target_step_ms": mix(lo["target_step_ms"], hi["target_step_ms"]),
+            "draft_step_ms": mix(lo["draft_step_ms"], hi["draft_step_ms"]),
+            "verify_ms": {g: mix(lo["verify_ms"][g], hi["verify_ms"][g]) for g in lo["verify_ms"]}}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -79,7 +79,8 @@ class Runtime:
         eos = self.tokenizer.eos_token_ids
         sampler = None if params.greedy else Sampler(params, len(prompts), seed)
         if gamma == "auto":
-            gamma = self._gamma_policy(len(prompts))
+            # costs at the context this request spends most of its time at: the prompt plus half its output
+            gamma = self._gamma_policy(len(prompts), max(map(len, token_prompts)) + max_new_tokens // 2)
             # γ* = 0: speculation does not pay here, decode plainly. Without a profile that verdict
             # needs observed acceptance, so the first request speculates (see _gamma_policy).
             if gamma.choose() == 0 and (self.profile is not None or gamma.iterations > 0):
@@ -102,11 +103,11 @@ class Runtime:
         self.target.load_graphs(target)
 
     # -- γ selection ---------------------------------------------------------------------------
-    def _gamma_policy(self, batch: int) -> GammaPolicy:
+    def _gamma_policy(self, batch: int, context: int) -> GammaPolicy:
         from speccompile.runtime.profile import measure_costs, timings_for_batch
 
         if self.profile is not None:
-            return GammaPolicy(timings_for_batch(self.profile, batch), self.profile["acceptance_by_position"])
+            return GammaPolicy(timings_for_batch(self.profile, batch, context), self.profile["acceptance_by_position"])
         # No profile: step costs from a quick calibration, acceptance learned from this runtime's own
         # requests. The policy is kept per batch size, so what one request observed steers the next.
         if batch not in self._policies:

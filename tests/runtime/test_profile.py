@@ -18,6 +18,28 @@ def random_bundle(tmp_path, bundles):
     return shutil.copytree(bundles("llama", "random"), tmp_path / "bundle")
 
 
+def pin_costs(entry: dict, target_step_ms: float, draft_step_ms: float, verify_ms: float) -> None:
+    """Fix a profile entry's costs at every measured context (tiny models' timings are noise)."""
+    for costs in [entry, *entry["per_context"].values()]:
+        costs.update(target_step_ms=target_step_ms, draft_step_ms=draft_step_ms,
+                     verify_ms={g: verify_ms for g in costs["verify_ms"]})
+
+
+def test_costs_are_interpolated_at_the_request_context(random_bundle):
+    runtime = speccompile.load(random_bundle)
+    profile = prof.build_profile(runtime, PROMPTS, [1], [16, 48], repeats=1, log=lambda _: None)
+    at = profile["by_batch"][1]["per_context"]
+    at[16].update(target_step_ms=2.0, draft_step_ms=0.2, verify_ms={1: 3.0, 4: 5.0})
+    at[48].update(target_step_ms=4.0, draft_step_ms=0.6, verify_ms={1: 5.0, 4: 9.0})
+    prof.write_profile(random_bundle, profile)
+    loaded = prof.find_profile(random_bundle)  # through JSON: context and γ keys are ints again
+    middle = prof.timings_for_batch(loaded, 1, context=24)
+    assert middle["target_step_ms"] == pytest.approx(2.5) and middle["draft_step_ms"] == pytest.approx(0.3)
+    assert middle["verify_ms"] == {1: pytest.approx(3.5), 4: pytest.approx(6.0)}
+    assert prof.timings_for_batch(loaded, 1, context=4)["target_step_ms"] == 2.0  # held outside the range
+    assert prof.timings_for_batch(loaded, 1, context=500)["verify_ms"][4] == 9.0
+
+
 def test_profile_round_trip_and_hardware_matching(random_bundle):
     runtime = speccompile.load(random_bundle)
     profile = prof.build_profile(runtime, PROMPTS, [1, 2], [16], repeats=2, log=lambda _: None)
@@ -38,8 +60,7 @@ def test_auto_gamma_picks_plain_decoding_when_the_draft_never_agrees(random_bund
     profile["acceptance_by_position"] = [0.0] * len(profile["acceptance_by_position"])
     # Timings fixed (tiny models' step times are mostly noise): even with free verification, a draft
     # that never agrees costs γ draft steps per target token.
-    entry = profile["by_batch"][1]
-    entry.update(target_step_ms=10.0, draft_step_ms=1.0, verify_ms={g: 10.0 for g in entry["verify_ms"]})
+    pin_costs(profile["by_batch"][1], target_step_ms=10.0, draft_step_ms=1.0, verify_ms=10.0)
     prof.write_profile(random_bundle, profile)
     runtime = speccompile.load(random_bundle)  # now with a matching profile: γ defaults to auto
     [result] = runtime.generate(["import os"], max_new_tokens=6)
@@ -52,7 +73,9 @@ def test_auto_gamma_speculates_with_a_copy_draft(tmp_path, bundles):
     profile = prof.build_profile(runtime, PROMPTS, [1], [16], repeats=2, log=lambda _: None)
     assert profile["acceptance_by_position"] == [1.0] * 4
     # Pretend drafting is nearly free so that speculating must pay off: γ* is the longest.
-    profile["by_batch"][1]["draft_step_ms"] = profile["by_batch"][1]["target_step_ms"] / 100
+    entry = profile["by_batch"][1]
+    pin_costs(entry, target_step_ms=entry["target_step_ms"], draft_step_ms=entry["target_step_ms"] / 100,
+              verify_ms=entry["verify_ms"][4])
     prof.write_profile(bundle, profile)
     [result] = speccompile.load(bundle).generate(["import os"], max_new_tokens=20, gamma="auto")
     assert result.stats.mode == "speculative" and set(result.stats.gammas_used) == {4}
@@ -89,3 +112,14 @@ def test_cli_profile_writes_profile_and_plots(random_bundle, tmp_path):
     assert "γ*" in result.stdout and "top ops by share" in result.stdout and "MatMul" in result.stdout
     files = {p.suffix for p in (random_bundle / "profiles").iterdir()}
     assert files == {".json", ".png"}
+
+
+def test_auto_reads_costs_at_prompt_plus_half_the_output(random_bundle, monkeypatch):
+    runtime = speccompile.load(random_bundle)
+    prof.write_profile(random_bundle, prof.build_profile(runtime, PROMPTS, [1], [16], repeats=1, log=lambda _: None))
+    runtime = speccompile.load(random_bundle)
+    asked = []
+    real = prof.timings_for_batch
+    monkeypatch.setattr(prof, "timings_for_batch", lambda p, b, context=None: asked.append((b, context)) or real(p, b, context))
+    runtime.generate([[5, 6, 7], [8, 9, 10, 11, 12]], max_new_tokens=20, gamma="auto")
+    assert asked == [(2, 5 + 10)]
