@@ -124,8 +124,8 @@ def _block(g, spec, i, x, past_len, positions, rope, kv_len, mask, max_seq):
 def _attention(g, spec, i, h, past_len, positions, rope, kv_len, mask, max_seq):
     """One fused QKV projection, RoPE, the cache write, and ONNX Attention (GQA from the shapes).
 
-    Few, large nodes on purpose: at decode time a small model's step cost is per-node overhead
-    (ONNX Runtime CPU), and TensorRT maps RMSNormalization/RotaryEmbedding/Attention to fused layers.
+    Few, large nodes on purpose: each is one fused kernel in ONNX Runtime (three projections cost
+    one GEMV launch instead of three), and TensorRT maps RotaryEmbedding/Attention to fused layers.
     """
     hp, p = spec.hp, f"layers.{i}."
     heads, kv_heads, head_dim = hp["num_heads"], hp["num_kv_heads"], hp["head_dim"]
