@@ -170,3 +170,19 @@ def test_build_draft_weights_option(tmp_path, checkpoints):
     assert code == 0, output
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert manifest["models"]["draft"]["matmul_weights"] == "float32"
+
+
+def test_build_draft_vocab_counts_a_corpus(tmp_path, checkpoints):
+    corpus = tmp_path / "corpus.py"
+    corpus.write_text("def parse_args(argv):\n    return argv[1:]\n" * 50)
+    code, output = run(*build_args(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b", "--max-seq", 64,
+                                   "--draft-vocab", 24, "--draft-vocab-corpus", corpus))
+    assert code == 0, output
+    assert "draft vocabulary: 24 of" in output
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["models"]["draft"]["scored_vocab"] == 24
+
+
+def test_build_draft_vocab_without_frequencies_is_one_line(tmp_path, checkpoints):
+    code, output = run(*build_args(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b", "--draft-vocab", 24))
+    assert code == 1 and "Traceback" not in output
+    assert "token_frequencies.json" in output

@@ -17,6 +17,7 @@ from pathlib import Path
 import onnx
 
 from speccompile.compiler.checkpoint import ModelSpec, check_max_seq, load_checkpoint
+from speccompile.compiler.draft_vocab import FREQUENCIES_FILE, corpus_frequencies, read_frequencies, select_vocab
 from speccompile.compiler.onnx_graph import MATMUL_WEIGHTS, OPSET, WeightFile
 from speccompile.compiler.tokenizer import check_compatible, eos_token_ids, load_tokenizer, save_tokenizer
 from speccompile.compiler.transformer import build_forward_graph, build_verify_graph
@@ -44,9 +45,12 @@ PHASES = ["load target", "load draft", "check compatibility", "export graphs", "
 
 
 def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 1024, max_batch: int = 8,
-                 force: bool = False, draft_weights: str = "int8", log=print) -> Path:
+                 force: bool = False, draft_weights: str = "int8", draft_vocab: int | None = None,
+                 draft_vocab_corpus=None, log=print) -> Path:
     """`draft_weights`: how the draft's matmul weights are stored, "int8" (weight-only, per output
-    column) or "float32". The target is always float32: its numerics are the output."""
+    column) or "float32". The target is always float32: its numerics are the output.
+    `draft_vocab`: score only the K most frequent tokens in the draft's LM head (see draft_vocab.py),
+    by the counts in the draft checkpoint's token_frequencies.json or of `draft_vocab_corpus`."""
     out_dir = Path(out_dir)
     gammas = _check_options(out_dir, list(gammas), max_seq, max_batch, force)
     if draft_weights not in MATMUL_WEIGHTS:
@@ -65,9 +69,12 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     vocab_out = check_compatible(target, draft, target_tok, draft_tok)
     for spec in (target, draft):
         check_max_seq(spec, max_seq)
+    vocab_ids = None
+    if draft_vocab is not None:
+        vocab_ids = _draft_vocab_ids(draft, draft_vocab, draft_vocab_corpus, vocab_out, eos_token_ids(target, target_tok), target_tok, log)
 
     progress("export graphs")
-    graphs = _export_graphs(target, draft, gammas, max_seq, vocab_out, draft_weights)
+    graphs = _export_graphs(target, draft, gammas, max_seq, vocab_out, draft_weights, vocab_ids)
     for name, (builder, _) in graphs.items():
         log(f"  {name}: {len(builder.nodes)} nodes")
 
@@ -81,7 +88,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
                 log(f"  {name}: TensorRT parses it only with the speccompile plugin ({len(reasons)} body constraint(s))")
         progress("write bundle")
         save_tokenizer(target_tok, staging / "tokenizer")
-        manifest = _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max_batch, vocab_out, target_tok, needs_plugin)
+        scored = {"target": vocab_out, "draft": vocab_out if vocab_ids is None else len(vocab_ids)}
+        manifest = _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max_batch, vocab_out, scored, target_tok, needs_plugin)
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _move_into_place(staging, out_dir, force)
     except BaseException:
@@ -105,12 +113,27 @@ def _check_options(out_dir: Path, gammas: list[int], max_seq: int, max_batch: in
     return list(dict.fromkeys(gammas))  # unique, in the order given
 
 
-def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_out, draft_weights) -> dict:
+def _draft_vocab_ids(draft: ModelSpec, size: int, corpus, vocab_out: int, eos_ids: list[int], tokenizer, log):
+    if corpus is not None:
+        log(f"  counting tokens of {corpus} for the draft vocabulary")
+        counts = corpus_frequencies(corpus, tokenizer, vocab_out)
+    else:
+        counts = read_frequencies(draft.path)
+        if counts is None:
+            raise SpecCompileError(f"--draft-vocab needs token frequencies: {draft.path} has no {FREQUENCIES_FILE} "
+                                   f"(speccompile distill writes it); pass --draft-vocab-corpus PATH to count them")
+    ids = select_vocab(counts, size, vocab_out, eos_ids)
+    log(f"  draft vocabulary: {len(ids)} of {vocab_out} tokens, {counts[ids].sum() / max(1, counts.sum()):.1%} of counted text")
+    return ids
+
+
+def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_out, draft_weights, vocab_ids=None) -> dict:
     """name -> (GraphBuilder, role)."""
     graphs = {}
-    for role, spec, weights in (("target", target, "float32"), ("draft", draft, draft_weights)):
+    for role, spec, weights, ids in (("target", target, "float32", None), ("draft", draft, draft_weights, vocab_ids)):
         for sample, name in ((False, f"{role}_forward"), (True, f"{role}_sample")):
-            graphs[name] = (build_forward_graph(spec, name, max_seq, vocab_out, sample=sample, matmul_weights=weights), role)
+            graphs[name] = (build_forward_graph(spec, name, max_seq, vocab_out, sample=sample, matmul_weights=weights,
+                                                vocab_ids=None if sample else ids), role)
     for gamma in gammas:
         for sample, name in ((False, f"target_verify_g{gamma}"), (True, f"target_verify_sample_g{gamma}")):
             graphs[name] = (build_verify_graph(target, name, gamma, max_seq, vocab_out, sample=sample), "target")
@@ -162,7 +185,7 @@ def _graph_entry(staging: Path, name: str, role: str, gamma, needs_plugin: list[
     }
 
 
-def _model_entry(spec: ModelSpec, weight_file: WeightFile, matmul_weights: str) -> dict:
+def _model_entry(spec: ModelSpec, weight_file: WeightFile, matmul_weights: str, scored_vocab: int) -> dict:
     hp = spec.hp
     return {
         "source": str(spec.path.resolve()),
@@ -176,11 +199,12 @@ def _model_entry(spec: ModelSpec, weight_file: WeightFile, matmul_weights: str) 
         "vocab_size": hp["vocab_size"],
         "weights_file": weight_file.filename,
         "matmul_weights": matmul_weights,
+        "scored_vocab": scored_vocab,  # tokens its LM head scores (fewer than vocab_size with --draft-vocab)
         "config": spec.config,
     }
 
 
-def _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max_batch, vocab_out, tokenizer, needs_plugin) -> dict:
+def _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max_batch, vocab_out, scored, tokenizer, needs_plugin) -> dict:
     from speccompile import __version__
 
     files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
@@ -194,7 +218,7 @@ def _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max
         "max_seq": max_seq,
         "max_batch": max_batch,
         "vocab_size": vocab_out,
-        "models": {role: _model_entry(spec, weight_files[role], graphs[f"{role}_forward"][0].matmul_weights)
+        "models": {role: _model_entry(spec, weight_files[role], graphs[f"{role}_forward"][0].matmul_weights, scored[role])
                    for role, spec in (("target", target), ("draft", draft))},
         "tokenizer": {
             "dir": "tokenizer",

@@ -12,7 +12,8 @@ from onnx import TensorProto, helper, numpy_helper
 OPSET = 24  # TensorScatter (in-place KV write) needs 24; TensorRT 10.15's parser reads opsets 9..24
 IR_VERSION = 10
 FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
-WEIGHT_DTYPES = {np.dtype(np.float32): (TensorProto.FLOAT, "<f4"), np.dtype(np.int8): (TensorProto.INT8, "i1")}
+WEIGHT_DTYPES = {np.dtype(np.float32): (TensorProto.FLOAT, "<f4"), np.dtype(np.int8): (TensorProto.INT8, "i1"),
+                 np.dtype(np.int64): (TensorProto.INT64, "<i8")}
 MATMUL_WEIGHTS = ("float32", "int8")
 
 
@@ -32,6 +33,7 @@ class GraphBuilder:
         self.domains: dict[str, int] = {}
         self.scope = ""
         self._count = 0
+        self._renames: dict[str, str] = {}  # node output -> graph output name (see output())
 
     # -- tensors ------------------------------------------------------------------------------
     def input(self, name: str, elem_type: int, shape: list) -> str:
@@ -39,9 +41,14 @@ class GraphBuilder:
         return name
 
     def output(self, tensor: str, name: str, elem_type: int, shape: list) -> str:
-        """Expose `tensor` as graph output `name` (renaming through Identity only if needed)."""
+        """Expose `tensor` as graph output `name`. A node's output is renamed where it is made (at
+        `model()`, so later nodes may still consume `tensor`): no Identity runs at inference time.
+        Graph inputs, constants and weights go through an Identity."""
         if tensor != name:
-            self.nodes.append(helper.make_node("Identity", [tensor], [name], name=f"{name}/Identity"))
+            if any(tensor in node.output for node in self.nodes):
+                self._renames[tensor] = name
+            else:
+                self.nodes.append(helper.make_node("Identity", [tensor], [name], name=f"{name}/Identity"))
         self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
         return name
 
@@ -91,6 +98,15 @@ class GraphBuilder:
         self.nodes.append(helper.make_node(op_type, list(inputs), names, name=node_name, domain=domain, **attrs))
         return names if outputs > 1 else names[0]
 
+    def _renamed(self, node: onnx.NodeProto) -> onnx.NodeProto:
+        if not any(t in self._renames for t in (*node.input, *node.output)):
+            return node
+        node = onnx.NodeProto.FromString(node.SerializeToString())
+        for field in (node.input, node.output):
+            for k, tensor in enumerate(field):
+                field[k] = self._renames.get(tensor, tensor)
+        return node
+
     def add_function(self, function: onnx.FunctionProto) -> None:
         self.functions.append(function)
         self.domains[function.domain] = 1
@@ -101,7 +117,8 @@ class GraphBuilder:
         initializers = list(self.constants.values())
         for name, array in self.weights.items():
             initializers.append(_external_tensor(name, array, *weight_locations[name]))
-        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializers)
+        nodes = [self._renamed(node) for node in self.nodes]
+        graph = helper.make_graph(nodes, self.name, self.inputs, self.outputs, initializers)
         opsets = [helper.make_opsetid("", OPSET)] + [helper.make_opsetid(d, v) for d, v in self.domains.items()]
         model = helper.make_model(graph, opset_imports=opsets, functions=self.functions, producer_name="speccompile")
         model.ir_version = IR_VERSION
@@ -129,7 +146,8 @@ class WeightFile:
 
     def add(self, weights: dict[str, np.ndarray]) -> None:
         for name, array in weights.items():
-            if name in self.locations:
+            if name in self.locations:  # shared by several graphs of the model
+                assert self.locations[name][2] == array.nbytes, f"two different weights named {name}"
                 continue
             offset = -(-self._size // self.ALIGN) * self.ALIGN
             self.locations[name] = (self.filename, offset, array.nbytes)

@@ -24,10 +24,12 @@ from speccompile.compiler.spec_accept import OUTPUTS, spec_accept_node, spec_op
 
 
 def build_forward_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int, sample: bool = False,
-                        matmul_weights: str = "float32") -> GraphBuilder:
+                        matmul_weights: str = "float32", vocab_ids: np.ndarray | None = None) -> GraphBuilder:
     """Greedy (`next_token` = argmax) or, with sample=True, sampled from the transformed
     distribution with a supplied uniform per sequence (outputs `next_token` and `probs`).
-    `matmul_weights` "int8" stores the projection and LM-head weights quantized (see GraphBuilder.matmul)."""
+    `matmul_weights` "int8" stores the projection and LM-head weights quantized (see GraphBuilder.matmul).
+    `vocab_ids` (sorted token ids, see draft_vocab; greedy graphs only) restricts the LM head to
+    those tokens: `logits` are then over the subset, `next_token` is a token id as always."""
     g = GraphBuilder(name, matmul_weights)
     ids = g.input("input_ids", INT64, ["batch", "tokens"])
     past_len = g.input("past_len", INT64, ["batch"])
@@ -36,17 +38,23 @@ def build_forward_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int
     # Only each sequence's last real token needs logits: gather it before the LM head.
     last = g.op("Unsqueeze", g.op("Sub", token_count, g.const(1)), g.const([1]))
     hidden_last = g.op("GatherND", hidden, last, batch_dims=1)  # [B, H]
-    logits = _lm_head(g, spec, hidden_last, vocab_out)
     if not sample:
-        g.output(logits, "logits", FLOAT, ["batch", vocab_out])
-        g.output(g.op("ArgMax", logits, axis=-1, keepdims=0), "next_token", INT64, ["batch"])
+        # vocab_ids: score only those tokens, and map the argmax's position back to its token id
+        logits = _lm_head(g, spec, hidden_last, vocab_out, vocab_ids)
+        g.output(logits, "logits", FLOAT, ["batch", vocab_out if vocab_ids is None else len(vocab_ids)])
+        best = g.op("ArgMax", logits, axis=-1, keepdims=0)
+        if vocab_ids is not None:
+            best = g.op("Gather", g.weight("vocab_ids", vocab_ids), best)
+        g.output(best, "next_token", INT64, ["batch"])
         return g
+    assert vocab_ids is None, "sampling graphs score the whole vocabulary (see draft_vocab.py)"
+    logits = _lm_head(g, spec, hidden_last, vocab_out)
     params = _sampling_inputs(g)
     uniform = g.input("uniform", FLOAT, ["batch"])
     probs = spec_op(g, "SpecTransform", g.op("Unsqueeze", logits, g.const([1])), *params, vocab_size=vocab_out)
-    probs = g.op("Squeeze", probs, g.const([1]), out="probs")
+    probs = g.op("Squeeze", probs, g.const([1]))
     g.output(probs, "probs", FLOAT, ["batch", vocab_out])
-    g.output(spec_op(g, "SpecSample", probs, uniform, out="next_token"), "next_token", INT64, ["batch"])
+    g.output(spec_op(g, "SpecSample", probs, uniform), "next_token", INT64, ["batch"])
     return g
 
 
@@ -215,9 +223,11 @@ def _gelu_tanh(g, x):
     return g.op("Mul", g.op("Mul", x, g.const(0.5, np.float32)), g.op("Add", tanh, g.const(1.0, np.float32)))
 
 
-def _lm_head(g, spec, hidden, vocab_out):
+def _lm_head(g, spec, hidden, vocab_out, vocab_ids=None):
     hidden = _norm(g, spec, hidden, "final_norm")
-    head = spec.weights["lm_head"]
-    if head.shape[1] != vocab_out:  # draft and target may pad their embeddings differently
+    head, name = spec.weights["lm_head"], "lm_head"
+    if vocab_ids is not None:  # its own weight: the model's other graphs keep the whole head
+        head, name = np.ascontiguousarray(head[:, vocab_ids]), f"lm_head_top{len(vocab_ids)}"
+    elif head.shape[1] != vocab_out:  # draft and target may pad their embeddings differently
         head = np.ascontiguousarray(head[:, :vocab_out])
-    return g.matmul(hidden, "lm_head", head)
+    return g.matmul(hidden, name, head)

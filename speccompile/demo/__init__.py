@@ -19,6 +19,7 @@ COMPILER_ROOT = DEMO_ROOT.parent / "compiler"
 DEMO_GAMMAS = [4, 2, 6]  # the first is the default γ
 DEMO_MAX_SEQ = 1024
 DEMO_MAX_BATCH = 8
+DEMO_DRAFT_VOCAB = 2048  # greedy draft steps score the 2048 most frequent tokens (see compiler/draft_vocab.py)
 
 
 def cache_dir() -> Path:
@@ -31,8 +32,9 @@ def cache_dir() -> Path:
 
 
 def demo_key(target: Path = None, draft: Path = None) -> str:
-    """sha256 over the file names and contents of the demo checkpoints and the compiler package."""
-    digest = hashlib.sha256()
+    """sha256 over the build settings, and the file names and contents of the demo checkpoints and
+    the compiler package."""
+    digest = hashlib.sha256(repr((DEMO_GAMMAS, DEMO_MAX_SEQ, DEMO_MAX_BATCH, DEMO_DRAFT_VOCAB)).encode())
     for root in (target or DEMO_TARGET, draft or DEMO_DRAFT, COMPILER_ROOT):
         for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
             digest.update(str(path.relative_to(root.parent)).encode())
@@ -55,7 +57,8 @@ def demo_bundle(log=print, target: Path = None, draft: Path = None) -> Path:
     log(f"building the demo bundle once into {bundle}")
     bundle.parent.mkdir(parents=True, exist_ok=True)
     try:
-        build_bundle(target, draft, bundle, gammas=DEMO_GAMMAS, max_seq=DEMO_MAX_SEQ, max_batch=DEMO_MAX_BATCH, log=log)
+        build_bundle(target, draft, bundle, gammas=DEMO_GAMMAS, max_seq=DEMO_MAX_SEQ, max_batch=DEMO_MAX_BATCH,
+                     draft_vocab=DEMO_DRAFT_VOCAB, log=log)
     except OSError:
         if not (bundle / "manifest.json").is_file():  # another process finished the same build first
             raise

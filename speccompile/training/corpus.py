@@ -73,6 +73,20 @@ def tokenize_files(files: list[Path], encode_batch, separator_id: int) -> np.nda
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint32)
 
 
+STDLIB = "stdlib"  # the corpus argument naming the Python standard library (its train split)
+
+
+def corpus_tokens(corpus, encode_batch, separator_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, held-out) token ids of a corpus argument: "stdlib" (split by file, see above), or a
+    user's file or directory, whose last 5% of tokens are held out."""
+    if str(corpus) == STDLIB:
+        train_files, heldout_files = stdlib_split()
+        return tokenize_files(train_files, encode_batch, separator_id), tokenize_files(heldout_files, encode_batch, separator_id)
+    tokens = tokenize_files(corpus_files(corpus), encode_batch, separator_id)
+    cut = int(len(tokens) * 0.95)
+    return tokens[:cut], tokens[cut:]
+
+
 def sample_windows(tokens: np.ndarray, batch: int, length: int, rng: np.random.Generator) -> np.ndarray:
     """`batch` random windows of `length` tokens (int64 [batch, length])."""
     if len(tokens) <= length:

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 
 from speccompile.compiler.architectures import ARCHITECTURES
+from speccompile.compiler.draft_vocab import count_tokens, write_frequencies
 from speccompile.errors import SpecCompileError
-from speccompile.training.corpus import corpus_files, sample_windows, stdlib_split, tokenize_files
+from speccompile.training.corpus import corpus_tokens, sample_windows
 
 STATE = "distill_state.pt"
 LOG = "distill_log.jsonl"
-STDLIB = "stdlib"  # --corpus value naming the Python standard library (train split)
 
 
 @dataclass
@@ -67,6 +67,8 @@ def distill(target_dir, corpus, out_dir, options: DistillOptions, log=print) -> 
     agreement = _agreement(target, draft, eval_tokens, options)
     log(f"distilled draft: agreement with target {agreement:.3f} (top-1, teacher-forced, held-out windows)")
     _save(out_dir, draft, tokenizer, options, {"agreement": agreement})
+    # what `speccompile build --draft-vocab K` ranks tokens by: the text this draft was trained on
+    write_frequencies(out_dir, count_tokens(train_tokens, target.config.vocab_size), str(corpus))
     return out_dir
 
 
@@ -99,13 +101,7 @@ def _corpus_tokens(corpus, tokenizer, seq_len: int, log):
     """Train and evaluation token arrays; evaluation is the corpus' last 5% (or held-out stdlib files)."""
     encode = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
     separator = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    if str(corpus) == STDLIB:
-        train_files, heldout_files = stdlib_split()
-        train, heldout = tokenize_files(train_files, encode, separator), tokenize_files(heldout_files, encode, separator)
-    else:
-        tokens = tokenize_files(corpus_files(corpus), encode, separator)
-        cut = int(len(tokens) * 0.95)
-        train, heldout = tokens[:cut], tokens[cut:]
+    train, heldout = corpus_tokens(corpus, encode, separator)
     if len(train) <= seq_len or len(heldout) <= seq_len:
         raise SpecCompileError(f"corpus {corpus} has {len(train) + len(heldout)} tokens: too little text for windows of {seq_len} (lower --seq-len)")
     log(f"corpus: {len(train):,} train tokens, {len(heldout):,} held-out tokens")

@@ -91,3 +91,27 @@ def test_int8_draft_is_close_to_float32_and_runs_as_fused_int8_gemm(family, bund
     assert 0 < error < 0.05, f"int8 draft logits off by {error:.3%} of their range"
     ops = [node.op_type for node in onnx.load(str(optimized), load_external_data=False).graph.node]
     assert "MatMulNBits" in ops and "DequantizeLinear" not in ops, sorted(set(ops))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_draft_vocabulary_logits_are_the_hf_logits_of_the_kept_tokens(family, checkpoints, tmp_path):
+    """--draft-vocab: the greedy draft graph scores exactly HF's logits at the kept ids, and its
+    next_token is the token id (not the position) of their argmax."""
+    from speccompile.compiler.build import build_bundle
+    from tests.compiler.test_draft_vocab import with_frequencies
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints(family, "draft")).eval()
+    prompt = [1, 2, 3, 4, 5]
+    expected = hf_last_logits(hf, prompt)
+    keep = list(np.argsort(expected)[::3][:40])  # every third token by score, so the argmax differs from the full head's
+    draft = with_frequencies(tmp_path, checkpoints(family, "draft"), keep, len(expected))
+    bundle_dir = build_bundle(checkpoints(family), draft, tmp_path / "b", gammas=[2], max_seq=64, max_batch=1,
+                              draft_weights="float32", draft_vocab=41, log=lambda _: None)
+    bundle = open_bundle(bundle_dir)
+    session = ort.InferenceSession(str(bundle.graph_path("draft_forward")))
+    out = run_forward(session, bundle.manifest, "draft", np.array([prompt], np.int64), np.zeros(1, np.int64),
+                      np.array([len(prompt)], np.int64), empty_cache(bundle.manifest, "draft", 1))
+    [ids] = [onnx.numpy_helper.to_array(t) for t in onnx.load(str(bundle.graph_path("draft_forward"))).graph.initializer
+             if t.name == "vocab_ids"]
+    np.testing.assert_allclose(out["logits"][0], expected[ids], atol=ATOL)
+    assert out["next_token"][0] == ids[np.argmax(expected[ids])] != np.argmax(expected)

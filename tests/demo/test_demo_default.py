@@ -1,21 +1,32 @@
 """The embedded-default path: no bundle given -> the demo bundle, built once into the cache."""
 
 import json
+import shutil
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
 import speccompile
 import speccompile.demo as demo
 from speccompile.cli import main
+from speccompile.compiler.draft_vocab import read_frequencies, write_frequencies
+from tests.tiny_models import VOCAB
+
+
+TINY_DRAFT_VOCAB = 64
 
 
 @pytest.fixture
 def tiny_demo(tmp_path, monkeypatch, checkpoints):
-    """Point the demo at a tiny pair and the cache at a fresh directory."""
+    """Point the demo at a tiny pair (its draft with token frequencies, as the shipped one has) and
+    the cache at a fresh directory."""
+    draft = shutil.copytree(checkpoints("llama", "draft"), tmp_path / "draft")
+    write_frequencies(draft, np.arange(VOCAB)[::-1], "test")  # lower ids are more frequent
     monkeypatch.setattr(demo, "DEMO_TARGET", checkpoints("llama"))
-    monkeypatch.setattr(demo, "DEMO_DRAFT", checkpoints("llama", "draft"))
+    monkeypatch.setattr(demo, "DEMO_DRAFT", draft)
     monkeypatch.setattr(demo, "DEMO_MAX_SEQ", 128)
+    monkeypatch.setattr(demo, "DEMO_DRAFT_VOCAB", TINY_DRAFT_VOCAB)
     monkeypatch.setenv("SPECCOMPILE_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
 
@@ -28,12 +39,18 @@ def test_demo_bundle_is_built_once_and_reused(tiny_demo):
     logs.clear()
     assert demo.demo_bundle(log=logs.append) == first
     assert logs == []  # cached: no second build
-    assert json.loads((first / "manifest.json").read_text())["gammas"] == demo.DEMO_GAMMAS
+    manifest = json.loads((first / "manifest.json").read_text())
+    assert manifest["gammas"] == demo.DEMO_GAMMAS
+    assert manifest["models"]["draft"]["scored_vocab"] == TINY_DRAFT_VOCAB
+
+
+def test_shipped_draft_has_the_frequencies_its_vocabulary_is_cut_by():
+    counts = read_frequencies(demo.DEMO_DRAFT)
+    assert counts is not None and len(counts) == 8192 and counts.sum() > 8_000_000
+    assert 0 < demo.DEMO_DRAFT_VOCAB < len(counts)
 
 
 def test_cache_key_follows_the_pair_contents(tmp_path, checkpoints):
-    import shutil
-
     target = shutil.copytree(checkpoints("llama"), tmp_path / "t")
     draft = checkpoints("llama", "draft")
     key = demo.demo_key(target, draft)

@@ -5,6 +5,7 @@ import json
 import pytest
 
 import speccompile
+from speccompile.compiler.draft_vocab import corpus_frequencies, read_frequencies
 from speccompile.errors import SpecCompileError
 from speccompile.training.distill import DistillOptions, distill
 
@@ -49,6 +50,14 @@ def test_distilled_draft_accepts_more_than_untrained(tmp_path, smooth_target, co
     assert report["options"]["steps"] == 80 and 0 <= report["agreement"] <= 1
     config = json.loads((trained / "config.json").read_text())
     assert config["model_type"] == "llama" and config["hidden_size"] == 32 and config["num_hidden_layers"] == 1
+
+
+def test_distill_records_the_token_frequencies_a_draft_vocabulary_is_cut_by(tmp_path, checkpoints, corpus, tokenizer):
+    draft = distill(checkpoints("llama"), corpus, tmp_path / "d", DistillOptions(steps=2, **OPTIONS), log=lambda _: None)
+    vocab = json.loads((draft / "config.json").read_text())["vocab_size"]
+    assert read_frequencies(draft).tolist() == corpus_frequencies(corpus, tokenizer, vocab).tolist()
+    bundle = speccompile.build(checkpoints("llama"), draft, tmp_path / "b", gammas=[2], max_seq=64, draft_vocab=32, log=lambda _: None)
+    assert json.loads((bundle / "manifest.json").read_text())["models"]["draft"]["scored_vocab"] == 32
 
 
 def test_resume_continues_from_the_checkpoint(tmp_path, checkpoints, corpus):
