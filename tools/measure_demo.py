@@ -51,6 +51,21 @@ def acceptance(runtime, prompts, gamma, max_new_tokens, **sampling) -> dict:
             "acceptance_by_position": [n / iterations for n in by_position], "prompts": len(prompts)}
 
 
+def step_times(runtime, contexts=(64, 128, 256), rounds: int = 3) -> dict:
+    """Target step, draft step and γ=4 verification (ms) per context: medians over `rounds` rounds of
+    `measure_costs` (each a median of 20 calls), so that one slow stretch of the machine moves one
+    round, not the result."""
+    measured = [[measure_costs(runtime, batch=1, context=c, repeats=20) for c in contexts] for _ in range(rounds)]
+    by_context = {}
+    for i, context in enumerate(contexts):
+        target = statistics.median(r[i]["target_step_ms"] for r in measured)
+        draft = statistics.median(r[i]["draft_step_ms"] for r in measured)
+        verify = statistics.median(r[i]["verify_ms"][4] for r in measured)
+        by_context[context] = {"target": target, "draft": draft, "draft_to_target_ratio": draft / target, "verify_gamma4": verify}
+    return {"by_context": by_context,
+            "draft_to_target_ratio_mean": statistics.mean(c["draft_to_target_ratio"] for c in by_context.values())}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bundle", default=None, help="default: the embedded demo bundle")
@@ -66,11 +81,7 @@ def main():
                "greedy_gamma4_code_prompts": acceptance(runtime, code_prompts, 4, args.max_new_tokens)}
     for t in (0.7, 1.0):
         results[f"temperature_{t}_gamma4"] = acceptance(runtime, prompts, 4, args.max_new_tokens, temperature=t)
-    costs = [measure_costs(runtime, batch=1, context=c, repeats=10) for c in (64, 256)]
-    t_target = statistics.mean(c["target_step_ms"] for c in costs)
-    t_draft = statistics.mean(c["draft_step_ms"] for c in costs)
-    results["step_ms"] = {"target": t_target, "draft": t_draft, "draft_to_target_ratio": t_draft / t_target,
-                          "verify_gamma4": statistics.mean(c["verify_ms"][4] for c in costs)}
+    results["step_ms"] = step_times(runtime)
     summary, details = bench(runtime, prompts[:8], max_new_tokens=args.max_new_tokens, repeats=3, gamma=4)
     results["bench_gamma4_batch1"] = {**summary, **{k: details[k] for k in ("target_step_ms", "draft_step_ms", "verify_ms", "overhead_ms_per_iteration")}}
     text = json.dumps(results, indent=1)

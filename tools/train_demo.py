@@ -166,6 +166,9 @@ def export(work: Path, dest: Path, model_dir: Path | None = None) -> None:
     shutil.rmtree(dest, ignore_errors=True)
     model.save_pretrained(dest)
     transformers.AutoTokenizer.from_pretrained(work / "tokenizer").save_pretrained(dest)
+    frequencies = Path(model_dir or work / "target") / "token_frequencies.json"  # a distilled draft's (build --draft-vocab)
+    if frequencies.is_file():
+        shutil.copy(frequencies, dest)
     print(f"exported {dest}")
 
 

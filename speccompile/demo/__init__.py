@@ -19,7 +19,7 @@ COMPILER_ROOT = DEMO_ROOT.parent / "compiler"
 DEMO_GAMMAS = [4, 2, 6]  # the first is the default γ
 DEMO_MAX_SEQ = 1024
 DEMO_MAX_BATCH = 8
-DEMO_DRAFT_VOCAB = 2048  # greedy draft steps score the 2048 most frequent tokens (see compiler/draft_vocab.py)
+DEMO_DRAFT_VOCAB = 3072  # greedy draft steps score the 3072 most frequent tokens (see compiler/draft_vocab.py)
 
 
 def cache_dir() -> Path:

@@ -1,4 +1,5 @@
-"""GraphBuilder.matmul: float32 weights as they are, int8 weights as DequantizeLinear(q, scale) -> MatMul."""
+"""GraphBuilder: matmul weights (float32 as they are, int8 as DequantizeLinear(q, scale) -> MatMul),
+graph outputs, and the weights file."""
 
 import numpy as np
 import onnxruntime as ort
@@ -57,3 +58,25 @@ def test_int8_weights_are_written_as_int8_external_data(tmp_path):
 def test_unknown_weight_format_is_a_bug():
     with pytest.raises(AssertionError, match="matmul_weights"):
         GraphBuilder("m", "int3")
+
+
+def test_outputs_rename_the_node_that_makes_them_even_if_later_nodes_read_it(tmp_path):
+    g = GraphBuilder("o")
+    x = g.input("x", FLOAT, [2])
+    doubled = g.op("Add", x, x)
+    g.output(doubled, "doubled", FLOAT, [2])  # exposed before its consumer below exists
+    g.output(g.op("Mul", doubled, doubled), "squared", FLOAT, [2])
+    g.output(x, "passthrough", FLOAT, [2])  # a graph input cannot be renamed: Identity
+    model = g.model({})
+    assert [n.op_type for n in model.graph.node] == ["Add", "Mul", "Identity"]
+    (tmp_path / "o.onnx").write_bytes(model.SerializeToString())
+    outs = ort.InferenceSession(str(tmp_path / "o.onnx")).run(None, {"x": np.array([1.0, 3.0], np.float32)})
+    assert [o.tolist() for o in outs] == [[2.0, 6.0], [4.0, 36.0], [1.0, 3.0]]
+
+
+def test_one_weight_name_for_two_different_arrays_is_a_bug():
+    weights = WeightFile("w.bin")
+    weights.add({"w": np.zeros(4, np.float32)})
+    weights.add({"w": np.ones(4, np.float32)})  # the same weight again, from another graph: stored once
+    with pytest.raises(AssertionError, match="two different weights named w"):
+        weights.add({"w": np.zeros(8, np.float32)})
