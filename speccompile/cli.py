@@ -201,11 +201,13 @@ def _int_list(text: str) -> list[int]:
 @click.option("--prompts", "prompts_file", type=click.Path(), default=None, help="Calibration prompts (JSON list or one per line).")
 @click.option("--batch-sizes", default="1,2,4,8", show_default=True)
 @click.option("--context-lengths", default="64,256", show_default=True)
-@click.option("--repeats", type=int, default=5, show_default=True)
+@click.option("--repeats", type=int, default=5, show_default=True, help="Timed calls per step, per round (median).")
+@click.option("--rounds", type=int, default=3, show_default=True,
+              help="Sweeps over all batch sizes and contexts; each cost is the median over sweeps.")
 @click.option("--ops", is_flag=True, help="Also print ONNX Runtime's per-op time breakdown of each graph.")
 @click.option("--plots", "plots_dir", type=click.Path(), default=None, help="Where to save PNG plots (default: BUNDLE/profiles).")
 @user_errors
-def profile(bundle, prompts_file, batch_sizes, context_lengths, repeats, ops, plots_dir):
+def profile(bundle, prompts_file, batch_sizes, context_lengths, repeats, rounds, ops, plots_dir):
     """Measure γ costs and acceptance on this hardware; store a γ profile in the bundle."""
     from pathlib import Path
 
@@ -217,7 +219,7 @@ def profile(bundle, prompts_file, batch_sizes, context_lengths, repeats, ops, pl
     log = lambda line: click.echo(line, err=True)  # noqa: E731
     prompts = read_prompts(prompts_file)
     batches = [b for b in _int_list(batch_sizes) if b <= runtime.max_batch] or [1]
-    result = prof.build_profile(runtime, prompts, batches, _int_list(context_lengths), repeats, log=log)
+    result = prof.build_profile(runtime, prompts, batches, _int_list(context_lengths), repeats, rounds, log=log)
     log("measuring batch-1 speedup per γ")
     result["measured_speedup"] = prof.measured_speedups(runtime, prompts[:4])
     path = prof.write_profile(runtime.bundle.path, result)

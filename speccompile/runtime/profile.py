@@ -2,7 +2,7 @@
 
 For each batch size and context length: one target decode step, one draft step, one verification
 of γ+1 tokens for every compiled γ (each call's cache growth is rolled back, so every repeat sees
-the same context). Acceptance per draft position comes from speculative runs at the largest
+the same context); the whole sweep runs a few times and each cost is the median over sweeps. Acceptance per draft position comes from speculative runs at the largest
 compiled γ on calibration prompts (P_k for k <= γ does not depend on γ). The cost model then
 predicts the speedup of every γ (0 = plain decoding) per batch size, and picks γ*.
 """
@@ -88,7 +88,17 @@ def _mean_costs(per_context: list[dict]) -> dict:
     }
 
 
-def build_profile(runtime, prompts, batch_sizes, context_lengths, repeats: int = 5, log=print) -> dict:
+def median_costs(rounds: list[dict]) -> dict:
+    """Per-quantity median of several `measure_costs` results at one point."""
+    median = lambda key: statistics.median(r[key] for r in rounds)  # noqa: E731
+    return {"target_step_ms": median("target_step_ms"), "draft_step_ms": median("draft_step_ms"),
+            "verify_ms": {g: statistics.median(r["verify_ms"][g] for r in rounds) for g in rounds[0]["verify_ms"]}}
+
+
+def build_profile(runtime, prompts, batch_sizes, context_lengths, repeats: int = 5, rounds: int = 3, log=print) -> dict:
+    """`rounds` sweeps over every (batch size, context) point, each point's costs the median over the
+    sweeps: a machine that slows down for a while (shared hosts, thermals) then spoils one sweep's
+    numbers, not the profile, and costs measured at different points stay comparable."""
     for b in batch_sizes:
         if not 1 <= b <= runtime.max_batch:
             raise SpecCompileError(f"batch size {b} is outside 1..{runtime.max_batch} (the bundle's max batch)")
@@ -97,12 +107,16 @@ def build_profile(runtime, prompts, batch_sizes, context_lengths, repeats: int =
         raise SpecCompileError(f"no context length fits the bundle's max sequence length {runtime.max_seq}")
     log(f"calibrating acceptance on {len(prompts)} prompts at γ={max(runtime.gammas)}")
     by_position, overhead = calibrate_acceptance(runtime, prompts)
+    if rounds < 1 or repeats < 1:
+        raise SpecCompileError(f"--rounds and --repeats must be positive (got {rounds}, {repeats})")
+    measured = {(batch, context): [] for batch in batch_sizes for context in contexts}
+    for sweep in range(rounds):
+        log(f"measuring step costs, round {sweep + 1}/{rounds}: batch sizes {batch_sizes}, contexts {contexts}")
+        for batch, context in measured:
+            measured[batch, context].append(measure_costs(runtime, batch, context, repeats, seed=sweep))
     by_batch = {}
     for batch in batch_sizes:
-        per_context = []
-        for context in contexts:
-            log(f"measuring batch {batch}, context {context}")
-            per_context.append(measure_costs(runtime, batch, context, repeats))
+        per_context = [median_costs(measured[batch, context]) for context in contexts]
         costs = _mean_costs(per_context)
         speedups = {0: 1.0}
         for gamma in runtime.gammas:
@@ -192,11 +206,11 @@ def interpolate_costs(per_context: dict[int, dict], context: int) -> dict:
 # measured speedup per γ, plots, per-op engine profile
 
 
-def measured_speedups(runtime, prompts: list[str], max_new_tokens: int = 32) -> dict[int, float]:
-    """Batch-1 speculative vs autoregressive tokens/s for every compiled γ (one interleaved pass)."""
+def measured_speedups(runtime, prompts: list[str], max_new_tokens: int = 32, repeats: int = 3) -> dict[int, float]:
+    """Batch-1 speculative vs autoregressive tokens/s for every compiled γ (medians of interleaved repeats)."""
     from speccompile.runtime.bench import bench
 
-    return {g: bench(runtime, prompts, max_new_tokens, repeats=1, gamma=g)[0]["speedup"] for g in runtime.gammas}
+    return {g: bench(runtime, prompts, max_new_tokens, repeats=repeats, gamma=g)[0]["speedup"] for g in runtime.gammas}
 
 
 def save_plots(profile: dict, directory: Path) -> list[Path]:

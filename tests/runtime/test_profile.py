@@ -40,6 +40,21 @@ def test_costs_are_interpolated_at_the_request_context(random_bundle):
     assert prof.timings_for_batch(loaded, 1, context=500)["verify_ms"][4] == 9.0
 
 
+def test_one_slow_round_does_not_move_the_profile(random_bundle, monkeypatch):
+    """Costs are medians over sweeps: a sweep measured while the machine was slow is outvoted."""
+    speeds = iter([1.0, 10.0, 1.1])  # round 2 ran on a machine ten times slower
+
+    def fake_costs(runtime, batch, context, repeats, seed=0):
+        k = next(speeds)
+        return {"target_step_ms": 2.0 * k, "draft_step_ms": 0.2 * k, "verify_ms": {g: 3.0 * k for g in runtime.gammas}}
+
+    monkeypatch.setattr(prof, "measure_costs", fake_costs)
+    runtime = speccompile.load(random_bundle)
+    entry = prof.build_profile(runtime, PROMPTS, [1], [16], repeats=1, rounds=3, log=lambda _: None)["by_batch"][1]
+    assert entry["target_step_ms"] == pytest.approx(2.2) and entry["draft_step_ms"] == pytest.approx(0.22)
+    assert entry["verify_ms"] == {g: pytest.approx(3.3) for g in runtime.gammas}
+
+
 def test_profile_round_trip_and_hardware_matching(random_bundle):
     runtime = speccompile.load(random_bundle)
     profile = prof.build_profile(runtime, PROMPTS, [1, 2], [16], repeats=2, log=lambda _: None)
