@@ -43,6 +43,8 @@ def main():
               help="Draft LM head scores only the K most frequent tokens (faster draft steps; outputs unchanged).")
 @click.option("--draft-vocab-corpus", default=None,
               help="Count token frequencies for --draft-vocab on this corpus (default: the draft's token_frequencies.json).")
+@click.option("--single-sequence/--no-single-sequence", default=True, show_default=True,
+              help="Also write batch-1 ONNX Runtime variants of every graph (fused attention that reads the KV cache in place).")
 @click.option("--backend", type=click.Choice(["onnx", "tensorrt"]), default="onnx", show_default=True,
               help="tensorrt: also build TensorRT engines from the same ONNX graphs.")
 @click.option("--plugin-lib", type=click.Path(), default=None, help="libspeccompile_plugins.so (TensorRT backend).")
@@ -51,7 +53,7 @@ def main():
 @click.option("--version-compat", is_flag=True, help="TensorRT: engines loadable by later TensorRT versions.")
 @user_errors
 def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force, draft_weights, draft_vocab, draft_vocab_corpus,
-          backend, plugin_lib, timing_cache, hardware_compat, version_compat):
+          single_sequence, backend, plugin_lib, timing_cache, hardware_compat, version_compat):
     """Export a target/draft pair to a bundle of ONNX speculative graphs (and TensorRT engines)."""
     from speccompile.compiler.build import build_bundle
 
@@ -62,7 +64,8 @@ def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force, dra
         require_tensorrt()
         plugin_library(plugin_lib)
     build_bundle(target_dir, draft_dir, out_dir, gammas=list(gammas), max_seq=max_seq, max_batch=max_batch, force=force,
-                 draft_weights=draft_weights, draft_vocab=draft_vocab, draft_vocab_corpus=draft_vocab_corpus, log=log)
+                 draft_weights=draft_weights, draft_vocab=draft_vocab, draft_vocab_corpus=draft_vocab_corpus,
+                 single_sequence=single_sequence, log=log)
     if backend == "tensorrt":
         from speccompile.compiler.tensorrt_build import build_tensorrt_engines
 

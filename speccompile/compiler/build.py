@@ -20,7 +20,7 @@ from speccompile.compiler.checkpoint import ModelSpec, check_max_seq, load_check
 from speccompile.compiler.draft_vocab import FREQUENCIES_FILE, corpus_frequencies, read_frequencies, select_vocab
 from speccompile.compiler.onnx_graph import MATMUL_WEIGHTS, OPSET, WeightFile
 from speccompile.compiler.tokenizer import check_compatible, eos_token_ids, load_tokenizer, save_tokenizer
-from speccompile.compiler.transformer import build_forward_graph, build_verify_graph
+from speccompile.compiler.transformer import build_forward_graph, build_verify_graph, fused_attention_supported
 from speccompile.compiler.trt_rules import check_tensorrt_compatible
 from speccompile.errors import SpecCompileError
 from speccompile.runtime.bundle import FORMAT_VERSION, MANIFEST, sha256_file
@@ -46,11 +46,14 @@ PHASES = ["load target", "load draft", "check compatibility", "export graphs", "
 
 def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 1024, max_batch: int = 8,
                  force: bool = False, draft_weights: str = "int8", draft_vocab: int | None = None,
-                 draft_vocab_corpus=None, log=print) -> Path:
+                 draft_vocab_corpus=None, single_sequence: bool = True, log=print) -> Path:
     """`draft_weights`: how the draft's matmul weights are stored, "int8" (weight-only, per output
     column) or "float32". The target is always float32: its numerics are the output.
     `draft_vocab`: score only the K most frequent tokens in the draft's LM head (see draft_vocab.py),
-    by the counts in the draft checkpoint's token_frequencies.json or of `draft_vocab_corpus`."""
+    by the counts in the draft checkpoint's token_frequencies.json or of `draft_vocab_corpus`.
+    `single_sequence`: also write each graph's batch-1 ONNX Runtime variant (fused attention; see
+    transformer._fused_attention), which the ONNX Runtime backend runs whenever a batch has one
+    sequence."""
     out_dir = Path(out_dir)
     gammas = _check_options(out_dir, list(gammas), max_seq, max_batch, force)
     if draft_weights not in MATMUL_WEIGHTS:
@@ -75,14 +78,19 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
 
     progress("export graphs")
     graphs = _export_graphs(target, draft, gammas, max_seq, vocab_out, draft_weights, vocab_ids)
+    variants = _export_graphs(target, draft, gammas, max_seq, vocab_out, draft_weights, vocab_ids, single_sequence=True) \
+        if single_sequence else {}
     for name, (builder, _) in graphs.items():
-        log(f"  {name}: {len(builder.nodes)} nodes")
+        variant = f", batch-1 variant {len(variants[name][0].nodes)}" if name in variants else ""
+        log(f"  {name}: {len(builder.nodes)} nodes{variant}")
 
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     try:
-        weight_files = _write_graphs(staging, graphs)
+        weight_files = _write_graphs(staging, graphs, variants)
         progress("check graphs")
         needs_plugin = {name: _check_graph(staging / f"{name}.onnx", name) for name in graphs}
+        for name in variants:
+            _check_onnx(staging / variant_file(name), name + SINGLE_SEQUENCE)
         for name, reasons in needs_plugin.items():
             if reasons:
                 log(f"  {name}: TensorRT parses it only with the speccompile plugin ({len(reasons)} body constraint(s))")
@@ -90,6 +98,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         save_tokenizer(target_tok, staging / "tokenizer")
         scored = {"target": vocab_out, "draft": vocab_out if vocab_ids is None else len(vocab_ids)}
         manifest = _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max_batch, vocab_out, scored, target_tok, needs_plugin)
+        for name in variants:
+            manifest["graphs"][name]["single_sequence"] = _variant_entry(staging, name)
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _move_into_place(staging, out_dir, force)
     except BaseException:
@@ -127,37 +137,57 @@ def _draft_vocab_ids(draft: ModelSpec, size: int, corpus, vocab_out: int, eos_id
     return ids
 
 
-def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_out, draft_weights, vocab_ids=None) -> dict:
-    """name -> (GraphBuilder, role)."""
+def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_out, draft_weights, vocab_ids=None,
+                   single_sequence: bool = False) -> dict:
+    """name -> (GraphBuilder, role); with single_sequence, the batch-1 variants under the same names,
+    for the models ONNX Runtime's fused attention kernel accepts."""
     graphs = {}
     for role, spec, weights, ids in (("target", target, "float32", None), ("draft", draft, draft_weights, vocab_ids)):
+        if single_sequence and not fused_attention_supported(spec):
+            continue
         for sample, name in ((False, f"{role}_forward"), (True, f"{role}_sample")):
             graphs[name] = (build_forward_graph(spec, name, max_seq, vocab_out, sample=sample, matmul_weights=weights,
-                                                vocab_ids=None if sample else ids), role)
+                                                vocab_ids=None if sample else ids, single_sequence=single_sequence), role)
+    if single_sequence and not fused_attention_supported(target):
+        return graphs
     for gamma in gammas:
         for sample, name in ((False, f"target_verify_g{gamma}"), (True, f"target_verify_sample_g{gamma}")):
-            graphs[name] = (build_verify_graph(target, name, gamma, max_seq, vocab_out, sample=sample), "target")
+            graphs[name] = (build_verify_graph(target, name, gamma, max_seq, vocab_out, sample=sample,
+                                               single_sequence=single_sequence), "target")
     return graphs
 
 
-def _write_graphs(staging: Path, graphs: dict) -> dict[str, WeightFile]:
-    """One weights file per model, shared by all of that model's graphs."""
+SINGLE_SEQUENCE = "_b1"  # file suffix of the batch-1 ONNX Runtime variants
+
+
+def variant_file(name: str) -> str:
+    return f"{name}{SINGLE_SEQUENCE}.onnx"
+
+
+def _write_graphs(staging: Path, graphs: dict, variants: dict) -> dict[str, WeightFile]:
+    """One weights file per model, shared by all of that model's graphs and their variants."""
     weight_files = {role: WeightFile(f"{role}.weights") for role in ("target", "draft")}
-    for builder, role in graphs.values():
+    for builder, role in [*graphs.values(), *variants.values()]:
         weight_files[role].add(builder.weights)
     for role, weight_file in weight_files.items():
         weight_file.write(staging / weight_file.filename)
     for name, (builder, role) in graphs.items():
         onnx.save_model(builder.model(weight_files[role].locations), str(staging / f"{name}.onnx"))
+    for name, (builder, role) in variants.items():
+        onnx.save_model(builder.model(weight_files[role].locations), str(staging / variant_file(name)))
     return weight_files
 
 
-def _check_graph(path: Path, name: str) -> list[str]:
-    """onnx.checker, then TensorRT's parser rules; returns what only the plugin makes parsable."""
+def _check_onnx(path: Path, name: str) -> None:
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except onnx.checker.ValidationError as e:
         raise AssertionError(f"exported graph {name} fails onnx.checker: {e}") from None
+
+
+def _check_graph(path: Path, name: str) -> list[str]:
+    """onnx.checker, then TensorRT's parser rules; returns what only the plugin makes parsable."""
+    _check_onnx(path, name)
     return check_tensorrt_compatible(onnx.load(str(path), load_external_data=False), name)
 
 
@@ -183,6 +213,13 @@ def _graph_entry(staging: Path, name: str, role: str, gamma, needs_plugin: list[
         "nodes": len(model.graph.node),
         "tensorrt_needs_plugin": needs_plugin,
     }
+
+
+def _variant_entry(staging: Path, name: str) -> dict:
+    model = onnx.load(str(staging / variant_file(name)), load_external_data=False)
+    ops = collections.Counter(n.op_type for n in model.graph.node)
+    return {"file": variant_file(name), "batch": 1, "backend": "onnxruntime", "nodes": len(model.graph.node),
+            "op_counts": dict(sorted(ops.items()))}
 
 
 def _model_entry(spec: ModelSpec, weight_file: WeightFile, matmul_weights: str, scored_vocab: int) -> dict:

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 OPSET = 24  # TensorScatter (in-place KV write) needs 24; TensorRT 10.15's parser reads opsets 9..24
 IR_VERSION = 10
-FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
+FLOAT, INT32, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64, TensorProto.BOOL
 WEIGHT_DTYPES = {np.dtype(np.float32): (TensorProto.FLOAT, "<f4"), np.dtype(np.int8): (TensorProto.INT8, "i1"),
                  np.dtype(np.int64): (TensorProto.INT64, "<i8")}
 MATMUL_WEIGHTS = ("float32", "int8")

@@ -14,27 +14,35 @@ written at positions past_len .. past_len+T-1 by TensorScatter, which updates th
 the runtime binds the same memory as input and output; attention reads positions < max(past_len)+T
 and masks each query to keys at positions <= its own. So entries beyond a sequence's length are
 never read, and rolling back a rejected draft is just passing a smaller past_len next time.
+
+Each graph also has a single-sequence variant for ONNX Runtime (`single_sequence=True`, batch 1):
+the same interface and cache, with each block's attention in ONNX Runtime's fused
+GroupQueryAttention kernel, which reads the cache in place (see _fused_attention).
 """
 
 import numpy as np
 
 from speccompile.compiler.checkpoint import ModelSpec
-from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT64, GraphBuilder
+from speccompile.compiler.onnx_graph import FLOAT, INT32, INT64, GraphBuilder
 from speccompile.compiler.spec_accept import OUTPUTS, spec_accept_node, spec_op
+
+ORT_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops
 
 
 def build_forward_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int, sample: bool = False,
-                        matmul_weights: str = "float32", vocab_ids: np.ndarray | None = None) -> GraphBuilder:
+                        matmul_weights: str = "float32", vocab_ids: np.ndarray | None = None,
+                        single_sequence: bool = False) -> GraphBuilder:
     """Greedy (`next_token` = argmax) or, with sample=True, sampled from the transformed
     distribution with a supplied uniform per sequence (outputs `next_token` and `probs`).
     `matmul_weights` "int8" stores the projection and LM-head weights quantized (see GraphBuilder.matmul).
     `vocab_ids` (sorted token ids, see draft_vocab; greedy graphs only) restricts the LM head to
-    those tokens: `logits` are then over the subset, `next_token` is a token id as always."""
+    those tokens: `logits` are then over the subset, `next_token` is a token id as always.
+    `single_sequence`: the batch-1 ONNX Runtime variant (see _fused_attention)."""
     g = GraphBuilder(name, matmul_weights)
     ids = g.input("input_ids", INT64, ["batch", "tokens"])
     past_len = g.input("past_len", INT64, ["batch"])
     token_count = g.input("token_count", INT64, ["batch"])
-    hidden = _decoder(g, spec, ids, past_len, max_seq)
+    hidden = _decoder(g, spec, ids, past_len, max_seq, single_sequence)
     # Only each sequence's last real token needs logits: gather it before the LM head.
     last = g.op("Unsqueeze", g.op("Sub", token_count, g.const(1)), g.const([1]))
     hidden_last = g.op("GatherND", hidden, last, batch_dims=1)  # [B, H]
@@ -58,13 +66,14 @@ def build_forward_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int
     return g
 
 
-def build_verify_graph(spec: ModelSpec, name: str, gamma: int, max_seq: int, vocab_out: int, sample: bool = False) -> GraphBuilder:
+def build_verify_graph(spec: ModelSpec, name: str, gamma: int, max_seq: int, vocab_out: int, sample: bool = False,
+                       single_sequence: bool = False) -> GraphBuilder:
     """Score [last, d_1..d_γ] and apply SpecAccept: greedy on logits, or (sample=True) the
     rejection-sampling rule on the transformed target probabilities and the draft's."""
     g = GraphBuilder(name)
     ids = g.input("input_ids", INT64, ["batch", gamma + 1])
     past_len = g.input("past_len", INT64, ["batch"])
-    hidden = _decoder(g, spec, ids, past_len, max_seq)
+    hidden = _decoder(g, spec, ids, past_len, max_seq, single_sequence)
     logits = _lm_head(g, spec, hidden, vocab_out)  # [B, γ+1, V]: stays inside the graph
     drafts = g.op("Slice", ids, g.const([1]), g.const([gamma + 1]), g.const([1]))
     if not sample:
@@ -95,20 +104,25 @@ def cache_shape(spec: ModelSpec, max_seq: int) -> list:
 # decoder body
 
 
-def _decoder(g: GraphBuilder, spec: ModelSpec, ids: str, past_len: str, max_seq: int) -> str:
+def _decoder(g: GraphBuilder, spec: ModelSpec, ids: str, past_len: str, max_seq: int, single_sequence: bool = False) -> str:
     """Embeddings, all blocks and the cache I/O; returns the last block's output [B, T, H]."""
     hp, w = spec.hp, spec.weights
     num_tokens = g.op("Gather", g.op("Shape", ids), g.const(1))  # scalar T
-    steps = g.op("Range", g.const(0), num_tokens, g.const(1))
-    positions = g.op("Add", g.op("Unsqueeze", past_len, g.const([1])), steps)  # [B, T]
+    positions = None
+    if "pos_embed" in w or not single_sequence:
+        steps = g.op("Range", g.const(0), num_tokens, g.const(1))
+        positions = g.op("Add", g.op("Unsqueeze", past_len, g.const([1])), steps)  # [B, T]
     x = g.op("Gather", g.weight("embed", w["embed"]), ids)
     if "pos_embed" in w:
         x = g.op("Add", x, g.op("Gather", g.weight("pos_embed", w["pos_embed"]), positions))
     rope = _rope_tables(g, spec, max_seq) if spec.arch.block == "llama" else None
-    kv_len, mask = _attention_mask(g, past_len, num_tokens, positions)
+    if single_sequence:
+        attention = _fused_attention(g, spec, past_len, num_tokens, rope, max_seq)
+    else:
+        attention = _onnx_attention(g, spec, past_len, num_tokens, positions, rope, max_seq)
     for i in range(hp["num_layers"]):
         g.scope = f"layer{i}/"
-        x = _block(g, spec, i, x, past_len, positions, rope, kv_len, mask, max_seq)
+        x = _block(g, spec, i, x, attention)
     g.scope = ""
     return x
 
@@ -121,34 +135,80 @@ def _attention_mask(g, past_len, num_tokens, positions):
     return kv_len, g.op("Unsqueeze", visible, g.const([1]))  # [B, 1, T, L]: the same for every head
 
 
-def _block(g, spec, i, x, past_len, positions, rope, kv_len, mask, max_seq):
+def _block(g, spec, i, x, attention):
     p = f"layers.{i}."
     h = _norm(g, spec, x, p + "attn_norm")
-    x = g.op("Add", x, _attention(g, spec, i, h, past_len, positions, rope, kv_len, mask, max_seq))
+    x = g.op("Add", x, attention(i, h))
     h = _norm(g, spec, x, p + "mlp_norm")
     return g.op("Add", x, _mlp(g, spec, p, h))
 
 
-def _attention(g, spec, i, h, past_len, positions, rope, kv_len, mask, max_seq):
-    """One fused QKV projection, RoPE, the cache write, and ONNX Attention (GQA from the shapes).
+def _onnx_attention(g, spec, past_len, num_tokens, positions, rope, max_seq):
+    """Standard ONNX ops, any batch: one fused QKV projection, RoPE, the cache write, and ONNX
+    Attention (GQA from the shapes).
 
     Few, large nodes on purpose: each is one fused kernel in ONNX Runtime (three projections cost
     one GEMV launch instead of three), and TensorRT maps RotaryEmbedding/Attention to fused layers.
     """
-    hp, p = spec.hp, f"layers.{i}."
+    hp = spec.hp
     heads, kv_heads, head_dim = hp["num_heads"], hp["num_kv_heads"], hp["head_dim"]
-    qkv = _linear(g, spec, h, p + "qkv", parts=(p + "q", p + "k", p + "v"))  # [B, T, (Hq+2Hkv)*D]
-    qkv = g.op("Reshape", qkv, g.const([0, 0, heads + 2 * kv_heads, head_dim]))
-    qkv = g.op("Transpose", qkv, perm=[0, 2, 1, 3])  # [B, Hq+2Hkv, T, D]
-    q, k, v = g.op("Split", qkv, g.const([heads, kv_heads, kv_heads]), axis=1, outputs=3)
-    if rope is not None:
-        q, k = (g.op("RotaryEmbedding", t, *rope, positions) for t in (q, k))
-    keys = _write_cache(g, f"key.{i}", k, past_len, spec, max_seq, kv_len)
-    values = _write_cache(g, f"value.{i}", v, past_len, spec, max_seq, kv_len)
-    context = g.op("Attention", q, keys, values, mask, scale=float(hp["attn_scale"]))  # [B, Hq, T, D]
-    context = g.op("Transpose", context, perm=[0, 2, 1, 3])
-    context = g.op("Reshape", context, g.const([0, 0, heads * head_dim]))
-    return _linear(g, spec, context, p + "o")
+    kv_len, mask = _attention_mask(g, past_len, num_tokens, positions)
+
+    def attend(i, h):
+        p = f"layers.{i}."
+        qkv = _linear(g, spec, h, p + "qkv", parts=(p + "q", p + "k", p + "v"))  # [B, T, (Hq+2Hkv)*D]
+        qkv = g.op("Reshape", qkv, g.const([0, 0, heads + 2 * kv_heads, head_dim]))
+        qkv = g.op("Transpose", qkv, perm=[0, 2, 1, 3])  # [B, Hq+2Hkv, T, D]
+        q, k, v = g.op("Split", qkv, g.const([heads, kv_heads, kv_heads]), axis=1, outputs=3)
+        if rope is not None:
+            q, k = (g.op("RotaryEmbedding", t, *rope, positions) for t in (q, k))
+        keys = _write_cache(g, f"key.{i}", k, past_len, spec, max_seq, kv_len)
+        values = _write_cache(g, f"value.{i}", v, past_len, spec, max_seq, kv_len)
+        context = g.op("Attention", q, keys, values, mask, scale=float(hp["attn_scale"]))  # [B, Hq, T, D]
+        context = g.op("Transpose", context, perm=[0, 2, 1, 3])
+        context = g.op("Reshape", context, g.const([0, 0, heads * head_dim]))
+        return _linear(g, spec, context, p + "o")
+
+    return attend
+
+
+def fused_attention_supported(spec: ModelSpec) -> bool:
+    """What ONNX Runtime's GroupQueryAttention CPU kernel accepts (it checks at run time, not load)."""
+    hp = spec.hp
+    return hp["head_dim"] % 16 == 0 and hp["num_heads"] % hp["num_kv_heads"] == 0
+
+
+def _fused_attention(g, spec, past_len, num_tokens, rope, max_seq):
+    """ONNX Runtime's GroupQueryAttention (com.microsoft), one sequence: RoPE, the in-place cache
+    write and attention in one kernel over the packed QKV projection.
+
+    Why a second implementation: the standard one copies each layer's live K/V prefix out of the
+    fixed-capacity cache (Slice) before Attention, a cost that grows with context; this kernel reads
+    the cache where it lies, and the block shrinks from 14 nodes to 3. Why one sequence: with a
+    past, ONNX Runtime's kernel takes several new tokens per call only at batch 1 (verification and
+    draft catch-up need several). ONNX Runtime only: TensorRT builds from the standard graphs.
+    """
+    hp = spec.hp
+    total = g.op("Add", past_len, g.op("Unsqueeze", num_tokens, g.const([0])))  # [1]: every token is real at batch 1
+    seqlens_k = g.op("Cast", g.op("Sub", total, g.const(1)), to=INT32)  # index of the last token, per sequence
+    total_len = g.op("Cast", g.op("ReduceMax", total, keepdims=0), to=INT32)
+    g.domains[ORT_DOMAIN] = 1
+    shape = cache_shape(spec, max_seq)
+
+    def attend(i, h):
+        p = f"layers.{i}."
+        qkv = _linear(g, spec, h, p + "qkv", parts=(p + "q", p + "k", p + "v"))  # [1, T, (Hq+2Hkv)*D]
+        past_key, past_value = g.input(f"past_key.{i}", FLOAT, shape), g.input(f"past_value.{i}", FLOAT, shape)
+        outputs = [f"{g.scope}GroupQueryAttention/out", f"present_key.{i}", f"present_value.{i}"]
+        context, present_key, present_value = g.op(
+            "GroupQueryAttention", qkv, "", "", past_key, past_value, seqlens_k, total_len, *(rope or ("", "")),
+            domain=ORT_DOMAIN, outputs=3, out=outputs, num_heads=hp["num_heads"], kv_num_heads=hp["num_kv_heads"],
+            scale=float(hp["attn_scale"]), do_rotary=int(rope is not None), rotary_interleaved=0)
+        for present in (present_key, present_value):
+            g.output(present, present, FLOAT, shape)
+        return _linear(g, spec, context, p + "o")  # context is [1, T, Hq*D] already
+
+    return attend
 
 
 def _write_cache(g, name, new, past_len, spec, max_seq, kv_len):

@@ -4,6 +4,9 @@ The KV cache of each layer is one OrtValue bound as both `past_*` input and `pre
 every graph, so TensorScatter writes new entries into it in place: no step copies the cache, and a
 rollback is only a smaller `past_len` on the next call. Small outputs (tokens, lengths,
 probabilities) land in numpy arrays bound once per batch size.
+
+A batch of one sequence runs each graph's single-sequence variant where the bundle has one: the same
+interface and cache, with attention in ONNX Runtime's fused kernel (see compiler/transformer.py).
 """
 
 import numpy as np
@@ -45,17 +48,18 @@ class OrtModel:
     """Sessions, KV cache and per-sequence cache lengths of one model of a bundle."""
 
     def __init__(self, bundle: Bundle, role: str, providers=("CPUExecutionProvider",), threads: int | None = None,
-                 spinning: bool | None = None):
+                 spinning: bool | None = None, single_sequence: bool = True):
         info = bundle.model(role)
         self.bundle, self.role = bundle, role
         self.num_layers, self.kv_heads, self.head_dim = info["num_layers"], info["num_kv_heads"], info["head_dim"]
         self.max_seq, self.vocab_size = bundle.manifest["max_seq"], bundle.manifest["vocab_size"]
         self._threads, self._spinning, self._providers = threads, spinning, list(providers)
+        self.single_sequence = single_sequence  # run the batch-1 variants where the bundle has them
         self._sessions: dict = {}
         self._bindings: dict = {}
         self.cache: list = []
         self.cache_lengths = np.zeros(0, dtype=np.int64)
-        self._session(f"{role}_forward")  # fail early on a broken bundle; other graphs load on first use
+        self._session(self._file(f"{role}_forward", 1))  # fail early on a broken bundle; others load on first use
 
     def compiled_gammas(self) -> list[int]:
         return self.bundle.gammas if self.role == "target" else []
@@ -89,19 +93,28 @@ class OrtModel:
         self.cache_lengths = out["new_len"].copy()
         return out["accepted"].copy(), out["next_token"].copy()
 
-    def load_graphs(self, graphs: list[str]) -> None:
-        """Create the sessions for these graphs now, so that no generation times a session load."""
+    def load_graphs(self, graphs: list[str], batch: int | None = None) -> None:
+        """Create the sessions these graphs run on at this batch size now, so that no generation
+        times a session load."""
         for graph in graphs:
-            self._session(graph)
+            self._session(self._file(graph, batch or len(self.cache_lengths)))
 
     # -- sessions and buffers -----------------------------------------------------------------
-    def _session(self, graph: str):
-        if graph not in self._sessions:
-            if graph not in self.bundle.manifest["graphs"]:
-                raise SpecCompileError(f"graph {graph} is not in this bundle")
-            options = session_options(self._threads, self._spin(graph))
-            self._sessions[graph] = _ort().InferenceSession(str(self.bundle.graph_path(graph)), options, providers=self._providers)
-        return self._sessions[graph]
+    def _file(self, graph: str, batch: int) -> str:
+        """The graph file a batch runs: a batch of one sequence runs the graph's single-sequence
+        variant where the bundle has one (fused attention that reads the cache in place)."""
+        if graph not in self.bundle.manifest["graphs"]:
+            raise SpecCompileError(f"graph {graph} is not in this bundle")
+        entry = self.bundle.graph(graph)
+        if batch == 1 and "single_sequence" in entry and self.single_sequence:
+            return entry["single_sequence"]["file"]
+        return entry["file"]
+
+    def _session(self, file: str):
+        if file not in self._sessions:
+            options = session_options(self._threads, self._spin(file))
+            self._sessions[file] = _ort().InferenceSession(str(self.bundle.path / file), options, providers=self._providers)
+        return self._sessions[file]
 
     def _spin(self, graph: str) -> bool:
         """Pool threads spin after a run only where the same session runs again next (decode steps).
@@ -115,10 +128,11 @@ class OrtModel:
         return "_verify" not in graph
 
     def _run(self, graph: str, kind: str, **inputs) -> dict[str, np.ndarray]:
-        binding, outputs = self._binding(graph, kind)
+        file = self._file(graph, len(self.cache_lengths))
+        binding, outputs = self._binding(file, kind)
         for name, value in inputs.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        self._session(graph).run_with_iobinding(binding)
+        self._session(file).run_with_iobinding(binding)
         return outputs
 
     def _allocate(self, batch: int) -> None:
@@ -128,13 +142,13 @@ class OrtModel:
         self.cache = [ort.OrtValue.ortvalue_from_numpy(a) for a in self._cache_arrays]
         self._bindings = {}
 
-    def _binding(self, graph: str, kind: str):
+    def _binding(self, file: str, kind: str):
         """An IOBinding with the cache bound in place and the read-back outputs in reusable arrays."""
-        if graph in self._bindings:
-            return self._bindings[graph]
+        if file in self._bindings:
+            return self._bindings[file]
         ort = _ort()
         batch = len(self.cache_lengths)
-        binding = self._session(graph).io_binding()
+        binding = self._session(file).io_binding()
         for i in range(self.num_layers):
             for k, kind_name in enumerate(("key", "value")):
                 binding.bind_ortvalue_input(f"past_{kind_name}.{i}", self.cache[2 * i + k])
@@ -144,5 +158,5 @@ class OrtModel:
             shape = (batch, self.vocab_size) if name == "probs" else (batch,)
             arrays[name] = np.zeros(shape, dtype=np.float32 if name == "probs" else np.int64)
             binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(arrays[name]))
-        self._bindings[graph] = (binding, arrays)
-        return self._bindings[graph]
+        self._bindings[file] = (binding, arrays)
+        return self._bindings[file]

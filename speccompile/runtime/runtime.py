@@ -85,22 +85,22 @@ class Runtime:
             # needs observed acceptance, so the first request speculates (see _gamma_policy).
             if gamma.choose() == 0 and (self.profile is not None or gamma.iterations > 0):
                 mode = "autoregressive"
-        self._load_graphs(mode, gamma, params.greedy)
+        self._load_graphs(mode, gamma, params.greedy, len(prompts))
         if mode == "speculative":
             tokens, stats = speculative_generate(self.target, self.draft, token_prompts, gamma, max_new_tokens, eos, on_tokens, sampler)
         else:
             tokens, stats = autoregressive_generate(self.target, token_prompts, max_new_tokens, eos, on_tokens, sampler)
         return [GenerationResult(p, t, self.tokenizer.decode(t), s) for p, t, s in zip(prompts, tokens, stats)]
 
-    def _load_graphs(self, mode: str, gamma, greedy: bool) -> None:
+    def _load_graphs(self, mode: str, gamma, greedy: bool, batch: int) -> None:
         """Load every graph this request can run before its clock starts (they load lazily otherwise)."""
         suffix = "forward" if greedy else "sample"
         verify = "target_verify_g" if greedy else "target_verify_sample_g"
         target = [f"target_{suffix}"]
         if mode == "speculative":
             target += [f"{verify}{g}" for g in (self.gammas if isinstance(gamma, GammaPolicy) else [gamma])]
-            self.draft.load_graphs([f"draft_{suffix}"])
-        self.target.load_graphs(target)
+            self.draft.load_graphs([f"draft_{suffix}"], batch)
+        self.target.load_graphs(target, batch)
 
     # -- γ selection ---------------------------------------------------------------------------
     def _gamma_policy(self, batch: int, context: int) -> GammaPolicy:

@@ -73,7 +73,7 @@ class TrtModel:
         return out["accepted"], out["next_token"]
 
     # -- execution ----------------------------------------------------------------------------
-    def load_graphs(self, graphs: list[str]) -> None:
+    def load_graphs(self, graphs: list[str], batch: int | None = None) -> None:
         """Deserialize these engines now, so that no generation times an engine load."""
         for graph in graphs:
             self._context(graph)

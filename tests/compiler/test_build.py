@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import onnx
 import pytest
 
@@ -117,3 +118,28 @@ def test_embedding_smaller_than_tokenizer_is_refused(tmp_path, tokenizer, checkp
     small = make_checkpoint(tmp_path / "small", "llama", size="draft", tokenizer=tokenizer, vocab_size=len(tokenizer) - 10)
     with pytest.raises(SpecCompileError, match="embeds only"):
         build_bundle(checkpoints("llama"), small, tmp_path / "b", log=lambda _: None)
+
+
+def test_single_sequence_variants_for_the_models_the_fused_kernel_takes(bundles):
+    """ONNX Runtime's GroupQueryAttention needs head_dim % 16 == 0: the tiny target (16) gets batch-1
+    variants of all its graphs, the tiny random draft (8) none. TensorRT reads only the standard graphs."""
+    bundle = open_bundle(bundles("llama", "random"))
+    graphs = bundle.manifest["graphs"]
+    for name, entry in graphs.items():
+        variant = entry.get("single_sequence")
+        if entry["model"] == "draft":
+            assert variant is None, name
+            continue
+        assert variant["file"] == f"{name}_b1.onnx" and variant["batch"] == 1, name
+        assert bundle.manifest["files"][variant["file"]] == sha256_file(bundle.path / variant["file"])
+        model = onnx.load(str(bundle.path / variant["file"]), load_external_data=False)
+        assert {o.name for o in model.graph.output} == {o["name"] for o in entry["outputs"]}  # the same interface
+        assert not [t for t in model.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL and t.dims and
+                    np.prod(t.dims) > 1024], "weights are shared with the standard graph, not copied"
+
+
+def test_no_single_sequence_variants_on_request(tmp_path, checkpoints):
+    bundle = open_bundle(build_bundle(checkpoints("llama"), checkpoints("llama"), tmp_path / "b", gammas=[2], max_seq=64,
+                                      single_sequence=False, log=lambda _: None))
+    assert not any("single_sequence" in entry for entry in bundle.manifest["graphs"].values())
+    assert not list(bundle.path.glob("*_b1.onnx"))

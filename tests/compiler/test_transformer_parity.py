@@ -115,3 +115,64 @@ def test_draft_vocabulary_logits_are_the_hf_logits_of_the_kept_tokens(family, ch
              if t.name == "vocab_ids"]
     np.testing.assert_allclose(out["logits"][0], expected[ids], atol=ATOL)
     assert out["next_token"][0] == ids[np.argmax(expected[ids])] != np.argmax(expected)
+
+
+def run_file(bundle, file, feeds_without_cache, cache, role="target"):
+    session = ort.InferenceSession(str(bundle.path / file))
+    feeds = dict(feeds_without_cache)
+    for key, value in cache.items():
+        feeds[f"past_{key}"] = value
+    names = [o.name for o in session.get_outputs()]
+    out = dict(zip(names, session.run(None, feeds)))
+    return out, {key: out[f"present_{key}"] for key in cache}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_single_sequence_variant_matches_hf_through_prefill_catch_up_and_decode(family, checkpoints, bundles):
+    """The batch-1 graphs (ONNX Runtime's fused GroupQueryAttention) give HF's logits at every kind
+    of step the runtime takes: prefill, a 2-token catch-up over a re-read position, 1-token steps."""
+    bundle = open_bundle(bundles(family, "random"))
+    variant = bundle.graph("target_forward")["single_sequence"]
+    assert variant["op_counts"].get("GroupQueryAttention") == bundle.model("target")["num_layers"]
+    assert "Attention" not in variant["op_counts"] and "Slice" not in variant["op_counts"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints(family)).eval()
+    cache = empty_cache(bundle.manifest, "target", 1)
+    prompt = [5, 17, 33, 2, 9, 100, 7]
+    steps = [(prompt, 0), ([7, 42], len(prompt) - 1), ([43], len(prompt) + 1), ([44, 45], len(prompt) + 2)]
+    seen = []
+    for tokens, past in steps:
+        seen = seen[:past] + tokens
+        feeds = {"input_ids": np.array([tokens], np.int64), "past_len": np.array([past], np.int64),
+                 "token_count": np.array([len(tokens)], np.int64)}
+        out, cache = run_file(bundle, variant["file"], feeds, cache)
+        np.testing.assert_allclose(out["logits"][0], hf_last_logits(hf, seen), atol=ATOL)
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_single_sequence_verification_agrees_with_the_standard_graph(bundles, sample):
+    bundle = open_bundle(bundles("llama", "random"))
+    name = "target_verify_sample_g4" if sample else "target_verify_g4"
+    rng = np.random.default_rng(0)
+    cache = empty_cache(bundle.manifest, "target", 1)
+    prefill = {"input_ids": np.array([[5, 17, 33, 2, 9]], np.int64), "past_len": np.zeros(1, np.int64),
+               "token_count": np.array([5], np.int64)}
+    _, cache = run_file(bundle, "target_forward.onnx", prefill, cache)
+    vocab = bundle.manifest["vocab_size"]
+    for trial in range(5):
+        feeds = {"input_ids": rng.integers(0, vocab, (1, 5)), "past_len": np.array([5], np.int64)}
+        if sample:
+            probs = rng.random((1, 4, vocab)).astype(np.float32)
+            feeds.update(draft_probs=probs / probs.sum(-1, keepdims=True), temperature=np.ones(1, np.float32),
+                         top_k=np.zeros(1, np.int64), top_p=np.ones(1, np.float32),
+                         u_accept=rng.random((1, 4)).astype(np.float32), u_sample=rng.random(1).astype(np.float32))
+        if trial == 0:  # d_1 = the target's own choice after `last`, so an accepted draft is exercised too
+            context = {"input_ids": np.array([[5, 17, 33, 2, 9, feeds["input_ids"][0, 0]]], np.int64),
+                       "past_len": np.zeros(1, np.int64), "token_count": np.array([6], np.int64)}
+            greedy, _ = run_file(bundle, "target_forward.onnx", context, empty_cache(bundle.manifest, "target", 1))
+            feeds["input_ids"][0, 1] = greedy["next_token"][0]
+        standard, _ = run_file(bundle, f"{name}.onnx", feeds, {k: v.copy() for k, v in cache.items()})
+        fused, _ = run_file(bundle, bundle.graph(name)["single_sequence"]["file"], feeds, {k: v.copy() for k, v in cache.items()})
+        for key in ("accepted", "next_token", "new_len"):
+            assert fused[key].tolist() == standard[key].tolist(), (trial, key)
+        if trial == 0 and not sample:
+            assert standard["accepted"][0] >= 1

@@ -106,4 +106,17 @@ def test_graphs_are_loaded_before_the_clock_starts(bundles, temperature, graphs)
 
     setattr(runtime.target, "verify_sample" if temperature else "verify", spy)
     runtime.generate([PROMPTS[0]], max_new_tokens=4, gamma=4, temperature=temperature, seed=0)
-    assert loaded_at_first_call and set(graphs) <= loaded_at_first_call[0]
+    target_graph, draft_graph = graphs
+    files = {runtime.target._file(target_graph, 1), runtime.draft._file(draft_graph, 1)}
+    assert f"{target_graph}_b1.onnx" in files  # batch 1: the target's single-sequence variant
+    assert loaded_at_first_call and files <= loaded_at_first_call[0]
+
+
+def test_one_sequence_runs_the_fused_variants_and_a_batch_the_standard_graphs(bundles, hf_reference):
+    runtime = speccompile.load(bundles("llama", "copy"))
+    [single] = runtime.generate([PROMPTS[0]], max_new_tokens=MAX_NEW, gamma=4)
+    assert {"target_forward_b1.onnx", "target_verify_g4_b1.onnx", "draft_forward_b1.onnx"} <= set(runtime.target._sessions) | set(runtime.draft._sessions)
+    assert "target_verify_g4.onnx" not in runtime.target._sessions
+    batch = runtime.generate(PROMPTS[:2], max_new_tokens=MAX_NEW, gamma=4)
+    assert "target_verify_g4.onnx" in runtime.target._sessions
+    assert single.token_ids == batch[0].token_ids == hf_reference("llama", 0)
