@@ -23,7 +23,8 @@ def describe(bundle: Bundle) -> dict:
         "graphs": {name: {"nodes": g["nodes"], "op_counts": g["op_counts"],
                           "inputs": {i["name"]: [i["dtype"], i["shape"]] for i in g["inputs"] if not _is_cache(i["name"])},
                           "outputs": {o["name"]: [o["dtype"], o["shape"]] for o in g["outputs"] if not _is_cache(o["name"])},
-                          "tensorrt_needs_plugin": bool(g.get("tensorrt_needs_plugin"))}
+                          "tensorrt_needs_plugin": bool(g.get("tensorrt_needs_plugin")),
+                          "single_sequence_nodes": g["single_sequence"]["nodes"] if "single_sequence" in g else None}
                    for name, g in m["graphs"].items()},
         "engines": m.get("engines", {}),
     }
@@ -39,7 +40,8 @@ def render(info: dict) -> str:
     for name, graph in info["graphs"].items():
         top = ", ".join(f"{op} {n}" for op, n in sorted(graph["op_counts"].items(), key=lambda kv: -kv[1])[:6])
         plugin = "  [TensorRT: plugin needed]" if graph["tensorrt_needs_plugin"] else ""
-        lines.append(f"  {name}: {graph['nodes']} nodes ({top}){plugin}")
+        single = "" if graph["single_sequence_nodes"] is None else f"; batch-1 variant {graph['single_sequence_nodes']} nodes"
+        lines.append(f"  {name}: {graph['nodes']} nodes ({top}){plugin}{single}")
         lines.append("    in:  " + "; ".join(f"{k} {v[0]}{v[1]}" for k, v in graph["inputs"].items()))
         lines.append("    out: " + "; ".join(f"{k} {v[0]}{v[1]}" for k, v in graph["outputs"].items()))
     if info["engines"]:

@@ -129,11 +129,22 @@ class OrtModel:
 
     def _run(self, graph: str, kind: str, **inputs) -> dict[str, np.ndarray]:
         file = self._file(graph, len(self.cache_lengths))
-        binding, outputs = self._binding(file, kind)
+        binding, outputs, fed = self._binding(file, kind)
         for name, value in inputs.items():
-            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+            self._feed(binding, fed, name, np.asarray(value))
         self._session(file).run_with_iobinding(binding)
         return outputs
+
+    @staticmethod
+    def _feed(binding, fed: dict, name: str, value: np.ndarray) -> None:
+        """Write an input into a buffer bound once per shape: binding a new array every call costs
+        ONNX Runtime more (about 1.5 µs per input, measured on a draft step) than this copy."""
+        buffer = fed.get(name)
+        if buffer is None or buffer[0].shape != value.shape or buffer[0].dtype != value.dtype:
+            array = np.empty(value.shape, value.dtype)
+            buffer = fed[name] = (array, _ort().OrtValue.ortvalue_from_numpy(array))  # the OrtValue wraps array's memory
+            binding.bind_ortvalue_input(name, buffer[1])
+        np.copyto(buffer[0], value)
 
     def _allocate(self, batch: int) -> None:
         ort = _ort()
@@ -158,5 +169,5 @@ class OrtModel:
             shape = (batch, self.vocab_size) if name == "probs" else (batch,)
             arrays[name] = np.zeros(shape, dtype=np.float32 if name == "probs" else np.int64)
             binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(arrays[name]))
-        self._bindings[file] = (binding, arrays)
+        self._bindings[file] = (binding, arrays, {})
         return self._bindings[file]

@@ -51,6 +51,9 @@ def test_inspect_lists_graphs_shapes_and_op_counts(bundles):
     assert "past_len int64['batch']" in result.stdout and "accepted int64['batch']" in result.stdout
     info = json.loads(CliRunner().invoke(main, ["inspect", str(bundles("qwen2", "random")), "--json"]).stdout)
     assert info["graphs"]["target_verify_sample_g4"]["op_counts"]["SpecAccept"] == 1
+    assert info["graphs"]["target_verify_g4"]["single_sequence_nodes"] < info["graphs"]["target_verify_g4"]["nodes"]
+    assert info["graphs"]["draft_forward"]["single_sequence_nodes"] is None  # head size 8: no fused variant
+    assert "batch-1 variant" in result.stdout.split("target_verify_g4: ")[1].splitlines()[0]
     assert info["engines"] == {}
 
 
