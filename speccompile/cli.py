@@ -125,7 +125,7 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
     """
     import speccompile
 
-    runtime = speccompile.load(resolve_bundle(bundle))
+    runtime = speccompile.load(resolve_bundle(bundle), shared_threads=True)  # the process is ours
     gamma = _gamma_option(gamma)
     stream = _Streamer(runtime.tokenizer) if len(prompts) == 1 and not as_json else None
     results = runtime.generate(list(prompts), max_new_tokens=max_new_tokens, mode=mode, gamma=gamma,
@@ -156,7 +156,7 @@ def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, as_
     import speccompile
     from speccompile.runtime.bench import bench as run_bench, read_prompts
 
-    runtime = speccompile.load(resolve_bundle(bundle))
+    runtime = speccompile.load(resolve_bundle(bundle), shared_threads=True)  # the process is ours
     sampling = {"temperature": temperature, "seed": 0} if temperature else {}
     summary, details = run_bench(runtime, read_prompts(prompts_file), max_new_tokens, repeats, _gamma_option(gamma), sampling)
     if as_json:
@@ -218,7 +218,7 @@ def profile(bundle, prompts_file, batch_sizes, context_lengths, repeats, rounds,
     from speccompile.runtime import profile as prof
     from speccompile.runtime.bench import read_prompts
 
-    runtime = speccompile.load(resolve_bundle(bundle))
+    runtime = speccompile.load(resolve_bundle(bundle), shared_threads=True)  # the process is ours
     log = lambda line: click.echo(line, err=True)  # noqa: E731
     prompts = read_prompts(prompts_file)
     batches = [b for b in _int_list(batch_sizes) if b <= runtime.max_batch] or [1]

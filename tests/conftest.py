@@ -1,5 +1,18 @@
 import pytest
 
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_thread_pool():
+    """The CLI asks for ONNX Runtime's process-wide thread pool (onnxruntime_engine.shared_thread_pool).
+    Inside the test process it would bind every later test's own sessions, so it is switched off
+    here; tests/runtime/test_threads.py tests it in subprocesses."""
+    import os
+
+    os.environ["SPECCOMPILE_SHARED_THREADS"] = "0"
+    from speccompile.runtime.onnxruntime_engine import shared_thread_pool
+
+    assert not shared_thread_pool(create=True)
+
 FAMILIES = ["llama", "mistral", "qwen2", "gpt2"]
 
 

@@ -74,7 +74,7 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    runtime = speccompile.load(args.bundle)
+    runtime = speccompile.load(args.bundle, shared_threads=True)  # as the CLI runs it
     prompts = heldout_prompts(args.prompts, args.prompt_lines)
     code_prompts = heldout_prompts(args.prompts, args.prompt_lines, from_code=True)
     results = {"greedy_gamma4": acceptance(runtime, prompts, 4, args.max_new_tokens),

@@ -256,9 +256,9 @@ def op_profile(bundle, graph: str, feeds_for, runs: int = 5, top: int = 8) -> li
     """ONNX Runtime's per-op profile of one graph: [(op type, total ms, share)] sorted by share."""
     import onnxruntime as ort
 
-    from speccompile.runtime.onnxruntime_engine import session_options
+    from speccompile.runtime.onnxruntime_engine import session_options, shared_thread_pool
 
-    options = session_options()
+    options = session_options(shared_pool=shared_thread_pool(create=False))  # a process with the shared pool must use it
     options.enable_profiling = True
     options.log_severity_level = 3  # plain session.run copies the cache (no in-place binding): expected here
     session = ort.InferenceSession(str(bundle.graph_path(graph)), options, providers=["CPUExecutionProvider"])

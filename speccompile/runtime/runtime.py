@@ -27,14 +27,23 @@ class GenerationResult:
 
 
 class Runtime:
-    def __init__(self, bundle: Bundle, backend: str = "onnxruntime", threads: int | None = None):
+    def __init__(self, bundle: Bundle, backend: str = "onnxruntime", threads: int | None = None,
+                 shared_threads: bool = False):
+        """shared_threads (ONNX Runtime): run both models on one process-wide thread pool, which is
+        much faster for the speculative loop but binds every other ONNX Runtime session in the
+        process (see onnxruntime_engine.shared_thread_pool). The CLI always asks for it; so should
+        an application that creates no ONNX Runtime sessions of its own. A process that has the pool
+        uses it either way."""
         self.bundle, self.backend = bundle, backend
+        self.log = lambda line: print(line, file=sys.stderr)
         if backend == "onnxruntime":
-            from speccompile.runtime.onnxruntime_engine import OrtModel
+            from speccompile.runtime.onnxruntime_engine import OrtModel, shared_thread_pool
 
-            # A small draft runs faster on one thread: its ops are too short to amortise a thread pool.
-            self.target = OrtModel(bundle, "target", threads=threads)
-            self.draft = OrtModel(bundle, "draft", threads=1 if threads is None else threads)
+            shared = shared_thread_pool(threads, create=shared_threads)
+            # On pools of their own, a small draft runs faster on one thread: its ops are too short
+            # to amortise a pool that competes with the target's for the cores.
+            self.target = OrtModel(bundle, "target", threads=threads, shared_pool=shared)
+            self.draft = OrtModel(bundle, "draft", threads=1 if threads is None else threads, shared_pool=shared)
         elif backend == "tensorrt":
             from speccompile.runtime.tensorrt_engine import TrtModel
 
@@ -49,7 +58,6 @@ class Runtime:
 
         self.profile = find_profile(bundle.path, fingerprint(backend))  # measured on this hardware and backend, if any
         self._policies: dict[int, GammaPolicy] = {}  # batch size -> online policy when no profile matches
-        self.log = lambda line: print(line, file=sys.stderr)
 
     @property
     def gammas(self) -> list[int]:
@@ -156,5 +164,5 @@ class Runtime:
             )
 
 
-def load(bundle_dir, backend: str = "onnxruntime", threads: int | None = None) -> Runtime:
-    return Runtime(open_bundle(Path(bundle_dir)), backend=backend, threads=threads)
+def load(bundle_dir, backend: str = "onnxruntime", threads: int | None = None, shared_threads: bool = False) -> Runtime:
+    return Runtime(open_bundle(Path(bundle_dir)), backend=backend, threads=threads, shared_threads=shared_threads)

@@ -1,0 +1,78 @@
+"""The process-wide ONNX Runtime thread pool (shared_threads): made only where asked and possible,
+used by every session of a process that has it, and producing the same tokens as pools per session.
+
+Each case runs in a fresh interpreter: the pool belongs to a process, and this one (see conftest)
+has started ONNX Runtime without it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import speccompile
+
+PROMPT = [5, 17, 33, 2, 9, 100, 7]
+
+
+def run_python(code: str, *args, shared: str = "1") -> subprocess.CompletedProcess:
+    env = {**os.environ, "SPECCOMPILE_SHARED_THREADS": shared}  # conftest switched it off for this process
+    result = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+GENERATE = """
+import json, sys
+import speccompile
+{before}
+runtime = speccompile.load(sys.argv[1], shared_threads=True)
+[result] = runtime.generate([{prompt}], max_new_tokens=16, gamma=4)
+again = speccompile.load(sys.argv[1])  # asks for nothing: a process with the pool must use it anyway
+print(json.dumps({{"shared": [runtime.target.shared_pool, runtime.draft.shared_pool, again.target.shared_pool],
+                  "tokens": result.token_ids}}))
+"""
+
+
+def test_a_fresh_process_gets_the_shared_pool_and_the_same_tokens(bundles):
+    bundle = bundles("llama", "copy")
+    expected = speccompile.load(bundle).generate([PROMPT], max_new_tokens=16, gamma=4)[0].token_ids  # pools per session
+    out = json.loads(run_python(GENERATE.format(before="", prompt=PROMPT), bundle).stdout)
+    assert out == {"shared": [True, True, True], "tokens": expected}
+
+
+def test_switched_off_the_pool_is_never_made(bundles):
+    result = run_python(GENERATE.format(before="", prompt=PROMPT), bundles("llama", "copy"), shared="0")
+    assert json.loads(result.stdout)["shared"] == [False, False, False]
+
+
+def test_a_process_with_the_pool_binds_plain_sessions_too():
+    """Why shared_threads is not the API's default: an application's own default session fails."""
+    code = """
+import onnxruntime
+from speccompile.runtime.onnxruntime_engine import shared_thread_pool, _process_has_shared_pool
+assert not _process_has_shared_pool(onnxruntime)
+assert shared_thread_pool()
+"""
+    run_python(code)
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "import os", "--max-new-tokens", "4"],
+                                     ["profile", "--batch-sizes", "1", "--context-lengths", "16", "--repeats", "1",
+                                      "--rounds", "1", "--ops"]])
+def test_cli_runs_on_the_shared_pool(bundles, tmp_path, command):
+    import shutil
+
+    bundle = shutil.copytree(bundles("llama", "copy"), tmp_path / "bundle")  # profile writes into it
+    if command[0] == "profile":
+        (tmp_path / "prompts.txt").write_text("import os\ndef f(x):\n")
+        command = [*command, "--prompts", tmp_path / "prompts.txt"]
+    code = ("import sys, onnxruntime; from speccompile.cli import main\n"
+            "from speccompile.runtime.onnxruntime_engine import _process_has_shared_pool\n"
+            "main(sys.argv[1:], standalone_mode=False)\n"
+            "print('shared pool:', _process_has_shared_pool(onnxruntime))")
+    result = run_python(code, command[0], bundle, *command[1:])
+    assert "shared pool: True" in result.stdout
+    if command[0] == "profile":
+        assert "top ops by share" in result.stdout  # per-op profiling sessions join the shared pool too
