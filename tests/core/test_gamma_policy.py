@@ -2,7 +2,7 @@
 
 import pytest
 
-from speccompile.core.gamma_policy import GammaPolicy
+from speccompile.core.gamma_policy import SWITCH_MARGIN, GammaPolicy
 
 TIMINGS = {"target_step_ms": 10.0, "draft_step_ms": 1.0, "verify_ms": {1: 11.0, 2: 12.0, 4: 14.0, 8: 18.0}}
 
@@ -40,3 +40,18 @@ def test_observe_counts_only_reached_positions():
     policy.observe(4, 2)  # d1, d2 accepted, d3 rejected, d4 never reached
     assert policy.reached[:4] == [3, 3, 3, 2]
     assert policy.accepted[:4] == [2, 2, 1, 1]
+
+
+def test_the_gamma_in_use_stays_unless_another_is_clearly_better():
+    """Switching γ costs a cache refill of the other verification's weights: near-ties keep γ."""
+    timings = {"target_step_ms": 10.0, "draft_step_ms": 1.0, "verify_ms": {2: 12.0, 4: 14.0}}
+    policy = GammaPolicy(timings, [0.8, 0.64, 0.51, 0.41])
+    first = policy.choose()
+    other = 2 if first == 4 else 4
+    assert policy.speedup(other) < policy.speedup(first)
+    while policy.speedup(other) <= policy.speedup(first):  # make it slightly better, within the margin
+        policy.t_verify[other] *= 0.995
+    assert policy.speedup(other) < policy.speedup(first) * (1 + SWITCH_MARGIN)
+    assert policy.choose() == first
+    policy.t_verify[other] = policy.t_verify[other] * 0.7  # clearly better
+    assert policy.choose() == other
