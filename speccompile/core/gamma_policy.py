@@ -6,6 +6,12 @@ the cost model needs. The profile's calibration enters as pseudo-counts (a prior
 `prior_weight` iterations), so the first iterations follow the profile and later ones the text at
 hand. Positions beyond the γ in use are not observed and keep their prior.
 
+Costs are learned too. A profile times each step alone, back to back; in the loop, steps of the two
+models alternate and each finds the caches as the other left them, and every call pays the loop's
+own work. So every iteration's measured draft and verification times update one correction factor
+each (the mean ratio of measured to profiled, with a prior of `COST_PRIOR_WEIGHT` iterations at 1),
+applied to every γ's costs alike: the γ in use teaches the policy about the others.
+
 Once a γ is in use, another must promise `SWITCH_MARGIN` more speedup to replace it. Each compiled γ
 is its own verification graph, and on a CPU each ONNX Runtime session holds its own packed copy of
 the target's weights: a verification right after another γ's finds its weights evicted from cache
@@ -14,6 +20,7 @@ the margin, estimates hovering near a tie flip γ every few iterations and pay t
 """
 
 SWITCH_MARGIN = 0.05
+COST_PRIOR_WEIGHT = 4.0
 
 from speccompile.core.cost_model import predicted_speedup
 
@@ -29,6 +36,12 @@ class GammaPolicy:
         self.accepted = [prior_weight * c for c in conditional]
         self.iterations = 0  # observed so far
         self.current: int | None = None  # the γ chosen last
+        self._ratios = {"draft": [COST_PRIOR_WEIGHT, COST_PRIOR_WEIGHT], "verify": [COST_PRIOR_WEIGHT, COST_PRIOR_WEIGHT]}  # [sum, count]
+
+    def cost_scale(self, kind: str) -> float:
+        """Measured over profiled cost, for "draft" or "verify" (1 before any observation)."""
+        total, count = self._ratios[kind]
+        return total / count
 
     def acceptance_by_position(self, gamma: int) -> list[float]:
         by_position, running = [], 1.0
@@ -40,7 +53,8 @@ class GammaPolicy:
     def speedup(self, gamma: int) -> float:
         if gamma == 0:
             return 1.0
-        return predicted_speedup(self.acceptance_by_position(gamma), self.t_target, self.t_draft, self.t_verify[gamma])
+        return predicted_speedup(self.acceptance_by_position(gamma), self.t_target, self.t_draft * self.cost_scale("draft"),
+                                 self.t_verify[gamma] * self.cost_scale("verify"))
 
     def choose(self, allow_zero: bool = True) -> int:
         """The γ with the best predicted speedup (0: plain decoding, when speculation does not pay),
@@ -51,6 +65,13 @@ class GammaPolicy:
             return self.current
         self.current = best
         return best
+
+    def observe_costs(self, gamma: int, draft_ms: float, verify_ms: float) -> None:
+        """One iteration's measured time in its γ draft steps and in its verification."""
+        for kind, measured, profiled in (("draft", draft_ms, gamma * self.t_draft), ("verify", verify_ms, self.t_verify[gamma])):
+            if profiled > 0:
+                self._ratios[kind][0] += measured / profiled
+                self._ratios[kind][1] += 1
 
     def observe(self, gamma: int, accepted: int) -> None:
         """One iteration at `gamma` accepted `accepted` drafts: positions 1..min(accepted+1, γ) were reached."""

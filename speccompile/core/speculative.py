@@ -112,6 +112,7 @@ def speculative_generate(target: VerifierEngine, draft: DecoderEngine, prompts, 
         target_before, draft_before = target.cache_lengths.copy(), draft.cache_lengths.copy()
         if policy is not None:
             gamma = policy.choose(allow_zero=False)
+        before = clock.ms.get("draft", 0.0), clock.ms.get("verify", 0.0)
         with clock("draft"):
             drafts, draft_probs = _propose(draft, prev, last, gamma, sampler)
         with clock("verify"):
@@ -121,6 +122,8 @@ def speculative_generate(target: VerifierEngine, draft: DecoderEngine, prompts, 
             else:
                 accepted, next_token = target.verify_sample(candidates, draft_probs, sampler.inputs,
                                                             sampler.uniforms(gamma), sampler.uniforms())
+        if policy is not None:
+            policy.observe_costs(gamma, clock.ms["draft"] - before[0], clock.ms["verify"] - before[1])
         # Roll the draft back to match: it keeps everything before d_n (or before `last` if n = 0).
         prev = np.where(accepted > 0, drafts[rows, np.maximum(accepted - 1, 0)], last)
         last = next_token

@@ -55,3 +55,16 @@ def test_the_gamma_in_use_stays_unless_another_is_clearly_better():
     assert policy.choose() == first
     policy.t_verify[other] = policy.t_verify[other] * 0.7  # clearly better
     assert policy.choose() == other
+
+
+def test_measured_costs_correct_every_gamma_alike():
+    """Profiled verifications look cheap; the loop measures them at 5x: speculation stops paying."""
+    policy = GammaPolicy(TIMINGS, [0.9, 0.81, 0.73, 0.66, 0.59, 0.53, 0.48, 0.43])
+    assert policy.choose() == 8 and policy.cost_scale("verify") == 1.0
+    for _ in range(40):
+        policy.observe_costs(8, draft_ms=8 * 1.0, verify_ms=5 * 18.0)  # drafts as profiled, verification 5x
+    assert policy.cost_scale("draft") == pytest.approx(1.0)
+    assert policy.cost_scale("verify") == pytest.approx((4 + 40 * 5) / 44)
+    assert policy.speedup(1) == pytest.approx(
+        (1 + 0.9) * 10.0 / (1.0 + 11.0 * policy.cost_scale("verify")))  # γ=1 never ran, and is corrected too
+    assert policy.choose() == 0  # verifications at 4.6x their profiled cost: plain decoding wins

@@ -62,3 +62,14 @@ def test_pad_prompts_right_pads():
     ids, lengths = pad_prompts([[1, 2, 3], [4]])
     assert ids.tolist() == [[1, 2, 3], [4, 0, 0]]
     assert lengths.tolist() == [3, 1]
+
+
+def test_a_gamma_policy_learns_acceptance_and_costs_from_every_iteration():
+    from speccompile.core.gamma_policy import GammaPolicy
+
+    policy = GammaPolicy({"target_step_ms": 1.0, "draft_step_ms": 0.1, "verify_ms": {2: 1.2, 4: 1.5}}, [0.5, 0.25, 0.12, 0.06])
+    tokens, stats = speculative_generate(FakeEngine(), FakeEngine(salt=0), [[1, 2, 3]], policy, 20, set())
+    assert tokens == reference([[1, 2, 3]], 20)
+    assert policy.iterations == stats[0].iterations
+    assert policy._ratios["verify"][1] == 4.0 + stats[0].iterations  # the prior plus one cost sample per iteration
+    assert policy.cost_scale("verify") != 1.0  # fake engines take microseconds, not the profiled 1.2-1.5 ms
