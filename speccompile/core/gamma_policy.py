@@ -35,6 +35,8 @@ class GammaPolicy:
         self.reached = [prior_weight] * len(conditional)
         self.accepted = [prior_weight * c for c in conditional]
         self.iterations = 0  # observed so far
+        self.observed = [0] * len(conditional)  # iterations that reached each position
+        self.prior = conditional
         self.current: int | None = None  # the γ chosen last
         self._ratios = {"draft": [COST_PRIOR_WEIGHT, COST_PRIOR_WEIGHT], "verify": [COST_PRIOR_WEIGHT, COST_PRIOR_WEIGHT]}  # [sum, count]
 
@@ -44,9 +46,18 @@ class GammaPolicy:
         return total / count
 
     def acceptance_by_position(self, gamma: int) -> list[float]:
-        by_position, running = [], 1.0
+        """P_k for k = 1..γ. A position not reached so far keeps the prior's conditional rate,
+        scaled by how the deepest reached position compares with its own prior: the text at hand
+        sets the level, the prior the decline. Without that, a policy running at a short γ under
+        a pessimistic prior would never see that a longer one pays."""
+        by_position, running, level = [], 1.0, 1.0
         for k in range(gamma):
-            running *= self.accepted[k] / self.reached[k]
+            if self.observed[k]:
+                conditional = self.accepted[k] / self.reached[k]
+                level = conditional / self.prior[k] if self.prior[k] > 0 else 1.0
+            else:
+                conditional = min(1.0, self.prior[k] * level)
+            running *= conditional
             by_position.append(running)
         return by_position
 
@@ -79,6 +90,7 @@ class GammaPolicy:
         for k in range(min(accepted + 1, gamma)):
             self.reached[k] += 1
             self.accepted[k] += k < accepted
+            self.observed[k] += 1
 
 
 def _conditional(by_position: list[float], gamma: int) -> list[float]:

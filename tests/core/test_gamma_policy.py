@@ -68,3 +68,15 @@ def test_measured_costs_correct_every_gamma_alike():
     assert policy.speedup(1) == pytest.approx(
         (1 + 0.9) * 10.0 / (1.0 + 11.0 * policy.cost_scale("verify")))  # γ=1 never ran, and is corrected too
     assert policy.choose() == 0  # verifications at 4.6x their profiled cost: plain decoding wins
+
+
+def test_positions_beyond_the_gamma_in_use_follow_the_observed_level():
+    """Running at γ=2 with a pessimistic prior, the drafts are nearly always accepted: positions 3
+    and 4 were never reached, but take the level seen at 1 and 2, so γ=4 gets its chance."""
+    timings = {"target_step_ms": 10.0, "draft_step_ms": 0.5, "verify_ms": {2: 11.0, 4: 12.0}}
+    policy = GammaPolicy(timings, [0.5, 0.25, 0.125, 0.0625], prior_weight=2.0)
+    assert policy.choose() == 2
+    for _ in range(30):
+        policy.observe(2, 2)
+    assert policy.acceptance_by_position(4)[2] > 0.8  # P_3 was 0.125 in the prior
+    assert policy.choose() == 4
