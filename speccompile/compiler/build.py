@@ -201,7 +201,6 @@ def _io_spec(values) -> list[dict]:
 
 def _graph_entry(staging: Path, name: str, role: str, gamma, needs_plugin: list[str]) -> dict:
     model = onnx.load(str(staging / f"{name}.onnx"), load_external_data=False)
-    ops = collections.Counter(n.op_type for n in model.graph.node)
     return {
         "file": f"{name}.onnx",
         "model": role,
@@ -209,17 +208,19 @@ def _graph_entry(staging: Path, name: str, role: str, gamma, needs_plugin: list[
         "gamma": gamma,
         "inputs": _io_spec(model.graph.input),
         "outputs": _io_spec(model.graph.output),
-        "op_counts": dict(sorted(ops.items())),
-        "nodes": len(model.graph.node),
+        **_op_summary(model),
         "tensorrt_needs_plugin": needs_plugin,
     }
 
 
 def _variant_entry(staging: Path, name: str) -> dict:
     model = onnx.load(str(staging / variant_file(name)), load_external_data=False)
+    return {"file": variant_file(name), "batch": 1, "backend": "onnxruntime", **_op_summary(model)}
+
+
+def _op_summary(model: onnx.ModelProto) -> dict:
     ops = collections.Counter(n.op_type for n in model.graph.node)
-    return {"file": variant_file(name), "batch": 1, "backend": "onnxruntime", "nodes": len(model.graph.node),
-            "op_counts": dict(sorted(ops.items()))}
+    return {"op_counts": dict(sorted(ops.items())), "nodes": len(model.graph.node)}
 
 
 def _model_entry(spec: ModelSpec, weight_file: WeightFile, matmul_weights: str, scored_vocab: int) -> dict:

@@ -19,10 +19,10 @@ the target's weights: a verification right after another γ's finds its weights 
 the margin, estimates hovering near a tie flip γ every few iterations and pay that each time.
 """
 
+from speccompile.core.cost_model import predicted_speedup
+
 SWITCH_MARGIN = 0.05
 COST_PRIOR_WEIGHT = 4.0
-
-from speccompile.core.cost_model import predicted_speedup
 
 
 class GammaPolicy:
@@ -70,9 +70,9 @@ class GammaPolicy:
     def choose(self, allow_zero: bool = True) -> int:
         """The γ with the best predicted speedup (0: plain decoding, when speculation does not pay),
         unless the γ in use is within SWITCH_MARGIN of it."""
-        candidates = ([0] if allow_zero else []) + self.gammas
-        best = max(candidates, key=lambda g: (self.speedup(g), -g))
-        if self.current in candidates and self.speedup(best) <= self.speedup(self.current) * (1 + SWITCH_MARGIN):
+        speedups = {g: self.speedup(g) for g in ([0] if allow_zero else []) + self.gammas}
+        best = max(speedups, key=lambda g: (speedups[g], -g))
+        if self.current in speedups and speedups[best] <= speedups[self.current] * (1 + SWITCH_MARGIN):
             return self.current
         self.current = best
         return best

@@ -47,26 +47,25 @@ def shared_thread_pool(threads: int | None = None, create: bool = True) -> bool:
     Why not always: the pool is process-wide. Once it exists, every ONNX Runtime session in the
     process must be created without per-session threads, including an application's own.
     """
-    ort = _ort()
+    _ort()
     from onnxruntime.capi import _pybind_state
 
     if create and os.environ.get("SPECCOMPILE_SHARED_THREADS", "1") != "0":
         _pybind_state.set_global_thread_pool_sizes(threads or 0, 1)
-    return _process_has_shared_pool(ort)
+    return _process_has_shared_pool()
 
 
-def _process_has_shared_pool(ort) -> bool:
+def _process_has_shared_pool() -> bool:
     """ONNX Runtime refuses a session with its own threads in a process that has the shared pool."""
     from onnx import TensorProto, helper
-
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
-    model = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [x],
-                                                [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]),
-                              opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    from onnxruntime import SessionOptions
     from onnxruntime.capi import _pybind_state
 
+    x, y = (helper.make_tensor_value_info(name, TensorProto.FLOAT, [1]) for name in "xy")
+    probe = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
     try:  # the binding's own session class: no provider fallback that would print the error first
-        _pybind_state.InferenceSession(ort.SessionOptions(), model.SerializeToString(), False, False)
+        _pybind_state.InferenceSession(SessionOptions(), probe.SerializeToString(), False, False)
     except RuntimeError as e:
         if "global thread pool" in str(e):
             return True

@@ -1,10 +1,11 @@
 """`profile`: measure what γ costs and buys on this hardware, and store a γ profile in the bundle.
 
-For each batch size and context length: one target decode step, one draft step, one verification
-of γ+1 tokens for every compiled γ (each call's cache growth is rolled back, so every repeat sees
-the same context); the whole sweep runs a few times and each cost is the median over sweeps. Acceptance per draft position comes from speculative runs at the largest
-compiled γ on calibration prompts (P_k for k <= γ does not depend on γ). The cost model then
-predicts the speedup of every γ (0 = plain decoding) per batch size, and picks γ*.
+For each batch size and context length: one target decode step, one draft step, one verification of
+γ+1 tokens for every compiled γ (each call's cache growth is rolled back, so every repeat sees the
+same context); the whole sweep runs a few times and each cost is the median over sweeps. Acceptance
+per draft position comes from speculative runs at the largest compiled γ on calibration prompts (P_k
+for k <= γ does not depend on γ). The cost model then predicts the speedup of every γ (0 = plain
+decoding) per batch size, and picks γ*.
 """
 
 import json

@@ -18,17 +18,17 @@ def hf_last_logits(model, ids) -> np.ndarray:
         return model(torch.tensor([ids])).logits[0, -1].numpy()
 
 
-def run_forward(session, manifest, role, ids, past_len, token_count, cache):
-    info = manifest["models"][role]
-    feeds = {"input_ids": ids, "past_len": past_len, "token_count": token_count}
-    for i in range(info["num_layers"]):
-        for kind in ("key", "value"):
-            feeds[f"past_{kind}.{i}"] = cache[f"{kind}.{i}"]
-    names = [o.name for o in session.get_outputs()]
-    out = dict(zip(names, session.run(None, feeds)))
+def run_with_cache(session, feeds: dict, cache: dict) -> dict:
+    """Run with cache {"key.0": array, ...} as the past_* inputs; the present_* outputs replace it."""
+    feeds = {**feeds, **{f"past_{key}": value for key, value in cache.items()}}
+    out = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
     for key in cache:
         cache[key] = out[f"present_{key}"]
     return out
+
+
+def run_forward(session, manifest, role, ids, past_len, token_count, cache):
+    return run_with_cache(session, {"input_ids": ids, "past_len": past_len, "token_count": token_count}, cache)
 
 
 def empty_cache(manifest, role, batch):
@@ -117,14 +117,10 @@ def test_draft_vocabulary_logits_are_the_hf_logits_of_the_kept_tokens(family, ch
     assert out["next_token"][0] == ids[np.argmax(expected[ids])] != np.argmax(expected)
 
 
-def run_file(bundle, file, feeds_without_cache, cache, role="target"):
-    session = ort.InferenceSession(str(bundle.path / file))
-    feeds = dict(feeds_without_cache)
-    for key, value in cache.items():
-        feeds[f"past_{key}"] = value
-    names = [o.name for o in session.get_outputs()]
-    out = dict(zip(names, session.run(None, feeds)))
-    return out, {key: out[f"present_{key}"] for key in cache}
+def run_file(bundle, file, feeds_without_cache, cache):
+    cache = dict(cache)
+    out = run_with_cache(ort.InferenceSession(str(bundle.path / file)), feeds_without_cache, cache)
+    return out, cache
 
 
 @pytest.mark.parametrize("family", FAMILIES)

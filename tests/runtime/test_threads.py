@@ -52,7 +52,7 @@ def test_a_process_with_the_pool_binds_plain_sessions_too():
     code = """
 import onnxruntime
 from speccompile.runtime.onnxruntime_engine import shared_thread_pool, _process_has_shared_pool
-assert not _process_has_shared_pool(onnxruntime)
+assert not _process_has_shared_pool()
 assert shared_thread_pool()
 """
     run_python(code)
@@ -71,7 +71,7 @@ def test_cli_runs_on_the_shared_pool(bundles, tmp_path, command):
     code = ("import sys, onnxruntime; from speccompile.cli import main\n"
             "from speccompile.runtime.onnxruntime_engine import _process_has_shared_pool\n"
             "main(sys.argv[1:], standalone_mode=False)\n"
-            "print('shared pool:', _process_has_shared_pool(onnxruntime))")
+            "print('shared pool:', _process_has_shared_pool())")
     result = run_python(code, command[0], bundle, *command[1:])
     assert "shared pool: True" in result.stdout
     if command[0] == "profile":
