@@ -46,9 +46,12 @@ PHASES = ["load target", "load draft", "check compatibility", "export graphs", "
 
 def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 1024, max_batch: int = 8,
                  force: bool = False, draft_weights: str = "int8", draft_vocab: int | None = None,
-                 draft_vocab_corpus=None, single_sequence: bool = True, log=print) -> Path:
-    """`draft_weights`: how the draft's matmul weights are stored, "int8" (weight-only, per output
-    column) or "float32". The target is always float32: its numerics are the output.
+                 draft_vocab_corpus=None, single_sequence: bool = True, target_weights: str = "float32",
+                 log=print) -> Path:
+    """`target_weights` / `draft_weights`: how each model's projection and LM-head weights are stored:
+    "float32", "float16", "bfloat16" (both computed in fp32) or "int8" (weight-only, per output
+    column; see GraphBuilder.matmul). The target's precision is the compiled target's numerics:
+    speculative output equals autoregressive decoding of the target *as compiled*.
     `draft_vocab`: score only the K most frequent tokens in the draft's LM head (see draft_vocab.py),
     by the counts in the draft checkpoint's token_frequencies.json or of `draft_vocab_corpus`.
     `single_sequence`: also write each graph's batch-1 ONNX Runtime variant (fused attention; see
@@ -56,8 +59,9 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     sequence."""
     out_dir = Path(out_dir)
     gammas = _check_options(out_dir, list(gammas), max_seq, max_batch, force)
-    if draft_weights not in MATMUL_WEIGHTS:
-        raise SpecCompileError(f"--draft-weights must be one of {', '.join(MATMUL_WEIGHTS)}, got {draft_weights!r}")
+    for option, value in (("--target-weights", target_weights), ("--draft-weights", draft_weights)):
+        if value not in MATMUL_WEIGHTS:
+            raise SpecCompileError(f"{option} must be one of {', '.join(MATMUL_WEIGHTS)}, got {value!r}")
     progress = Progress(PHASES, log)
 
     progress("load target")
@@ -77,8 +81,9 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         vocab_ids = _draft_vocab_ids(draft, draft_vocab, draft_vocab_corpus, vocab_out, eos_token_ids(target, target_tok), target_tok, log)
 
     progress("export graphs")
-    graphs = _export_graphs(target, draft, gammas, max_seq, vocab_out, draft_weights, vocab_ids)
-    variants = _export_graphs(target, draft, gammas, max_seq, vocab_out, draft_weights, vocab_ids, single_sequence=True) \
+    weights = {"target": target_weights, "draft": draft_weights}
+    graphs = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids)
+    variants = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids, single_sequence=True) \
         if single_sequence else {}
     for name, (builder, _) in graphs.items():
         variant = f", batch-1 variant {len(variants[name][0].nodes)}" if name in variants else ""
@@ -137,12 +142,13 @@ def _draft_vocab_ids(draft: ModelSpec, size: int, corpus, vocab_out: int, eos_id
     return ids
 
 
-def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_out, draft_weights, vocab_ids=None,
-                   single_sequence: bool = False) -> dict:
+def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_out, matmul_weights: dict[str, str],
+                   vocab_ids=None, single_sequence: bool = False) -> dict:
     """name -> (GraphBuilder, role); with single_sequence, the batch-1 variants under the same names,
-    for the models ONNX Runtime's fused attention kernel accepts."""
+    for the models ONNX Runtime's fused attention kernel accepts. Graphs hold lazy weights only."""
     graphs = {}
-    for role, spec, weights, ids in (("target", target, "float32", None), ("draft", draft, draft_weights, vocab_ids)):
+    for role, spec, ids in (("target", target, None), ("draft", draft, vocab_ids)):
+        weights = matmul_weights[role]
         if single_sequence and not fused_attention_supported(spec):
             continue
         for sample, name in ((False, f"{role}_forward"), (True, f"{role}_sample")):
@@ -153,7 +159,8 @@ def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_o
     for gamma in gammas:
         for sample, name in ((False, f"target_verify_g{gamma}"), (True, f"target_verify_sample_g{gamma}")):
             graphs[name] = (build_verify_graph(target, name, gamma, max_seq, vocab_out, sample=sample,
-                                               single_sequence=single_sequence), "target")
+                                               single_sequence=single_sequence,
+                                               matmul_weights=matmul_weights["target"]), "target")
     return graphs
 
 

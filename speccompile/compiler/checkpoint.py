@@ -1,6 +1,8 @@
 """Read a local Hugging Face checkpoint (config.json + safetensors) into the canonical layout.
 
 Only safetensors are read (never pickle), and nothing is fetched or executed from the checkpoint.
+Weights stay on disk as lazy tensors (see tensors.py) until the bundle writer needs their bytes:
+loading a checkpoint reads its config and the shards' headers only.
 """
 
 import json
@@ -8,9 +10,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from speccompile.compiler.architectures import ACTIVATIONS, ARCHITECTURES, Architecture
+from speccompile.compiler.tensors import (
+    LazyTensor,
+    safetensors_tensors,
+    split_part,
+    transposed,
+)
 from speccompile.errors import SpecCompileError, read_json_object
 
 
@@ -23,7 +29,7 @@ class ModelSpec:
     arch: Architecture
     hp: dict  # canonical hyper-parameters (see _hyper_parameters)
     config: dict  # the checkpoint's config.json, kept verbatim for the manifest
-    weights: dict[str, np.ndarray]  # canonical name -> fp32 array
+    weights: dict[str, LazyTensor]  # canonical name -> fp32 tensor, read from the checkpoint when loaded
 
     @property
     def num_params(self) -> int:
@@ -144,41 +150,21 @@ def _safetensors_files(path: Path) -> list[Path]:
     raise SpecCompileError(f"{path}: no *.safetensors weights")
 
 
-def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+def _read_safetensors(path: Path) -> dict[str, LazyTensor]:
+    """Every tensor of the checkpoint by name, lazily: only the shards' headers are read here."""
     tensors = {}
     for file in _safetensors_files(path):
-        try:
-            tensors.update(_read_safetensors_file(file))
-        except SpecCompileError:
-            raise
-        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
-            raise SpecCompileError(f"{file}: cannot read safetensors file ({e})") from None
+        tensors.update(safetensors_tensors(file))
     return tensors
 
 
-def _read_safetensors_file(file: Path) -> dict[str, np.ndarray]:
-    """fp32/fp16 tensors through numpy; bf16 needs torch (numpy has no bfloat16)."""
-    from safetensors import safe_open
-
-    with safe_open(str(file), framework="np") as f:
-        dtypes = {f.get_slice(name).get_dtype() for name in f.keys()}
-        if "BF16" not in dtypes:
-            return {name: f.get_tensor(name).astype(np.float32) for name in f.keys()}
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        raise SpecCompileError(f"{file}: bfloat16 weights need torch to convert: pip install 'speccompile[build]'") from None
-    with safe_open(str(file), framework="pt") as f:
-        return {name: f.get_tensor(name).float().numpy() for name in f.keys()}
-
-
-def _transform(tensor: np.ndarray, transform: str) -> np.ndarray:
+def _transform(tensor: LazyTensor, transform: str) -> LazyTensor:
     if transform == "same":
         return tensor
     if transform == "linear":
-        return tensor.T
+        return transposed(tensor)
     assert transform.startswith("qkv/"), f"unknown weight transform {transform}"
-    return np.split(tensor, 3, axis=-1)[int(transform[4:])]
+    return split_part(tensor, 3, int(transform[4:]))
 
 
 def _find(tensors: dict, arch: Architecture, hf_name: str):
@@ -188,7 +174,7 @@ def _find(tensors: dict, arch: Architecture, hf_name: str):
     return None
 
 
-def _canonical_weights(path: Path, tensors: dict, arch: Architecture, hp: dict) -> dict[str, np.ndarray]:
+def _canonical_weights(path: Path, tensors: dict, arch: Architecture, hp: dict) -> dict[str, LazyTensor]:
     weights = {}
     for ours, (theirs, transform) in arch.weights.items():
         layers = range(hp["num_layers"]) if "{i}" in ours else [None]
@@ -199,11 +185,11 @@ def _canonical_weights(path: Path, tensors: dict, arch: Architecture, hp: dict) 
                 if ours in arch.optional:
                     continue
                 raise SpecCompileError(f"{path}: weight {hf_name!r} missing from the safetensors files")
-            weights[name] = np.ascontiguousarray(_transform(tensor, transform), dtype=np.float32)
+            weights[name] = _transform(tensor, transform)
     if hp["tie_embeddings"] or "lm_head" not in weights:
         if not hp["tie_embeddings"]:
             raise SpecCompileError(f"{path}: weight 'lm_head.weight' missing and embeddings are not tied")
-        weights["lm_head"] = np.ascontiguousarray(weights["embed"].T)
+        weights["lm_head"] = transposed(weights["embed"])
     _check_shapes(path, weights, hp)
     return weights
 

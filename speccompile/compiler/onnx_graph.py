@@ -9,12 +9,23 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from speccompile.compiler.tensors import (
+    BFLOAT16,
+    LazyTensor,
+    cast,
+    materialize,
+    quantized_int8,
+)
+
 OPSET = 24  # TensorScatter (in-place KV write) needs 24; TensorRT 10.15's parser reads opsets 9..24
 IR_VERSION = 10
 FLOAT, INT32, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64, TensorProto.BOOL
 WEIGHT_DTYPES = {np.dtype(np.float32): (TensorProto.FLOAT, "<f4"), np.dtype(np.int8): (TensorProto.INT8, "i1"),
-                 np.dtype(np.int64): (TensorProto.INT64, "<i8")}
-MATMUL_WEIGHTS = ("float32", "int8")
+                 np.dtype(np.int64): (TensorProto.INT64, "<i8"), np.dtype(np.float16): (TensorProto.FLOAT16, "<f2"),
+                 BFLOAT16: (TensorProto.BFLOAT16, BFLOAT16)}
+# How a graph stores its projection and LM-head weights (see GraphBuilder.matmul).
+MATMUL_WEIGHTS = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BFLOAT16,
+                  "int8": np.dtype(np.int8)}
 
 
 class GraphBuilder:
@@ -28,7 +39,7 @@ class GraphBuilder:
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self.constants: dict[str, onnx.TensorProto] = {}
-        self.weights: dict[str, np.ndarray] = {}  # name -> array (float32 or int8), written to the weights file
+        self.weights: dict[str, np.ndarray | LazyTensor] = {}  # name -> what the weights file stores
         self.functions: list[onnx.FunctionProto] = []
         self.domains: dict[str, int] = {}
         self.scope = ""
@@ -52,25 +63,28 @@ class GraphBuilder:
         self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
         return name
 
-    def weight(self, name: str, array: np.ndarray) -> str:
+    def weight(self, name: str, array: np.ndarray | LazyTensor) -> str:
         assert array.dtype in WEIGHT_DTYPES, f"weight {name} is {array.dtype}, expected one of {list(WEIGHT_DTYPES)}"
         self.weights[name] = array
         return name
 
-    def matmul(self, x: str, name: str, weight: np.ndarray) -> str:
-        """x @ weight [K, N], with the weight stored as this graph's `matmul_weights` say.
+    def matmul(self, x: str, name: str, weight: np.ndarray | LazyTensor) -> str:
+        """x @ weight [K, N] (fp32 compute), with the weight stored as this graph's `matmul_weights` say.
 
-        int8: symmetric per-output-column scales, q = round(W / s), s = max_k |W[k, n]| / 127, and
-        DequantizeLinear(q, s) feeding the MatMul. That is the standard weight-only pattern: ONNX
-        Runtime fuses it into MatMulNBits (a quarter of the weight bytes a GEMV streams); TensorRT's
-        parser reads it as explicit quantization. Used for the draft, whose precision moves only the acceptance
-        rate, never the output.
+        float16 / bfloat16: stored at half the bytes and cast to fp32 in the graph. ONNX Runtime's
+        CPU provider folds that cast when it loads the graph, so this saves disk, not memory.
+        int8: symmetric per-output-column scales (tensors.quantized_int8) and DequantizeLinear(q, s)
+        feeding the MatMul. That is the standard weight-only pattern: ONNX Runtime fuses it into
+        MatMulNBits (a quarter of the fp32 bytes a GEMV streams); TensorRT's parser reads it as
+        explicit quantization.
         """
-        if self.matmul_weights == "float32":
+        stored = self.matmul_weights
+        if stored == "float32":
             return self.op("MatMul", x, self.weight(name, weight))
-        scale = np.abs(weight).max(axis=0) / 127.0
-        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-        quantized = np.clip(np.rint(weight / scale), -127, 127).astype(np.int8)
+        if stored in ("float16", "bfloat16"):
+            half = self.weight(f"{name}_{stored}", cast(_lazy(weight), MATMUL_WEIGHTS[stored]))
+            return self.op("MatMul", x, self.op("Cast", half, to=FLOAT))
+        quantized, scale = quantized_int8(_lazy(weight))
         dequantized = self.op("DequantizeLinear", self.weight(name + "_q", quantized), self.weight(name + "_scale", scale), axis=1)
         return self.op("MatMul", x, dequantized)
 
@@ -133,32 +147,42 @@ def _external_tensor(name: str, array: np.ndarray, location: str, offset: int, l
     return tensor
 
 
+def _lazy(array: np.ndarray | LazyTensor) -> LazyTensor:
+    return array if isinstance(array, LazyTensor) else LazyTensor(array.shape, array.dtype, lambda: array)
+
+
 class WeightFile:
-    """Lays out a model's weights in one raw little-endian file, 64-byte aligned (mmap-friendly)."""
+    """Lays out a model's weights in one raw little-endian file, 64-byte aligned (mmap-friendly).
+
+    The layout needs only shapes and dtypes; `write` then materialises one weight at a time (lazy
+    tensors read from the checkpoint), so the bytes of the whole model are never in memory at once.
+    """
 
     ALIGN = 64
 
     def __init__(self, filename: str):
         self.filename = filename
         self.locations: dict[str, tuple[str, int, int]] = {}
-        self._arrays: list[tuple[int, np.ndarray]] = []
-        self._size = 0
+        self._tensors: list[tuple[int, np.ndarray | LazyTensor]] = []
+        self.size = 0
 
-    def add(self, weights: dict[str, np.ndarray]) -> None:
+    def add(self, weights: dict[str, np.ndarray | LazyTensor]) -> None:
         for name, array in weights.items():
             if name in self.locations:  # shared by several graphs of the model
                 assert self.locations[name][2] == array.nbytes, f"two different weights named {name}"
                 continue
-            offset = -(-self._size // self.ALIGN) * self.ALIGN
+            offset = -(-self.size // self.ALIGN) * self.ALIGN
             self.locations[name] = (self.filename, offset, array.nbytes)
-            self._arrays.append((offset, array))
-            self._size = offset + array.nbytes
+            self._tensors.append((offset, array))
+            self.size = offset + array.nbytes
 
     def write(self, path) -> None:
         with open(path, "wb") as f:
-            for offset, array in self._arrays:
+            for offset, tensor in self._tensors:
                 f.seek(offset)
-                f.write(np.ascontiguousarray(array, dtype=WEIGHT_DTYPES[array.dtype][1]).tobytes())
+                array = materialize(tensor)
+                np.ascontiguousarray(array, dtype=WEIGHT_DTYPES[array.dtype][1]).tofile(f)
+                del array  # before the next one is read: one tensor in memory at a time
 
 
 class FunctionBuilder:

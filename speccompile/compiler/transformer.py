@@ -25,6 +25,7 @@ import numpy as np
 from speccompile.compiler.checkpoint import ModelSpec
 from speccompile.compiler.onnx_graph import FLOAT, INT32, INT64, GraphBuilder
 from speccompile.compiler.spec_accept import OUTPUTS, spec_accept_node, spec_op
+from speccompile.compiler.tensors import columns, concatenated
 
 ORT_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops
 
@@ -34,7 +35,7 @@ def build_forward_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int
                         single_sequence: bool = False) -> GraphBuilder:
     """Greedy (`next_token` = argmax) or, with sample=True, sampled from the transformed
     distribution with a supplied uniform per sequence (outputs `next_token` and `probs`).
-    `matmul_weights` "int8" stores the projection and LM-head weights quantized (see GraphBuilder.matmul).
+    `matmul_weights`: how the projection and LM-head weights are stored (see GraphBuilder.matmul).
     `vocab_ids` (sorted token ids, see draft_vocab; greedy graphs only) restricts the LM head to
     those tokens: `logits` are then over the subset, `next_token` is a token id as always.
     `single_sequence`: the batch-1 ONNX Runtime variant (see _fused_attention)."""
@@ -67,10 +68,10 @@ def build_forward_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int
 
 
 def build_verify_graph(spec: ModelSpec, name: str, gamma: int, max_seq: int, vocab_out: int, sample: bool = False,
-                       single_sequence: bool = False) -> GraphBuilder:
+                       single_sequence: bool = False, matmul_weights: str = "float32") -> GraphBuilder:
     """Score [last, d_1..d_γ] and apply SpecAccept: greedy on logits, or (sample=True) the
     rejection-sampling rule on the transformed target probabilities and the draft's."""
-    g = GraphBuilder(name)
+    g = GraphBuilder(name, matmul_weights)
     ids = g.input("input_ids", INT64, ["batch", gamma + 1])
     past_len = g.input("past_len", INT64, ["batch"])
     hidden = _decoder(g, spec, ids, past_len, max_seq, single_sequence)
@@ -249,12 +250,12 @@ def _linear(g, spec, x, prefix, parts=None):
     (their outputs are split or reshaped by the caller)."""
     w = spec.weights
     names = parts or (prefix,)
-    weight = w[names[0] + "_w"] if parts is None else np.concatenate([w[n + "_w"] for n in names], axis=1)
+    weight = w[names[0] + "_w"] if parts is None else concatenated([w[n + "_w"] for n in names], axis=1)
     y = g.matmul(x, prefix + "_w", weight)
     has_bias = [n + "_b" in w for n in names]
     assert all(has_bias) or not any(has_bias), f"{prefix}: bias on some of {names} only"
     if all(has_bias):
-        bias = np.concatenate([w[n + "_b"] for n in names])
+        bias = concatenated([w[n + "_b"] for n in names])
         y = g.op("Add", y, g.weight(prefix + "_b", bias))
     return y
 
@@ -287,7 +288,7 @@ def _lm_head(g, spec, hidden, vocab_out, vocab_ids=None):
     hidden = _norm(g, spec, hidden, "final_norm")
     head, name = spec.weights["lm_head"], "lm_head"
     if vocab_ids is not None:  # its own weight: the model's other graphs keep the whole head
-        head, name = np.ascontiguousarray(head[:, vocab_ids]), f"lm_head_top{len(vocab_ids)}"
+        head, name = columns(head, vocab_ids), f"lm_head_top{len(vocab_ids)}"
     elif head.shape[1] != vocab_out:  # draft and target may pad their embeddings differently
-        head = np.ascontiguousarray(head[:, :vocab_out])
+        head = columns(head, slice(0, vocab_out))
     return g.matmul(hidden, name, head)

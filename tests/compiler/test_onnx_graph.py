@@ -34,7 +34,7 @@ def test_int8_matmul_is_per_column_symmetric(tmp_path):
     x = rng.standard_normal((2, 64)).astype(np.float32)
     g = GraphBuilder("m", "int8")
     g.matmul("x", "w", w)
-    q, scale = g.weights["w_q"], g.weights["w_scale"]
+    q, scale = np.asarray(g.weights["w_q"]), np.asarray(g.weights["w_scale"])
     assert q.dtype == np.int8 and scale.shape == (40,) and np.abs(q).max() == 127
     # each column's largest weight maps to ±127, and dequantization is within half a step of the weight
     assert np.all(np.abs(q.astype(np.float32) * scale - w) <= scale / 2 + 1e-7)

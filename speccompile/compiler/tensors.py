@@ -1,0 +1,182 @@
+"""Weights as recipes: read from the checkpoint only when the bundle writer needs their bytes.
+
+Why: a build used to hold every weight in memory as fp32, several times over (the checkpoint's
+tensors, their canonical layout, and each graph's fused QKV and gate/up copies), so its peak memory
+grew with the model times the number of graphs: about 6× the fp32 weights. A `LazyTensor` knows its
+shape and dtype without reading anything, which is all the graph builder needs; `WeightFile.write`
+materialises one weight at a time, writes it and drops it. Peak memory is then a small multiple of
+the largest single tensor (an embedding or LM head), whatever the size of the model.
+
+Safetensors are read here with no dependency beyond numpy (and ml_dtypes, which onnx already
+needs, for bfloat16): an 8-byte header length, a JSON header of (dtype, shape, byte range) per
+tensor, then the raw little-endian data. Each tensor is read with one positioned read into a fresh
+buffer, not memory-mapped: mapped pages of a multi-GB shard would count towards the process's
+resident memory until unmapped.
+"""
+
+import functools
+import json
+import math
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from speccompile.errors import SpecCompileError
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+SAFETENSORS_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": BFLOAT16}
+MAX_HEADER = 100 << 20  # the format's own limit on the JSON header
+
+
+@dataclass(frozen=True, eq=False)
+class LazyTensor:
+    """An array known by shape and dtype, produced by `load()` when its bytes are needed."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    make: Callable[[], np.ndarray] = field(repr=False)
+
+    def load(self) -> np.ndarray:
+        array = self.make()
+        assert array.shape == self.shape and array.dtype == self.dtype, \
+            f"lazy tensor made {array.dtype}{list(array.shape)}, promised {self.dtype}{list(self.shape)}"
+        return array
+
+    def __array__(self, dtype=None, copy=None):  # np.asarray(lazy) works, e.g. in tests
+        array = self.load()
+        return array if dtype is None else array.astype(dtype)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def materialize(tensor) -> np.ndarray:
+    return tensor.load() if isinstance(tensor, LazyTensor) else tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors
+
+
+def safetensors_tensors(file: Path) -> dict[str, LazyTensor]:
+    """Every tensor of one safetensors file, as float32 lazy tensors; only the header is read now.
+    A malformed header or a byte range outside the file is a SpecCompileError here, not at write."""
+    header, data_start = _read_header(file)
+    size = file.stat().st_size
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise SpecCompileError(f"{file}: cannot read safetensors file (bad header entry {name!r}: {e})") from None
+        if dtype not in SAFETENSORS_DTYPES:
+            raise SpecCompileError(f"{file}: tensor {name} has dtype {dtype}; supported: {', '.join(SAFETENSORS_DTYPES)}")
+        stored = SAFETENSORS_DTYPES[dtype]
+        if end - begin != math.prod(shape) * stored.itemsize or data_start + end > size or begin < 0:
+            raise SpecCompileError(f"{file}: cannot read safetensors file (tensor {name} lies outside the file)")
+        read = functools.partial(_read_tensor, file, data_start + begin, stored, shape)
+        tensors[name] = LazyTensor(shape, np.dtype(np.float32), read)
+    return tensors
+
+
+def _read_header(file: Path) -> tuple[dict, int]:
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > MAX_HEADER:
+                raise ValueError(f"header of {length} bytes")
+            header = json.loads(f.read(length))
+    except (OSError, struct.error, ValueError, UnicodeDecodeError) as e:
+        raise SpecCompileError(f"{file}: cannot read safetensors file ({e})") from None
+    if not isinstance(header, dict):
+        raise SpecCompileError(f"{file}: cannot read safetensors file (header is not a JSON object)")
+    return header, 8 + length
+
+
+def _read_tensor(file: Path, offset: int, stored: np.dtype, shape: tuple) -> np.ndarray:
+    with open(file, "rb") as f:
+        f.seek(offset)
+        array = np.fromfile(f, dtype=stored, count=math.prod(shape)).reshape(shape)
+    return array.astype(np.float32, copy=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# transforms: each returns a new lazy tensor; nothing is read until the result is loaded
+
+
+def transposed(t: LazyTensor) -> LazyTensor:
+    assert t.ndim == 2, f"transpose of a {t.ndim}-d tensor"
+    return LazyTensor(t.shape[::-1], t.dtype, lambda: np.ascontiguousarray(t.load().T))
+
+
+def split_part(t: LazyTensor, parts: int, index: int) -> LazyTensor:
+    """Part `index` of `parts` equal slices along the last axis (GPT-2's fused c_attn)."""
+    shape = (*t.shape[:-1], t.shape[-1] // parts)
+    return LazyTensor(shape, t.dtype, lambda: np.ascontiguousarray(np.split(t.load(), parts, axis=-1)[index]))
+
+
+def concatenated(tensors: list, axis: int = -1) -> LazyTensor:
+    """Side by side along `axis` (fused QKV and gate/up projections, their biases)."""
+    first = tensors[0]
+    axis = axis % first.ndim
+    shape = list(first.shape)
+    shape[axis] = sum(t.shape[axis] for t in tensors)
+    return LazyTensor(tuple(shape), first.dtype, lambda: np.concatenate([materialize(t) for t in tensors], axis=axis))
+
+
+def columns(t: LazyTensor, ids) -> LazyTensor:
+    """The columns `ids` (an index array or a slice) of a 2-d tensor: an LM head cut to a vocabulary."""
+    count = len(range(*ids.indices(t.shape[1]))) if isinstance(ids, slice) else len(ids)
+    return LazyTensor((t.shape[0], count), t.dtype, lambda: np.ascontiguousarray(t.load()[:, ids]))
+
+
+def cast(t: LazyTensor, dtype) -> LazyTensor:
+    dtype = np.dtype(dtype)
+    return t if dtype == t.dtype else LazyTensor(t.shape, dtype, lambda: t.load().astype(dtype))
+
+
+def quantized_int8(t: LazyTensor) -> tuple[LazyTensor, LazyTensor]:
+    """Symmetric per-output-column int8 of a [K, N] weight: q = round(W / s), s = max_k |W[k, n]| / 127.
+    Returns (q int8 [K, N], s float32 [N]), made by one quantization that is held only until both
+    have been loaded."""
+    pair = _SharedResult(lambda: _quantize_columns(t.load()), parts=2)
+    k, n = t.shape
+    return (LazyTensor((k, n), np.dtype(np.int8), lambda: pair.take(0)),
+            LazyTensor((n,), np.dtype(np.float32), lambda: pair.take(1)))
+
+
+class _SharedResult:
+    """A tuple computed on the first take and released once every part has been taken."""
+
+    def __init__(self, make: Callable[[], tuple], parts: int):
+        self.make, self.parts, self.value, self.taken = make, parts, None, set()
+
+    def take(self, index: int):
+        if self.value is None:
+            self.value = self.make()
+        part = self.value[index]
+        self.taken.add(index)
+        if len(self.taken) == self.parts:
+            self.value, self.taken = None, set()
+        return part
+
+
+def _quantize_columns(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    scale = np.abs(weight).max(axis=0) / 127.0
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    return np.clip(np.rint(weight / scale), -127, 127).astype(np.int8), scale
