@@ -183,6 +183,7 @@ def test_build_draft_vocab_counts_a_corpus(tmp_path, checkpoints):
 
 
 def test_build_draft_vocab_without_frequencies_is_one_line(tmp_path, checkpoints):
-    code, output = run(*build_args(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b", "--draft-vocab", 24))
+    code, output = run(*build_args(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b", "--draft-vocab", 24,
+                                   "--max-seq", 64))
     assert code == 1 and "Traceback" not in output
     assert "token_frequencies.json" in output

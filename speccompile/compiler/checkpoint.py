@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from speccompile.compiler.architectures import ACTIVATIONS, ARCHITECTURES, Architecture
+from speccompile.compiler.rope import SCALINGS, Rope, trained_positions
 from speccompile.compiler.tensors import (
     LazyTensor,
     safetensors_tensors,
@@ -59,10 +60,20 @@ def check_max_seq(spec: ModelSpec, max_seq: int) -> None:
             f"{spec.path}: sliding-window attention (window {window}) is not supported; "
             f"build with --max-seq {window} or less, where full attention is identical"
         )
-    if spec.arch.block == "gpt2" and max_seq > spec.hp["max_positions"]:
+    limit, rule = _trained_positions(spec.hp)
+    if max_seq > limit:
         raise SpecCompileError(
-            f"{spec.path}: --max-seq {max_seq} exceeds the model's {spec.hp['max_positions']} learned positions"
+            f"{spec.path}: --max-seq {max_seq} exceeds the model's {limit} positions ({rule}); "
+            f"build with --max-seq {limit} or less"
         )
+
+
+def _trained_positions(hp: dict) -> tuple[int, str]:
+    """How many positions the model attends over, and the rule that says so: learned positions are
+    a table of that size; RoPE's span depends on its scaling (see rope.SCALINGS)."""
+    if hp["rope"] is None:
+        return hp["max_positions"], "learned positions"
+    return trained_positions(hp["rope"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,20 +105,41 @@ def _hyper_parameters(path: Path, config: dict, arch: Architecture) -> dict:
         raise SpecCompileError(f"{path}: {hp['num_heads']} attention heads is not a multiple of {hp['num_kv_heads']} KV heads")
     if hp["activation"] not in ACTIVATIONS[arch.block]:
         raise SpecCompileError(f"{path}: activation {hp['activation']!r} is not supported for {config['model_type']}")
-    hp["rope_theta"] = _rope_theta(path, config) if arch.block == "llama" else None
+    hp["rope"] = _rope(path, config, hp["max_positions"]) if arch.block == "llama" else None
     hp["sliding_window"] = _sliding_window(config)
     hp["attn_scale"] = _attention_scale(path, config, hp)
     return hp
 
 
-def _rope_theta(path: Path, config: dict) -> float:
-    # transformers >= 5 nests rotary settings under rope_parameters; older checkpoints keep
-    # rope_theta / rope_scaling at the top level.
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise SpecCompileError(f"{path}: rope scaling {rope_type!r} is not supported (only plain RoPE)")
-    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+def _rope(path: Path, config: dict, max_positions: int) -> Rope:
+    """The rotary settings as transformers reads them (RotaryEmbeddingConfigMixin), checked."""
+    rope_type, theta, params = _rope_parameters(config)
+    if rope_type not in SCALINGS:
+        supported = ", ".join(SCALINGS)
+        raise SpecCompileError(f"{path}: rope scaling {rope_type!r} is not supported (supported: {supported})")
+    partial = params.pop("partial_rotary_factor", None) or config.get("partial_rotary_factor") or 1.0
+    if partial != 1.0:
+        raise SpecCompileError(f"{path}: partial_rotary_factor {partial} is not supported (RoPE over whole heads only)")
+    if rope_type in ("llama3", "yarn"):
+        # HF: a top-level value wins (Phi-3 style), then the dict's, then max_position_embeddings
+        original = config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = original or max_positions
+    missing = [key for key in SCALINGS[rope_type].required if params.get(key) is None]
+    if missing:
+        raise SpecCompileError(f"{path}: rope scaling {rope_type!r} needs {', '.join(missing)} in its parameters")
+    return Rope(rope_type, theta, max_positions, params)
+
+
+def _rope_parameters(config: dict) -> tuple[str, float, dict]:
+    """rope_type, rope_theta and the scaling's other parameters, from either style of config."""
+    # transformers >= 5 nests everything, rope_theta included, under rope_parameters; older configs
+    # have a rope_scaling dict (rope_type, or the legacy `type`) next to a top-level rope_theta.
+    # HF takes rope_scaling first when a config has both.
+    params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    theta = params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
+    return rope_type, float(theta), params
 
 
 def _sliding_window(config: dict):

@@ -24,6 +24,7 @@ import numpy as np
 
 from speccompile.compiler.checkpoint import ModelSpec
 from speccompile.compiler.onnx_graph import FLOAT, INT32, INT64, GraphBuilder
+from speccompile.compiler.rope import Rope, inverse_frequencies
 from speccompile.compiler.spec_accept import OUTPUTS, spec_accept_node, spec_op
 from speccompile.compiler.tensors import columns, concatenated
 
@@ -225,19 +226,21 @@ def _write_cache(g, name, new, past_len, spec, max_seq, kv_len):
 # rotary embeddings (HF "rotate_half" convention = ONNX RotaryEmbedding with interleaved=0)
 
 
-def rope_tables(theta: float, head_dim: int, max_seq: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin [S, D/2] of position × inverse frequency, computed in fp32 as HF does.
+def rope_tables(rope: Rope, head_dim: int, max_seq: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [S, D/2] of position × inverse frequency (as the model's RoPE scaling gives it),
+    times the scaling's attention factor, computed in fp32 as HF does.
 
     RotaryEmbedding rotates the pairs (x_j, x_{j+D/2}): [x1*cos - x2*sin, x2*cos + x1*sin], which is
-    HF's x*cos + rotate_half(x)*sin with cos/sin repeated over both halves.
+    HF's x*cos + rotate_half(x)*sin with cos/sin repeated over both halves. Both are linear in cos and
+    sin, so HF's scaling of cos and sin (YaRN's mscale) can live in the tables.
     """
-    inv_freq = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))).astype(np.float32)
+    inv_freq, attention = inverse_frequencies(rope, head_dim)
     freqs = np.arange(max_seq, dtype=np.float32)[:, None] * inv_freq[None, :]
-    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+    return (np.cos(freqs) * attention).astype(np.float32), (np.sin(freqs) * attention).astype(np.float32)
 
 
 def _rope_tables(g, spec, max_seq):
-    cos, sin = rope_tables(spec.hp["rope_theta"], spec.hp["head_dim"], max_seq)
+    cos, sin = rope_tables(spec.hp["rope"], spec.hp["head_dim"], max_seq)
     return g.weight("rope_cos", cos), g.weight("rope_sin", sin)
 
 

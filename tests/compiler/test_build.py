@@ -89,7 +89,7 @@ def test_a_failure_late_in_the_build_leaves_nothing(tmp_path, checkpoints, monke
 
     monkeypatch.setattr(build_module, "check_tensorrt_compatible", reject)
     with pytest.raises(SpecCompileError, match="rejected"):
-        build_bundle(checkpoints("llama"), checkpoints("llama"), tmp_path / "out", log=lambda _: None)
+        build_bundle(checkpoints("llama"), checkpoints("llama"), tmp_path / "out", max_seq=64, log=lambda _: None)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -71,13 +71,15 @@ def test_missing_untied_lm_head_is_an_error(tmp_path, checkpoints):
         load_checkpoint(tmp_path / "c")
 
 
-def test_rope_scaling_is_refused_clearly(tmp_path, checkpoints):
+def test_unsupported_rope_scaling_is_refused_clearly(tmp_path, checkpoints):
+    """Supported scalings are tested in test_rope_scaling.py; any other is one line naming them."""
     src = checkpoints("llama")
     import shutil
 
     dst = shutil.copytree(src, tmp_path / "c")
     config = json.loads((dst / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    config["rope_parameters"] = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                 "original_max_position_embeddings": 128, "rope_theta": 10000.0}
     (dst / "config.json").write_text(json.dumps(config))
-    with pytest.raises(SpecCompileError, match="rope scaling 'yarn'"):
+    with pytest.raises(SpecCompileError, match=r"rope scaling 'longrope' is not supported \(supported: default, "):
         load_checkpoint(dst)

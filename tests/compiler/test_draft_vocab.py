@@ -77,7 +77,8 @@ def test_greedy_draft_graph_scores_only_the_kept_tokens(tmp_path, checkpoints, t
 
 def test_draft_vocab_without_frequencies_is_a_clear_error(tmp_path, checkpoints):
     with pytest.raises(SpecCompileError, match=f"no {FREQUENCIES_FILE}.*--draft-vocab-corpus"):
-        build_bundle(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b", draft_vocab=16, log=lambda _: None)
+        build_bundle(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b", draft_vocab=16, max_seq=64,
+                     log=lambda _: None)
     assert not (tmp_path / "b").exists()
 
 
