@@ -6,7 +6,12 @@ from pathlib import Path
 from speccompile.compiler.checkpoint import ModelSpec
 from speccompile.errors import SpecCompileError
 
-SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+# What decides which ids a text becomes, as sections of tokenizer.json. The vocabulary (the model's
+# plus added tokens) is compared on its own, to say which tokens differ.
+IDENTITY_SECTIONS = ("model", "normalizer", "pre_tokenizer")
+# Special tokens that generation uses: BOS starts a prompt, EOS ends generation. A pad token (or unk,
+# which is part of the model section) only fills batches and never reaches a model: not compared.
+SPECIAL_TOKENS = ("bos_token", "eos_token")
 
 
 def load_tokenizer(path: Path, required: bool = True):
@@ -14,7 +19,7 @@ def load_tokenizer(path: Path, required: bool = True):
 
     try:
         return AutoTokenizer.from_pretrained(str(path), use_fast=True, trust_remote_code=False)
-    except Exception as e:  # transformers raises many types for a missing/broken tokenizer
+    except Exception as e:  # noqa: BLE001 (transformers raises many types for a missing/broken tokenizer)
         if not required:
             return None
         raise SpecCompileError(f"{path}: cannot load a tokenizer ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
@@ -23,11 +28,17 @@ def load_tokenizer(path: Path, required: bool = True):
 def check_compatible(target: ModelSpec, draft: ModelSpec, target_tok, draft_tok) -> int:
     """Refuse a pair whose token ids mean different things; returns the shared vocabulary size.
 
+    Compared: what decides which ids a text becomes (vocabulary, merges and model settings,
+    normalizer, pre-tokenizer) and the special tokens generation uses (BOS, EOS). Not compared: the
+    pad token, decoders and post-processors; the runtime tokenizes and detokenizes with the
+    target's tokenizer alone, and the draft only ever sees ids.
+
     Embedding matrices may be padded differently (Qwen2.5 0.5B has 151936 rows, 7B 152064) as long
     as both cover every id the tokenizer can produce: logits are cut to the smaller matrix.
     """
     if draft_tok is not None:
-        _compare_vocab(target_tok, draft_tok)
+        _compare_identity(_identity(target.path, target_tok), _identity(draft.path, draft_tok))
+        _compare_special_tokens(target_tok, draft_tok)
     vocab_out = min(target.hp["vocab_size"], draft.hp["vocab_size"])
     if len(target_tok) > vocab_out:
         which = "draft" if draft.hp["vocab_size"] < target.hp["vocab_size"] else "target"
@@ -35,24 +46,51 @@ def check_compatible(target: ModelSpec, draft: ModelSpec, target_tok, draft_tok)
     return vocab_out
 
 
-def _compare_vocab(target_tok, draft_tok) -> None:
-    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+def _identity(path: Path, tokenizer):
+    """The tokenizer as its checkpoint's tokenizer.json defines it. Loading through transformers can
+    add a model class's default special tokens that the file does not have (in transformers 5, a
+    Qwen2 checkpoint gains '<|endoftext|>' as its unk token), so the file is read when there is one."""
+    from tokenizers import Tokenizer
+
+    file = path / "tokenizer.json"
+    return Tokenizer.from_file(str(file)) if file.is_file() else tokenizer.backend_tokenizer
+
+
+def _compare_identity(target, draft) -> None:
+    target_vocab, draft_vocab = target.get_vocab(with_added_tokens=True), draft.get_vocab(with_added_tokens=True)
     if target_vocab != draft_vocab:
-        only_target = sorted(set(target_vocab) - set(draft_vocab), key=target_vocab.get)
-        only_draft = sorted(set(draft_vocab) - set(target_vocab), key=draft_vocab.get)
-        moved = [t for t in target_vocab if t in draft_vocab and target_vocab[t] != draft_vocab[t]]
-        details = [f"{len(target_vocab)} vs {len(draft_vocab)} tokens"]
-        if only_target:
-            details.append(f"{len(only_target)} only in target (first {only_target[0]!r})")
-        if only_draft:
-            details.append(f"{len(only_draft)} only in draft (first {only_draft[0]!r})")
-        if moved:
-            details.append(f"{len(moved)} with different ids (first {moved[0]!r}: {target_vocab[moved[0]]} vs {draft_vocab[moved[0]]})")
-        raise SpecCompileError("draft and target tokenizers differ: " + "; ".join(details))
+        raise SpecCompileError("draft and target tokenizers differ: " + _vocab_difference(target_vocab, draft_vocab))
+    # Re-serialised by one `tokenizers` version, so that files saved by different versions compare equal.
+    target_json, draft_json = json.loads(target.to_str()), json.loads(draft.to_str())
+    for section in IDENTITY_SECTIONS:
+        if target_json.get(section) != draft_json.get(section):
+            what = "merges or model settings" if section == "model" else section.replace("_", "-")
+            raise SpecCompileError(f"draft and target tokenizers differ: same vocabulary, but different {what} "
+                                   f"(tokenizer.json '{section}'), so one text becomes different ids")
+
+
+def _vocab_difference(target_vocab: dict, draft_vocab: dict) -> str:
+    only_target = sorted(set(target_vocab) - set(draft_vocab), key=target_vocab.get)
+    only_draft = sorted(set(draft_vocab) - set(target_vocab), key=draft_vocab.get)
+    moved = [t for t in target_vocab if t in draft_vocab and target_vocab[t] != draft_vocab[t]]
+    details = [f"{len(target_vocab)} vs {len(draft_vocab)} tokens"]
+    if only_target:
+        details.append(f"{len(only_target)} only in target (first {only_target[0]!r})")
+    if only_draft:
+        details.append(f"{len(only_draft)} only in draft (first {only_draft[0]!r})")
+    if moved:
+        first = moved[0]
+        details.append(f"{len(moved)} with different ids "
+                       f"(first {first!r}: {target_vocab[first]} vs {draft_vocab[first]})")
+    return "; ".join(details)
+
+
+def _compare_special_tokens(target_tok, draft_tok) -> None:
+    """BOS and EOS where both tokenizers name one; a tokenizer that names none leaves it to the other."""
     for name in SPECIAL_TOKENS:
         t, d = getattr(target_tok, name, None), getattr(draft_tok, name, None)
-        if t != d:
-            raise SpecCompileError(f"draft and target tokenizers differ: {name} is {t} in target, {d} in draft")
+        if t is not None and d is not None and t != d:
+            raise SpecCompileError(f"draft and target tokenizers differ: {name} is {t!r} in target, {d!r} in draft")
 
 
 def eos_token_ids(spec: ModelSpec, tokenizer) -> list[int]:
