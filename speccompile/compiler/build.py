@@ -58,7 +58,7 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     transformer._fused_attention), which the ONNX Runtime backend runs whenever a batch has one
     sequence."""
     out_dir = Path(out_dir)
-    gammas = _check_options(out_dir, list(gammas), max_seq, max_batch, force)
+    gammas = _check_options(out_dir, list(gammas), max_seq, max_batch, force, draft_vocab, draft_vocab_corpus)
     for option, value in (("--target-weights", target_weights), ("--draft-weights", draft_weights)):
         if value not in MATMUL_WEIGHTS:
             raise SpecCompileError(f"{option} must be one of {', '.join(MATMUL_WEIGHTS)}, got {value!r}")
@@ -74,6 +74,7 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     if draft_tok is None:
         log(f"  warning: {draft.path} has no tokenizer; assuming the target's")
     vocab_out = check_compatible(target, draft, target_tok, draft_tok)
+    _warn_draft_size(target, draft, log)
     for spec in (target, draft):
         check_max_seq(spec, max_seq)
     vocab_ids = None
@@ -114,7 +115,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     return out_dir
 
 
-def _check_options(out_dir: Path, gammas: list[int], max_seq: int, max_batch: int, force: bool) -> list[int]:
+def _check_options(out_dir: Path, gammas: list[int], max_seq: int, max_batch: int, force: bool,
+                   draft_vocab: int | None = None, draft_vocab_corpus=None) -> list[int]:
     if not gammas or any(not isinstance(g, int) or g < 1 for g in gammas):
         raise SpecCompileError(f"--gamma values must be positive integers, got {gammas}")
     if max_seq < 2 or max_batch < 1:
@@ -125,7 +127,22 @@ def _check_options(out_dir: Path, gammas: list[int], max_seq: int, max_batch: in
         raise SpecCompileError(f"{out_dir} already exists and is not empty (pass --force to replace it)")
     if not out_dir.parent.is_dir():
         raise SpecCompileError(f"parent directory of {out_dir} does not exist")
+    # An error, not a warning: the corpus is only counted for --draft-vocab, and a build that
+    # silently drops it would take minutes to produce a bundle other than the one asked for.
+    if draft_vocab_corpus is not None and draft_vocab is None:
+        raise SpecCompileError("--draft-vocab-corpus only chooses the tokens of --draft-vocab K: "
+                               "pass --draft-vocab too")
     return list(dict.fromkeys(gammas))  # unique, in the order given
+
+
+def _warn_draft_size(target: ModelSpec, draft: ModelSpec, log) -> None:
+    """A warning, not an error: the bundle is still exact (the target decides every token), and a
+    draft's steps can be cheaper than its size says (int8 weights, --draft-vocab), but a draft larger
+    than its target is most often the two checkpoints swapped."""
+    if draft.num_params > target.num_params:
+        log(f"  warning: the draft ({draft.num_params:,} parameters) is larger than the target "
+            f"({target.num_params:,}): speculative decoding will likely be slower than the target alone "
+            f"(were --target and --draft swapped?)")
 
 
 def _draft_vocab_ids(draft: ModelSpec, size: int, corpus, vocab_out: int, eos_ids: list[int], tokenizer, log):

@@ -143,3 +143,25 @@ def test_no_single_sequence_variants_on_request(tmp_path, checkpoints):
                                       single_sequence=False, log=lambda _: None))
     assert not any("single_sequence" in entry for entry in bundle.manifest["graphs"].values())
     assert not list(bundle.path.glob("*_b1.onnx"))
+
+
+def test_a_draft_larger_than_the_target_builds_with_a_warning(tmp_path, checkpoints):
+    """Still exact (the target decides every token), so a warning, not an error: it is most often
+    --target and --draft swapped."""
+    said = []
+    build_bundle(checkpoints("llama", "draft"), checkpoints("llama"), tmp_path / "b", gammas=[2], max_seq=32,
+                 single_sequence=False, log=said.append)
+    warnings = [line for line in said if "warning" in line]
+    assert len(warnings) == 1 and "is larger than the target" in warnings[0] and "swapped" in warnings[0]
+    said.clear()
+    build_bundle(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "c", gammas=[2], max_seq=32,
+                 single_sequence=False, log=said.append)
+    assert not [line for line in said if "warning" in line]
+
+
+def test_a_draft_vocab_corpus_without_draft_vocab_is_refused_before_any_work(tmp_path, checkpoints, monkeypatch):
+    monkeypatch.setattr(build_module, "load_checkpoint", lambda path: pytest.fail("loaded a checkpoint"))
+    with pytest.raises(SpecCompileError, match="pass --draft-vocab too"):
+        build_bundle(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b",
+                     draft_vocab_corpus="corpus.txt", log=lambda _: None)
+    assert list(tmp_path.iterdir()) == []
