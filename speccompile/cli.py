@@ -92,7 +92,8 @@ def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force, dra
 @user_errors
 def distill(target_dir, corpus, out_dir, **options):
     """Train a small draft that matches the target's next-token distribution."""
-    from speccompile.training.distill import DistillOptions, distill as run_distill
+    from speccompile.training.distill import DistillOptions
+    from speccompile.training.distill import distill as run_distill
 
     run_distill(target_dir, corpus, out_dir, DistillOptions(**options), log=lambda line: click.echo(line, err=True))
 
@@ -110,7 +111,9 @@ def resolve_bundle(bundle):
 @click.argument("bundle", type=click.Path(), required=False)
 @click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text; repeat for a batch.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
-@click.option("--mode", type=click.Choice(["speculative", "autoregressive"]), default="speculative", show_default=True)
+@click.option("--mode", type=click.Choice(["speculative", "autoregressive"]), default=None,
+              help="Run as asked. Default: speculative, or plain decoding where --gamma auto predicts that "
+              "speculation does not pay.")
 @click.option("--gamma", default=None, help="Draft tokens per iteration, or 'auto' (default: auto with a γ profile, else the bundle's).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0: off).")
@@ -127,19 +130,16 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
 
     runtime = speccompile.load(resolve_bundle(bundle), shared_threads=True)  # the process is ours
     gamma = _gamma_option(gamma)
-    stream = _Streamer(runtime.tokenizer) if len(prompts) == 1 and not as_json else None
+    stream = None if as_json else _Streamer(runtime.tokenizer, list(prompts), max_new_tokens)
     results = runtime.generate(list(prompts), max_new_tokens=max_new_tokens, mode=mode, gamma=gamma,
                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, on_tokens=stream)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=1))
         return
-    for result in results:
-        if stream is None:
-            click.echo(f"--- {result.prompt!r}")
-            click.echo(result.prompt + result.text)
-        else:
-            stream.finish()
-        click.echo(_stats_line(result.stats), err=True)
+    stream.finish()
+    for row, result in enumerate(results):
+        label = f"prompt {row + 1}/{len(results)}" if len(results) > 1 else ""
+        click.echo(_stats_line(result.stats, label), err=True)
 
 
 @main.command()
@@ -154,7 +154,8 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
 def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, as_json):
     """Speculative vs autoregressive tokens/s on the same prompts (medians over repeats)."""
     import speccompile
-    from speccompile.runtime.bench import bench as run_bench, read_prompts
+    from speccompile.runtime.bench import bench as run_bench
+    from speccompile.runtime.bench import read_prompts
 
     runtime = speccompile.load(resolve_bundle(bundle), shared_threads=True)  # the process is ours
     sampling = {"temperature": temperature, "seed": 0} if temperature else {}
@@ -166,8 +167,15 @@ def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, as_
             ("target_step_ms", "draft_step_ms", "verify_ms", "overhead_ms_per_iteration", "draft_to_target_step_ratio", "acceptance_by_position")]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
-        shown = ", ".join(f"{v:.3f}" for v in value) if isinstance(value, list) else (f"{value:.3f}" if isinstance(value, float) else value)
-        click.echo(f"{key:<{width}}  {shown}")
+        click.echo(f"{key:<{width}}  {_bench_value(value)}")
+
+
+def _bench_value(value) -> str:
+    if isinstance(value, dict):  # gammas_used: γ -> iterations
+        return _gamma_counts(value)
+    if isinstance(value, list):
+        return ", ".join(f"{v:.3f}" for v in value)
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 @main.command()
@@ -219,7 +227,7 @@ def profile(bundle, prompts_file, batch_sizes, context_lengths, repeats, rounds,
     from speccompile.runtime.bench import read_prompts
 
     runtime = speccompile.load(resolve_bundle(bundle), shared_threads=True)  # the process is ours
-    log = lambda line: click.echo(line, err=True)  # noqa: E731
+    log = lambda line: click.echo(line, err=True)
     prompts = read_prompts(prompts_file)
     batches = [b for b in _int_list(batch_sizes) if b <= runtime.max_batch] or [1]
     result = prof.build_profile(runtime, prompts, batches, _int_list(context_lengths), repeats, rounds, log=log)
@@ -254,34 +262,84 @@ def _profile_table(result: dict) -> str:
 
 
 class _Streamer:
-    """Prints text as tokens are accepted (decoding the whole tail so multi-byte tokens print whole)."""
+    """Prints each prompt and then its continuation as tokens are accepted, one prompt after another.
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.tokens, self.printed = tokenizer, [], ""
+    A batch runs in lockstep: while one prompt streams, the later ones are held back, and each
+    prints what it has so far once the prompts before it are done (at EOS or max_new_tokens), then
+    streams on. Several prompts are headed `--- prompt i/n`. The continuation is decoded after the
+    prompt's own tokens, so a decoder that drops the leading space of a text's first word
+    (SentencePiece's) does not glue it to the prompt.
+    """
+
+    def __init__(self, tokenizer, prompts: list[str], max_new_tokens: int):
+        self.tokenizer, self.prompts, self.max_new_tokens = tokenizer, prompts, max_new_tokens
+        self.prompt_ids = [tokenizer.encode(p) for p in prompts]
+        self.prompt_texts = [tokenizer.decode(ids) for ids in self.prompt_ids]
+        self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.current, self.printed = 0, None  # printed: the current prompt's text so far (None: not begun)
 
     def __call__(self, row: int, token_ids: list[int]) -> None:
-        self.tokens.extend(token_ids)
-        text = self.tokenizer.decode(self.tokens)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            return
-        sys.stdout.write(text[len(self.printed):])
-        sys.stdout.flush()
-        self.printed = text
+        self.tokens[row].extend(token_ids)
+        while self.current < len(self.prompts):
+            done = self._done(self.current)
+            self._print_current(final=done)
+            if not done:
+                return
+            self._next()
 
     def finish(self) -> None:
-        text = self.tokenizer.decode(self.tokens)
-        sys.stdout.write(text[len(self.printed):] + "\n")
+        """generate returned: every prompt is done; print whatever is still held back."""
+        while self.current < len(self.prompts):
+            self._print_current(final=True)
+            self._next()
+
+    def _done(self, row: int) -> bool:
+        tokens = self.tokens[row]
+        return len(tokens) >= self.max_new_tokens or bool(tokens) and tokens[-1] in self.tokenizer.eos_token_ids
+
+    def _next(self) -> None:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        self.current, self.printed = self.current + 1, None
+
+    def _print_current(self, final: bool) -> None:
+        row = self.current
+        if self.printed is None:  # begun only once tokens come: a refused request prints nothing
+            header = f"--- prompt {row + 1}/{len(self.prompts)}\n" if len(self.prompts) > 1 else ""
+            sys.stdout.write(header + self.prompts[row])
+            self.printed = ""
+        text = self.tokenizer.decode(self.prompt_ids[row] + self.tokens[row])[len(self.prompt_texts[row]):]
+        if not text.endswith("\ufffd") or final:  # else an incomplete UTF-8 sequence: wait for the next token
+            sys.stdout.write(text[len(self.printed):])
+            self.printed = text
         sys.stdout.flush()
 
 
-def _stats_line(stats) -> str:
+def _stats_line(stats, label: str = "") -> str:
+    """One line per prompt on stderr; `label` names the prompt when there are several."""
+    head = f"{label}, " if label else ""
+    rate = f"{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tok/s"
     if stats.mode == "autoregressive":
-        return f"[autoregressive] {stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tok/s"
+        return f"[{head}autoregressive{': γ=auto chose plain decoding' if stats.auto_chose_plain else ''}] {rate}"
     return (
-        f"[speculative γ={stats.gamma}] {stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tok/s, "
-        f"acceptance {stats.acceptance_rate:.2f}, mean accepted {stats.mean_accepted_length:.2f}/{stats.gamma} "
-        f"per iteration over {stats.iterations} iterations, draft {stats.draft_ms:.0f} ms / verify {stats.verify_ms:.0f} ms"
+        f"[{head}speculative γ={_gammas_shown(stats)}] {rate}, "
+        f"acceptance {stats.acceptance_rate:.2f}, mean acceptance length {stats.mean_acceptance_length:.2f} "
+        f"({stats.mean_accepted_drafts:.2f} of {_number(stats.mean_gamma)} drafts kept per verification) over "
+        f"{stats.iterations} verifications, draft {stats.draft_ms:.0f} ms / verify {stats.verify_ms:.0f} ms"
     )
+
+
+def _gammas_shown(stats) -> str:
+    """The γ asked for; under auto, the iterations run at each γ: "auto (γ=2 ×2, γ=6 ×9)"."""
+    return f"auto ({_gamma_counts(stats.gammas_used)})" if stats.gamma == "auto" else str(stats.gamma)
+
+
+def _gamma_counts(gammas_used: dict) -> str:
+    return ", ".join(f"γ={g} ×{n}" for g, n in sorted(gammas_used.items()))
+
+
+def _number(value: float) -> str:
+    return f"{value:.2f}".rstrip("0").rstrip(".")
 
 
 if __name__ == "__main__":

@@ -149,12 +149,80 @@ def test_generate_json_output(bundles):
     for r in results:
         assert set(r) == {"prompt", "text", "token_ids", "stats"}
         assert r["stats"]["acceptance_rate"] == 1.0 and len(r["token_ids"]) <= 6
+        assert r["stats"]["mean_acceptance_length"] == 1 + r["stats"]["mean_gamma"]
+        assert "decode_ms" not in r["stats"] and r["stats"]["verify_ms"] > 0  # speculative phases only
+    code, output = run("generate", bundles("llama", "copy"), "--prompt", "def", "--max-new-tokens", 6, "--json",
+                       "--mode", "autoregressive")
+    stats = json.loads(output)[0]["stats"]
+    assert stats["decode_ms"] > 0 and "verify_ms" not in stats and stats["gamma"] == 0
 
 
 def test_generate_streams_text_and_prints_stats(bundles):
-    code, output = run("generate", bundles("llama", "copy"), "--prompt", "import os", "--max-new-tokens", 6)
+    args = ["generate", str(bundles("llama", "copy")), "--prompt", "import os", "--max-new-tokens", "6", "--gamma", "4"]
+    [expected] = json.loads(CliRunner().invoke(main, args + ["--json"]).stdout)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "import os" + expected["text"] + "\n"
+    assert result.stderr.startswith("[speculative γ=4] ") and "acceptance 1.00" in result.stderr
+    assert "mean acceptance length 5.00 (4.00 of 4 drafts kept per verification)" in result.stderr
+
+
+def test_several_prompts_each_print_their_text_and_a_labelled_stats_line(bundles):
+    args = ["generate", str(bundles("llama", "random")), "--prompt", "import os", "--prompt", "def",
+            "--max-new-tokens", "6"]
+    expected = json.loads(CliRunner().invoke(main, args + ["--json"]).stdout)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == (f"--- prompt 1/2\nimport os{expected[0]['text']}\n"
+                             f"--- prompt 2/2\ndef{expected[1]['text']}\n")
+    lines = result.stderr.splitlines()[-2:]
+    assert lines[0].startswith("[prompt 1/2, speculative γ=1] ")
+    assert lines[1].startswith("[prompt 2/2, speculative γ=1] ")
+
+
+class CharTokenizer:
+    """One token per character; token 0 is EOS."""
+
+    eos_token_ids = frozenset({0})
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids if i)
+
+
+def test_streaming_prints_prompts_one_after_another_as_they_finish(capsys):
+    from speccompile.cli import _Streamer
+
+    stream = _Streamer(CharTokenizer(), ["A:", "B:"], max_new_tokens=3)
+    stream(0, [ord("x")])
+    stream(1, [ord("p"), ord("q")])
+    assert capsys.readouterr().out == "--- prompt 1/2\nA:x"  # the second prompt waits for the first
+    stream(0, [ord("y"), 0])  # EOS: the first is done, the second prints what it has and streams on
+    assert capsys.readouterr().out == "y\n--- prompt 2/2\nB:pq"
+    stream(1, [ord("r")])
+    assert capsys.readouterr().out == "r\n"
+    stream.finish()
+    assert capsys.readouterr().out == ""
+
+
+def test_stats_line_under_auto_shows_the_gammas_used_and_means():
+    from speccompile.cli import _stats_line
+    from speccompile.core.stats import GenerationStats
+
+    stats = GenerationStats("speculative", "auto", new_tokens=60)
+    for gamma in [2] * 2 + [6] * 9:
+        stats.record_iteration(gamma, gamma)
+    line = _stats_line(stats, "prompt 2/3")
+    assert line.startswith("[prompt 2/3, speculative γ=auto (γ=2 ×2, γ=6 ×9)] 60 tokens")
+    assert "acceptance 1.00, mean acceptance length 6.27 (5.27 of 5.27 drafts kept per verification) over 11" in line
+
+
+def test_top_k_at_temperature_zero_is_warned_about(bundles):
+    code, output = run("generate", bundles("llama", "random"), "--prompt", "x", "--max-new-tokens", 2, "--top-k", 5)
     assert code == 0, output
-    assert "acceptance 1.00" in output
+    assert "warning: top_k=5 has no effect at temperature 0 (greedy decoding)" in output
 
 
 def test_build_reports_phases(tmp_path, checkpoints):
@@ -180,6 +248,14 @@ def test_build_draft_vocab_counts_a_corpus(tmp_path, checkpoints):
     assert code == 0, output
     assert "draft vocabulary: 24 of" in output
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["models"]["draft"]["scored_vocab"] == 24
+
+
+def test_build_draft_vocab_corpus_without_draft_vocab_is_refused(tmp_path, checkpoints):
+    corpus = tmp_path / "corpus.py"
+    corpus.write_text("import os\n")
+    assert_user_error(build_args(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b",
+                                 "--draft-vocab-corpus", corpus), "--draft-vocab-corpus", "pass --draft-vocab")
+    assert no_partial_output(tmp_path, "b")
 
 
 def test_build_draft_vocab_without_frequencies_is_one_line(tmp_path, checkpoints):

@@ -31,3 +31,23 @@ def predicted_speedup(acceptance_by_position: list[float], t_target: float, t_dr
     iteration = gamma * t_draft + t_verify + t_overhead
     assert iteration > 0, "iteration time must be positive"
     return expected_tokens(acceptance_by_position) * t_target / iteration
+
+
+def predicted_speedup_mixed(acceptance_by_position: list[float], gammas_used: dict[int, int], t_target: float,
+                            t_draft: float, t_verify: float, t_overhead: float = 0.0) -> float:
+    """The speedup of iterations run at several γ (gammas_used: γ -> iterations, as γ = auto runs),
+    with t_verify their mean verification time: expected tokens and time per iteration, each
+    averaged over the mix. One γ gives predicted_speedup.
+
+    With P_k measured over the iterations that proposed draft k (GenerationStats.acceptance_by_position),
+    the mix's expected tokens per iteration equal the measured mean acceptance length:
+    sum_γ n_γ (1 + sum_{k<=γ} P_k) = N + sum_k P_k · drafted_k = N + accepted.
+    """
+    iterations = sum(gammas_used.values())
+    if iterations == 0:
+        return 1.0
+    tokens = sum(n * expected_tokens(acceptance_by_position[:g]) for g, n in gammas_used.items()) / iterations
+    mean_gamma = sum(g * n for g, n in gammas_used.items()) / iterations
+    iteration = mean_gamma * t_draft + t_verify + t_overhead
+    assert iteration > 0, "iteration time must be positive"
+    return tokens * t_target / iteration

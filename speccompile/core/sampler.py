@@ -31,6 +31,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def without_effect(self) -> list[str]:
+        """Controls set but inert: top-k and top-p always keep the most likely token, so greedy
+        decoding (temperature 0) is the same with or without them."""
+        if not self.greedy:
+            return []
+        settings = ((f"top_k={self.top_k}", self.top_k > 0), (f"top_p={self.top_p}", self.top_p < 1))
+        return [name for name, on in settings if on]
+
 
 class Sampler:
     """Graph inputs for the sampling controls, and uniforms from per-row generators."""

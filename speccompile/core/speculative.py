@@ -77,6 +77,7 @@ def autoregressive_generate(target: DecoderEngine, prompts, max_new_tokens, eos_
     stats = [GenerationStats("autoregressive", 0) for _ in prompts]
     with clock("prefill"):
         _, _, last, outputs = _start(target, prompts, max_new_tokens, eos_ids, on_tokens, sampler)
+    _take_times(stats, clock, outputs.done)
     one = np.ones(len(prompts), dtype=np.int64)
     while not outputs.done.all():
         active = ~outputs.done
@@ -87,7 +88,8 @@ def autoregressive_generate(target: DecoderEngine, prompts, max_new_tokens, eos_
         for row in np.flatnonzero(active):
             stats[row].iterations += 1
             outputs.emit(row, [last[row]])
-    return _finish(outputs, stats, clock)
+        _take_times(stats, clock, active & outputs.done)
+    return _finish(outputs, stats)
 
 
 def speculative_generate(target: VerifierEngine, draft: DecoderEngine, prompts, gamma: int | GammaPolicy, max_new_tokens,
@@ -99,11 +101,12 @@ def speculative_generate(target: VerifierEngine, draft: DecoderEngine, prompts, 
     """
     clock = Clock()
     policy = gamma if isinstance(gamma, GammaPolicy) else None
-    stats = [GenerationStats("speculative", max(policy.gammas) if policy else gamma) for _ in prompts]
+    stats = [GenerationStats("speculative", "auto" if policy else gamma) for _ in prompts]
     with clock("prefill"):
         ids, lengths, last, outputs = _start(target, prompts, max_new_tokens, eos_ids, on_tokens, sampler)
         draft.start(len(prompts))
         draft.forward(ids, lengths)
+    _take_times(stats, clock, outputs.done)
     draft.cache_lengths -= 1  # the draft re-reads the last prompt token together with `last`
     prev = ids[np.arange(len(prompts)), lengths - 1]
     rows = np.arange(len(prompts))
@@ -135,7 +138,8 @@ def speculative_generate(target: VerifierEngine, draft: DecoderEngine, prompts, 
             if policy is not None:
                 policy.observe(gamma, int(accepted[row]))
             outputs.emit(row, [*drafts[row, : accepted[row]], next_token[row]])
-    return _finish(outputs, stats, clock)
+        _take_times(stats, clock, active & outputs.done)
+    return _finish(outputs, stats)
 
 
 def _propose(draft: DecoderEngine, prev: np.ndarray, last: np.ndarray, gamma: int, sampler: Sampler | None):
@@ -152,10 +156,13 @@ def _propose(draft: DecoderEngine, prev: np.ndarray, last: np.ndarray, gamma: in
     return np.stack(tokens, axis=1), (None if sampler is None else np.stack(distributions, axis=1))
 
 
-def _finish(outputs: _Outputs, stats: list[GenerationStats], clock: Clock):
-    total = clock.elapsed_ms()
+def _take_times(stats: list[GenerationStats], clock: Clock, finished: np.ndarray) -> None:
+    """Rows that emitted their last token just now: their times stop here (see stats.py)."""
+    for row in np.flatnonzero(finished):
+        stats[row].take_times(clock)
+
+
+def _finish(outputs: _Outputs, stats: list[GenerationStats]):
     for row, s in enumerate(stats):
         s.new_tokens = len(outputs.tokens[row])
-        s.prefill_ms, s.total_ms = clock.ms.get("prefill", 0.0), total
-        s.draft_ms, s.verify_ms, s.decode_ms = (clock.ms.get(k, 0.0) for k in ("draft", "verify", "decode"))
     return outputs.tokens, stats

@@ -1,76 +1,132 @@
-"""Per-sequence generation statistics."""
+"""Per-sequence generation statistics, defined once for `generate`, `bench` and `profile`.
+
+Counts are each sequence's own. Times: a batch runs in lockstep, so its rows share every phase
+clock; a row's times are those clocks as they stood when the row emitted its last token (its
+latency, from the start of the generate call). A row that stops early at EOS thus reports its own,
+shorter time, and tokens_per_s is the rate at which that row received its tokens.
+"""
 
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+PHASES = ("prefill", "draft", "verify", "decode")  # the Clock phases the loops time
+
 
 @dataclass
 class GenerationStats:
-    mode: str  # "speculative" or "autoregressive"
-    gamma: int  # draft tokens per iteration (0 for autoregressive; the largest used when γ is adaptive)
+    mode: str  # the loop that ran: "speculative" or "autoregressive"
+    gamma: int | str  # the γ asked for: a compiled γ, "auto" (see gammas_used), or 0 for plain decoding
     new_tokens: int = 0
-    iterations: int = 0  # target passes after prefill (verifications, or decode steps)
+    iterations: int = 0  # target passes after prefill: verifications, or plain decode steps
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_at: list[int] = field(default_factory=list)  # accepted_at[k]: iterations whose draft k+1 was kept
-    prefill_ms: float = 0.0
-    draft_ms: float = 0.0  # batch-wide: sequences of one batch share these clocks
-    verify_ms: float = 0.0
-    decode_ms: float = 0.0
-    total_ms: float = 0.0
+    drafted_at: list[int] = field(default_factory=list)  # drafted_at[k]: iterations that proposed a draft k+1
     gammas_used: dict[int, int] = field(default_factory=dict)  # γ -> iterations run at it
+    prefill_ms: float = 0.0
+    draft_ms: float = 0.0  # speculative phases
+    verify_ms: float = 0.0
+    decode_ms: float = 0.0  # autoregressive phase: the target's decode steps
+    total_ms: float = 0.0
 
-    def __post_init__(self):
-        self.accepted_at = self.accepted_at or [0] * self.gamma
-
-    def record_iteration(self, accepted: int, gamma: int | None = None) -> None:
-        """One iteration that proposed `gamma` drafts (default: self.gamma) and kept `accepted`."""
+    def record_iteration(self, accepted: int, gamma: int) -> None:
+        """One verification that checked `gamma` drafts and kept the first `accepted`."""
         self.iterations += 1
-        self.draft_tokens += self.gamma if gamma is None else gamma
+        self.draft_tokens += gamma
         self.accepted_tokens += accepted
-        used = self.gamma if gamma is None else gamma
-        self.gammas_used[used] = self.gammas_used.get(used, 0) + 1
-        for k in range(accepted):
-            self.accepted_at[k] += 1
+        self.gammas_used[gamma] = self.gammas_used.get(gamma, 0) + 1
+        for counts in (self.accepted_at, self.drafted_at):
+            counts.extend([0] * (gamma - len(counts)))
+        for k in range(gamma):
+            self.drafted_at[k] += 1
+            self.accepted_at[k] += k < accepted
+
+    def take_times(self, clock: "Clock") -> None:
+        """This sequence is done: its times are the batch's clocks as they stand now."""
+        self.prefill_ms, self.draft_ms, self.verify_ms, self.decode_ms = (clock.ms.get(p, 0.0) for p in PHASES)
+        self.total_ms = clock.elapsed_ms()
+
+    @property
+    def auto_chose_plain(self) -> bool:
+        """gamma "auto" judged that speculation does not pay here and decoded with the target alone."""
+        return self.mode == "autoregressive" and self.gamma == "auto"
+
+    @property
+    def mean_gamma(self) -> float:
+        """Drafts proposed per verification: the γ used, averaged over iterations (it varies under "auto")."""
+        return self.draft_tokens / self.iterations if self.iterations else 0.0
 
     @property
     def acceptance_rate(self) -> float:
+        """Accepted drafts over proposed drafts."""
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
-    def mean_accepted_length(self) -> float:
-        """Draft tokens kept per iteration (0..γ); each iteration also emits one target token."""
+    def mean_accepted_drafts(self) -> float:
+        """Drafts kept per verification (0..γ)."""
         return self.accepted_tokens / self.iterations if self.iterations else 0.0
 
     @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification, 1 + accepted/verifications: the kept drafts plus the
+        target's own token. This is vLLM's, TensorRT-LLM's and SGLang's "mean acceptance length"."""
+        return 1.0 + self.mean_accepted_drafts if self.iterations else 0.0
+
+    @property
     def acceptance_by_position(self) -> list[float]:
-        """Fraction of iterations in which draft k (1-based, index k-1) was accepted."""
-        return [count / self.iterations if self.iterations else 0.0 for count in self.accepted_at]
+        """P_k for k = 1.., index k-1: the share of the iterations that proposed a draft k in which
+        drafts 1..k were all kept. Iterations at a shorter γ never proposed draft k and do not count;
+        this is the P_k of cost_model.expected_tokens."""
+        return [accepted / drafted for accepted, drafted in zip(self.accepted_at, self.drafted_at)]
 
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / (self.total_ms / 1e3) if self.total_ms else 0.0
 
     def to_dict(self) -> dict:
+        """Every count and rate; of the phase times, only those of the loop that ran."""
+        phases = {"prefill_ms": self.prefill_ms}
+        if self.mode == "speculative":
+            phases.update(draft_ms=self.draft_ms, verify_ms=self.verify_ms)
+        else:
+            phases.update(decode_ms=self.decode_ms)
         return {
             "mode": self.mode,
             "gamma": self.gamma,
+            "auto_chose_plain": self.auto_chose_plain,
             "gammas_used": self.gammas_used,
+            "mean_gamma": self.mean_gamma,
             "new_tokens": self.new_tokens,
             "iterations": self.iterations,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": self.acceptance_rate,
-            "mean_accepted_length": self.mean_accepted_length,
+            "mean_accepted_drafts": self.mean_accepted_drafts,
+            "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_by_position": self.acceptance_by_position,
-            "prefill_ms": self.prefill_ms,
-            "draft_ms": self.draft_ms,
-            "verify_ms": self.verify_ms,
-            "decode_ms": self.decode_ms,
+            **phases,
             "total_ms": self.total_ms,
             "tokens_per_s": self.tokens_per_s,
         }
+
+
+def pooled(stats: list[GenerationStats]) -> GenerationStats:
+    """The statistics of several runs taken together (counts and times summed): for runs made one
+    after another, such as bench's batch-1 calls. Rows of one batch share their clocks, so their
+    summed times would count the same milliseconds more than once."""
+    total = GenerationStats(stats[0].mode if stats else "speculative", stats[0].gamma if stats else 0)
+    for s in stats:
+        for name in ("new_tokens", "iterations", "draft_tokens", "accepted_tokens", "prefill_ms", "draft_ms",
+                     "verify_ms", "decode_ms", "total_ms"):
+            setattr(total, name, getattr(total, name) + getattr(s, name))
+        for mine, theirs in ((total.accepted_at, s.accepted_at), (total.drafted_at, s.drafted_at)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for k, count in enumerate(theirs):
+                mine[k] += count
+        for g, n in s.gammas_used.items():
+            total.gammas_used[g] = total.gammas_used.get(g, 0) + n
+    return total
 
 
 class Clock:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from speccompile.core.cost_model import predicted_speedup
+from speccompile.core.stats import pooled
 from speccompile.errors import SpecCompileError
 from speccompile.runtime.hardware import fingerprint, fingerprint_key
 
@@ -70,14 +71,10 @@ def measure_costs(runtime, batch: int, context: int, repeats: int = 5, seed: int
 def calibrate_acceptance(runtime, prompts: list[str], max_new_tokens: int = 48) -> tuple[list[float], float]:
     """(P_k for k = 1..γ_max, loop overhead ms per iteration) from speculative runs at γ_max."""
     gamma = max(runtime.gammas)
-    iterations, accepted_at, overhead = 0, [0] * gamma, 0.0
-    for prompt in prompts:
-        [result] = runtime.generate([prompt], max_new_tokens=max_new_tokens, gamma=gamma)
-        s = result.stats
-        iterations += s.iterations
-        accepted_at = [a + b for a, b in zip(accepted_at, s.accepted_at)]
-        overhead += s.total_ms - s.prefill_ms - s.draft_ms - s.verify_ms
-    return [a / max(1, iterations) for a in accepted_at], overhead / max(1, iterations)
+    s = pooled([runtime.generate([p], max_new_tokens=max_new_tokens, gamma=gamma)[0].stats for p in prompts])
+    overhead = s.total_ms - s.prefill_ms - s.draft_ms - s.verify_ms
+    by_position = s.acceptance_by_position
+    return by_position + [0.0] * (gamma - len(by_position)), overhead / max(1, s.iterations)
 
 
 def _mean_costs(per_context: list[dict]) -> dict:
@@ -91,7 +88,7 @@ def _mean_costs(per_context: list[dict]) -> dict:
 
 def median_costs(rounds: list[dict]) -> dict:
     """Per-quantity median of several `measure_costs` results at one point."""
-    median = lambda key: statistics.median(r[key] for r in rounds)  # noqa: E731
+    median = lambda key: statistics.median(r[key] for r in rounds)
     return {"target_step_ms": median("target_step_ms"), "draft_step_ms": median("draft_step_ms"),
             "verify_ms": {g: statistics.median(r["verify_ms"][g] for r in rounds) for g in rounds[0]["verify_ms"]}}
 
@@ -113,8 +110,8 @@ def build_profile(runtime, prompts, batch_sizes, context_lengths, repeats: int =
     measured = {(batch, context): [] for batch in batch_sizes for context in contexts}
     for sweep in range(rounds):
         log(f"measuring step costs, round {sweep + 1}/{rounds}: batch sizes {batch_sizes}, contexts {contexts}")
-        for batch, context in measured:
-            measured[batch, context].append(measure_costs(runtime, batch, context, repeats, seed=sweep))
+        for (batch, context), sweeps in measured.items():
+            sweeps.append(measure_costs(runtime, batch, context, repeats, seed=sweep))
     by_batch = {}
     for batch in batch_sizes:
         per_context = [median_costs(measured[batch, context]) for context in contexts]
@@ -197,7 +194,7 @@ def interpolate_costs(per_context: dict[int, dict], context: int) -> dict:
     lower = max(c for c in points if c <= context)
     w = 0.0 if upper == lower else (context - lower) / (upper - lower)
     lo, hi = per_context[lower], per_context[upper]
-    mix = lambda a, b: (1 - w) * a + w * b  # noqa: E731
+    mix = lambda a, b: (1 - w) * a + w * b
     return {"target_step_ms": mix(lo["target_step_ms"], hi["target_step_ms"]),
             "draft_step_ms": mix(lo["draft_step_ms"], hi["draft_step_ms"]),
             "verify_ms": {g: mix(lo["verify_ms"][g], hi["verify_ms"][g]) for g in lo["verify_ms"]}}

@@ -63,41 +63,51 @@ class Runtime:
     def gammas(self) -> list[int]:
         return self.bundle.gammas
 
-    def generate(self, prompts, max_new_tokens: int = 64, mode: str = "speculative", gamma: int | str | None = None,
+    def generate(self, prompts, max_new_tokens: int = 64, mode: str | None = None, gamma: int | str | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  on_tokens=None) -> list[GenerationResult]:
         """Generate for a batch of prompts (strings or token-id lists); one result per prompt.
 
         gamma: a compiled γ, or "auto" (the default when a γ profile matches this hardware): γ is
         picked from the profile for this batch size and moved between compiled values as the running
-        acceptance estimate changes; γ* = 0 runs plain decoding. Without a profile, step costs are
-        calibrated quickly once and acceptance is learned across this runtime's requests (the first
-        one speculates, to have something to learn from). temperature 0 is greedy; otherwise tokens are sampled from the target's distribution after
-        temperature, top-k (0: off) and top-p (1: off), exactly, in both modes. Each sequence draws
-        from its own random stream spawned from `seed`. on_tokens(row, token_ids) is called as tokens
-        are accepted, for streaming.
+        acceptance estimate changes. Without a profile, step costs are calibrated quickly once and
+        acceptance is learned across this runtime's requests (the first one speculates, to have
+        something to learn from). mode: "speculative" or "autoregressive" run as asked; None (the
+        default) speculates too, except that gamma "auto" decodes plainly where it predicts that
+        speculation does not pay (γ* = 0), and the stats say so (`auto_chose_plain`). An explicit
+        mode or γ is never overridden. temperature 0 is greedy (top-k and top-p, which cannot change a
+        greedy choice, are then warned about); otherwise tokens are sampled from the target's
+        distribution after temperature, top-k (0: off) and top-p (1: off), exactly, in both modes.
+        Each sequence draws from its own random stream spawned from `seed`. on_tokens(row, token_ids)
+        is called as tokens are accepted, for streaming.
+
+        Each result's stats are its own sequence's (see core/stats.py): in a batch, a sequence's
+        times run until its last token, so one that stops early at EOS reports its own latency.
         """
         if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
             raise SpecCompileError("prompts must be a list of strings or a list of token-id lists")
         params = SamplingParams(float(temperature), int(top_k), float(top_p))
+        for name in params.without_effect():
+            self.log(f"warning: {name} has no effect at temperature 0 (greedy decoding); set a temperature to sample")
         gamma = self._check_request(prompts, max_new_tokens, mode, gamma)
         token_prompts = [self._tokens(p) for p in prompts]
         longest_gamma = max(self.gammas) if gamma == "auto" else gamma
-        self._check_lengths(token_prompts, max_new_tokens, longest_gamma if mode == "speculative" else 0)
+        self._check_lengths(token_prompts, max_new_tokens, longest_gamma)
         eos = self.tokenizer.eos_token_ids
         sampler = None if params.greedy else Sampler(params, len(prompts), seed)
         if gamma == "auto":
             # costs at the context this request spends most of its time at: the prompt plus half its output
             gamma = self._gamma_policy(len(prompts), max(map(len, token_prompts)) + max_new_tokens // 2)
-            # γ* = 0: speculation does not pay here, decode plainly. Without a profile that verdict
-            # needs observed acceptance, so the first request speculates (see _gamma_policy).
-            if gamma.choose() == 0 and (self.profile is not None or gamma.iterations > 0):
-                mode = "autoregressive"
+            if mode is None and self._plain_pays(gamma):
+                mode, gamma = "autoregressive", "auto"
+        mode = mode or "speculative"
         self._load_graphs(mode, gamma, params.greedy, len(prompts))
         if mode == "speculative":
             tokens, stats = speculative_generate(self.target, self.draft, token_prompts, gamma, max_new_tokens, eos, on_tokens, sampler)
         else:
             tokens, stats = autoregressive_generate(self.target, token_prompts, max_new_tokens, eos, on_tokens, sampler)
+            for s in stats:
+                s.gamma = gamma  # "auto" when the policy chose plain decoding, else 0
         return [GenerationResult(p, t, self.tokenizer.decode(t), s) for p, t, s in zip(prompts, tokens, stats)]
 
     def _load_graphs(self, mode: str, gamma, greedy: bool, batch: int) -> None:
@@ -111,6 +121,11 @@ class Runtime:
         self.target.load_graphs(target, batch)
 
     # -- γ selection ---------------------------------------------------------------------------
+    def _plain_pays(self, policy: GammaPolicy) -> bool:
+        """γ* = 0: speculation does not pay here. Without a profile that verdict needs observed
+        acceptance, so the first request speculates (see _gamma_policy)."""
+        return policy.choose() == 0 and (self.profile is not None or policy.iterations > 0)
+
     def _gamma_policy(self, batch: int, context: int) -> GammaPolicy:
         from speccompile.runtime.profile import measure_costs, timings_for_batch
 
@@ -127,8 +142,9 @@ class Runtime:
         return self._policies[batch]
 
     # -- validation ---------------------------------------------------------------------------
-    def _check_request(self, prompts, max_new_tokens, mode, gamma) -> int:
-        if mode not in MODES:
+    def _check_request(self, prompts, max_new_tokens, mode, gamma) -> int | str:
+        """The γ to run: a compiled γ, "auto", or 0 for plain decoding (which needs none)."""
+        if mode is not None and mode not in MODES:
             raise SpecCompileError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         if not prompts:
             raise SpecCompileError("no prompts given")
@@ -136,11 +152,15 @@ class Runtime:
             raise SpecCompileError(f"batch of {len(prompts)} prompts exceeds the bundle's max batch {self.max_batch} (rebuild with --max-batch)")
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise SpecCompileError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if mode == "autoregressive":
+            if gamma is not None:
+                self.log(f"warning: gamma={gamma} has no effect in autoregressive mode (the target decodes alone)")
+            return 0
         if gamma is None:
             gamma = "auto" if self.profile is not None else self.default_gamma
         if gamma == "auto":
             return gamma
-        if mode == "speculative" and gamma not in self.gammas:
+        if gamma not in self.gammas:
             raise SpecCompileError(f"γ={gamma} was not compiled into this bundle (compiled: {', '.join(map(str, self.gammas))})")
         return gamma
 

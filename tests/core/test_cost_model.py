@@ -2,7 +2,13 @@
 
 import pytest
 
-from speccompile.core.cost_model import expected_tokens, iid_acceptance_by_position, predicted_speedup
+from speccompile.core.cost_model import (
+    expected_tokens,
+    iid_acceptance_by_position,
+    predicted_speedup,
+    predicted_speedup_mixed,
+)
+from speccompile.core.stats import GenerationStats
 
 
 def test_expected_tokens_iid_matches_closed_form():
@@ -31,3 +37,26 @@ def test_overhead_counts():
 
 def test_gamma_zero_is_plain_decoding():
     assert predicted_speedup([], t_target=10, t_draft=1, t_verify=10) == 1.0
+
+
+def test_one_gamma_mix_is_the_plain_prediction():
+    assert predicted_speedup_mixed([0.9, 0.7], {2: 5}, t_target=10, t_draft=1, t_verify=12) == pytest.approx(26 / 14)
+
+
+def test_mixed_gammas_average_tokens_and_time_per_iteration():
+    # γ=1 (3 iterations): E = 1.9; γ=2 (1 iteration): E = 2.6 -> mean E = (5.7 + 2.6) / 4 = 2.075
+    # mean γ = 5 / 4; iteration = 1.25 * 1 + 11 = 12.25 ms
+    speedup = predicted_speedup_mixed([0.9, 0.7], {1: 3, 2: 1}, t_target=10, t_draft=1, t_verify=11)
+    assert speedup == pytest.approx(2.075 * 10 / 12.25)
+
+
+def test_measured_per_position_acceptance_predicts_the_measured_tokens_per_verification():
+    """P_k over the iterations that drafted position k is what the cost model needs: under a γ that
+    moved, its expected tokens per iteration are exactly the measured mean acceptance length."""
+    stats = GenerationStats("speculative", "auto")
+    for accepted, gamma in ((1, 1), (4, 4), (2, 4), (0, 1), (4, 4), (3, 4), (1, 1)):
+        stats.record_iteration(accepted, gamma)
+    # free drafts, verification as dear as a target step: the speedup is the tokens per iteration
+    predicted = predicted_speedup_mixed(stats.acceptance_by_position, stats.gammas_used, t_target=1.0, t_draft=0.0,
+                                        t_verify=1.0)
+    assert predicted == pytest.approx(stats.mean_acceptance_length)

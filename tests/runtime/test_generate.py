@@ -1,5 +1,7 @@
 """End to end: bundle -> speculative greedy generation == autoregressive == HF generate, token for token."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -53,7 +55,8 @@ def test_acceptance_statistics_reflect_the_draft(bundles):
     random = speccompile.load(bundles("llama", "random")).generate(PROMPTS[:2], max_new_tokens=MAX_NEW, gamma=4)
     for r in copy:
         stats = r.stats
-        assert stats.acceptance_rate == 1.0 and stats.mean_accepted_length == 4.0
+        assert stats.acceptance_rate == 1.0 and stats.mean_accepted_drafts == 4.0
+        assert stats.mean_acceptance_length == 5.0 and stats.gammas_used == {4: stats.iterations}
         assert stats.acceptance_by_position == [1.0] * 4
         assert stats.iterations == -(-(MAX_NEW - 1) // 5)  # one bonus token per iteration on top of 4 drafts
         assert stats.draft_ms > 0 and stats.verify_ms > 0 and stats.tokens_per_s > 0
@@ -120,3 +123,41 @@ def test_one_sequence_runs_the_fused_variants_and_a_batch_the_standard_graphs(bu
     batch = runtime.generate(PROMPTS[:2], max_new_tokens=MAX_NEW, gamma=4)
     assert "target_verify_g4.onnx" in runtime.target._sessions
     assert single.token_ids == batch[0].token_ids == hf_reference("llama", 0)
+
+
+def test_copy_draft_under_auto_gamma_accepts_every_drafted_position(bundles, monkeypatch):
+    """γ = auto moving between the compiled γ (forced here: on tiny models the policy's choice
+    follows timing noise): the statistics count each position over the iterations that drafted it."""
+    from speccompile.core.gamma_policy import GammaPolicy
+
+    schedule = itertools.cycle([4, 1, 1])
+    monkeypatch.setattr(GammaPolicy, "choose", lambda self, allow_zero=True: next(schedule))
+    runtime = speccompile.load(bundles("llama", "copy"))
+    for stats in [r.stats for r in runtime.generate(PROMPTS[:2], max_new_tokens=MAX_NEW, gamma="auto")]:
+        assert stats.mode == "speculative" and stats.gamma == "auto" and set(stats.gammas_used) == {1, 4}
+        assert stats.acceptance_by_position == [1.0] * 4
+        assert stats.mean_acceptance_length == pytest.approx(1 + stats.mean_gamma)
+        assert stats.to_dict()["gamma"] == "auto"
+
+
+def test_top_k_and_top_p_at_temperature_zero_are_warned_about(bundles):
+    runtime = speccompile.load(bundles("llama", "copy"))
+    said = []
+    runtime.log = said.append
+    greedy = runtime.generate([PROMPTS[0]], max_new_tokens=4, top_k=5, top_p=0.9)[0]
+    assert [line for line in said if "no effect at temperature 0" in line] == [
+        "warning: top_k=5 has no effect at temperature 0 (greedy decoding); set a temperature to sample",
+        "warning: top_p=0.9 has no effect at temperature 0 (greedy decoding); set a temperature to sample"]
+    assert greedy.token_ids == runtime.generate([PROMPTS[0]], max_new_tokens=4)[0].token_ids
+    said.clear()
+    runtime.generate([PROMPTS[0]], max_new_tokens=4, temperature=0.7, top_k=5, top_p=0.9, seed=0)
+    assert said == []
+
+
+def test_a_gamma_in_autoregressive_mode_is_warned_about(bundles):
+    runtime = speccompile.load(bundles("llama", "copy"))
+    said = []
+    runtime.log = said.append
+    [result] = runtime.generate([PROMPTS[0]], max_new_tokens=4, mode="autoregressive", gamma=4)
+    assert said == ["warning: gamma=4 has no effect in autoregressive mode (the target decodes alone)"]
+    assert result.stats.mode == "autoregressive" and result.stats.gamma == 0

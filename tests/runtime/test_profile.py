@@ -1,5 +1,6 @@
 """γ profiles: measurement, round trip through the bundle, hardware matching, and γ = auto."""
 
+import json
 import shutil
 
 import pytest
@@ -69,17 +70,44 @@ def test_profile_round_trip_and_hardware_matching(random_bundle):
     assert prof.timings_for_batch(loaded, 3) is loaded["by_batch"][2]
 
 
-def test_auto_gamma_picks_plain_decoding_when_the_draft_never_agrees(random_bundle):
-    runtime = speccompile.load(random_bundle)
+def write_never_agreeing_profile(bundle) -> None:
+    """A matching profile whose γ* is 0: the draft never agrees."""
+    runtime = speccompile.load(bundle)
     profile = prof.build_profile(runtime, PROMPTS, [1], [16], repeats=2, log=lambda _: None)
     profile["acceptance_by_position"] = [0.0] * len(profile["acceptance_by_position"])
     # Timings fixed (tiny models' step times are mostly noise): even with free verification, a draft
     # that never agrees costs γ draft steps per target token.
     pin_costs(profile["by_batch"][1], target_step_ms=10.0, draft_step_ms=1.0, verify_ms=10.0)
-    prof.write_profile(random_bundle, profile)
+    prof.write_profile(bundle, profile)
+
+
+def test_auto_gamma_picks_plain_decoding_when_the_draft_never_agrees_and_says_so(random_bundle):
+    write_never_agreeing_profile(random_bundle)
     runtime = speccompile.load(random_bundle)  # now with a matching profile: γ defaults to auto
     [result] = runtime.generate(["import os"], max_new_tokens=6)
-    assert result.stats.mode == "autoregressive"
+    assert result.stats.mode == "autoregressive" and result.stats.gamma == "auto"
+    assert result.stats.auto_chose_plain and result.stats.to_dict()["auto_chose_plain"] is True
+    result = CliRunner().invoke(main, ["generate", str(random_bundle), "--prompt", "import os",
+                                       "--max-new-tokens", "6"])
+    assert result.exit_code == 0, result.output
+    assert "[autoregressive: γ=auto chose plain decoding]" in result.stderr
+
+
+@pytest.mark.parametrize("request_", [{"mode": "speculative"}, {"gamma": 4}, {"mode": "speculative", "gamma": "auto"}])
+def test_an_explicit_mode_or_gamma_speculates_even_when_the_profile_says_not_to(random_bundle, request_):
+    write_never_agreeing_profile(random_bundle)
+    [result] = speccompile.load(random_bundle).generate(["import os"], max_new_tokens=6, **request_)
+    assert result.stats.mode == "speculative" and result.stats.iterations > 0 and not result.stats.auto_chose_plain
+    assert result.stats.gamma == request_.get("gamma", "auto")
+
+
+def test_cli_mode_speculative_speculates_even_when_the_profile_says_not_to(random_bundle):
+    write_never_agreeing_profile(random_bundle)
+    result = CliRunner().invoke(main, ["generate", str(random_bundle), "--prompt", "import os", "--max-new-tokens", "6",
+                                       "--mode", "speculative", "--json"])
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.stdout)[0]["stats"]
+    assert stats["mode"] == "speculative" and stats["iterations"] > 0 and stats["auto_chose_plain"] is False
 
 
 def test_auto_gamma_speculates_with_a_copy_draft(tmp_path, bundles):
