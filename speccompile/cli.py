@@ -37,7 +37,11 @@ def main():
 @click.option("--max-seq", type=int, default=1024, show_default=True, help="KV-cache capacity (prompt + generated).")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Largest batch the bundle serves.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle directory.")
-@click.option("--draft-weights", type=click.Choice(["int8", "float32"]), default="int8", show_default=True,
+@click.option("--target-weights", type=click.Choice(["float32", "float16", "bfloat16", "int8"]), default="float32",
+              show_default=True, help="Target matmul weights: the compiled target's precision, which the output follows "
+              "(int8: weight-only, a quarter of the bytes per decode step).")
+@click.option("--draft-weights", type=click.Choice(["int8", "float32", "float16", "bfloat16"]), default="int8",
+              show_default=True,
               help="Draft matmul weights: int8 weight-only (faster draft steps; outputs unchanged) or float32.")
 @click.option("--draft-vocab", type=int, default=None,
               help="Draft LM head scores only the K most frequent tokens (faster draft steps; outputs unchanged).")
@@ -52,8 +56,8 @@ def main():
 @click.option("--hardware-compat", is_flag=True, help="TensorRT: engines portable across Ampere+ GPUs.")
 @click.option("--version-compat", is_flag=True, help="TensorRT: engines loadable by later TensorRT versions.")
 @user_errors
-def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force, draft_weights, draft_vocab, draft_vocab_corpus,
-          single_sequence, backend, plugin_lib, timing_cache, hardware_compat, version_compat):
+def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force, target_weights, draft_weights, draft_vocab,
+          draft_vocab_corpus, single_sequence, backend, plugin_lib, timing_cache, hardware_compat, version_compat):
     """Export a target/draft pair to a bundle of ONNX speculative graphs (and TensorRT engines)."""
     from speccompile.compiler.build import build_bundle
 
@@ -65,7 +69,7 @@ def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force, dra
         plugin_library(plugin_lib)
     build_bundle(target_dir, draft_dir, out_dir, gammas=list(gammas), max_seq=max_seq, max_batch=max_batch, force=force,
                  draft_weights=draft_weights, draft_vocab=draft_vocab, draft_vocab_corpus=draft_vocab_corpus,
-                 single_sequence=single_sequence, log=log)
+                 single_sequence=single_sequence, target_weights=target_weights, log=log)
     if backend == "tensorrt":
         from speccompile.compiler.tensorrt_build import build_tensorrt_engines
 
