@@ -23,7 +23,7 @@ from speccompile.compiler.tokenizer import check_compatible, eos_token_ids, load
 from speccompile.compiler.transformer import build_forward_graph, build_verify_graph, fused_attention_supported
 from speccompile.compiler.trt_rules import check_tensorrt_compatible
 from speccompile.errors import SpecCompileError
-from speccompile.runtime.bundle import FORMAT_VERSION, MANIFEST, sha256_file
+from speccompile.runtime.bundle import FORMAT_VERSION, MANIFEST, sha256_file, write_stamp
 
 DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64", onnx.TensorProto.BOOL: "bool"}
 
@@ -107,6 +107,7 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         for name in variants:
             manifest["graphs"][name]["single_sequence"] = _variant_entry(staging, name)
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        write_stamp(staging, manifest["files"])  # every file was just hashed: the first open need not
         _move_into_place(staging, out_dir, force)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from speccompile.errors import SpecCompileError
-from speccompile.runtime.bundle import MANIFEST, open_bundle, sha256_file
+from speccompile.runtime.bundle import MANIFEST, open_bundle, sha256_file, write_stamp
 from speccompile.runtime.hardware import gpu as gpu_info
 
 ENGINES_DIR = "engines"
@@ -117,4 +117,5 @@ def build_tensorrt_engines(bundle_dir, plugin=None, timing_cache=None, hardware_
     tmp = bundle.path / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     tmp.replace(bundle.path / MANIFEST)
+    write_stamp(bundle.path, manifest["files"])  # the graphs were verified at open, the engines hashed here
     return engines

@@ -1,6 +1,18 @@
-"""A bundle on disk: manifest.json + ONNX graphs + weights + tokenizer, integrity-checked on open."""
+"""A bundle on disk: manifest.json + ONNX graphs + weights + tokenizer, integrity-checked on open.
+
+Integrity is the sha256 of every file, recorded in the manifest at build time. Hashing a real-size
+bundle costs seconds to minutes (an 8B float32 bundle is 32 GB to read), so it is not paid at every
+open: after a full check, a stamp file records each file's size, inode and change time (ctime),
+which every write, copy or replacement of a file changes and no user can set back, plus the
+manifest's own hash. An open whose stamp matches costs a few `stat` calls and one hash of the
+manifest; a file the stamp does not vouch for is hashed again, and refused if it changed.
+`speccompile verify` always hashes everything.
+"""
 
 import hashlib
+import json
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -8,6 +20,7 @@ from speccompile.errors import SpecCompileError, read_json_object
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+STAMP = ".verified.json"  # not in the manifest's file list: it describes the files, it is not one of them
 
 
 @dataclass
@@ -38,7 +51,28 @@ def sha256_file(path: Path) -> str:
 
 
 def open_bundle(path, verify: bool = True) -> Bundle:
+    """The bundle at `path`; with `verify`, its files checked against the manifest's sha256: only the
+    files the stamp of the last check no longer vouches for are hashed (all of them without a stamp)."""
     path = Path(path)
+    manifest = _read_manifest(path)
+    if verify:
+        unvouched = _unvouched_files(path, manifest["files"])
+        if unvouched:
+            _verify_files(path, {name: manifest["files"][name] for name in unvouched})
+            write_stamp(path, manifest["files"])
+    return Bundle(path, manifest)
+
+
+def verify_bundle(path) -> Bundle:
+    """Hash every file of the bundle against its manifest (whatever the stamp says), then stamp it."""
+    path = Path(path)
+    manifest = _read_manifest(path)
+    _verify_files(path, manifest["files"])
+    write_stamp(path, manifest["files"])
+    return Bundle(path, manifest)
+
+
+def _read_manifest(path: Path) -> dict:
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
         raise SpecCompileError(f"{path}: not a speccompile bundle (no {MANIFEST})")
@@ -48,9 +82,7 @@ def open_bundle(path, verify: bool = True) -> Bundle:
         raise SpecCompileError(
             f"{path}: bundle format version {version!r} is not supported (this speccompile reads version {FORMAT_VERSION}); rebuild the bundle"
         )
-    if verify:
-        _verify_files(path, manifest["files"])
-    return Bundle(path, manifest)
+    return manifest
 
 
 def _verify_files(path: Path, files: dict[str, str]) -> None:
@@ -60,3 +92,47 @@ def _verify_files(path: Path, files: dict[str, str]) -> None:
             raise SpecCompileError(f"{path}: bundle file {name} is missing")
         if sha256_file(file) != expected:
             raise SpecCompileError(f"{path}: bundle file {name} does not match its sha256 in {MANIFEST} (corrupt or modified)")
+
+
+RACY_NS = 2_000_000_000  # a file changed within this long before its stamp may change again unseen
+
+
+def _file_stamps(path: Path, names) -> dict[str, list[int]]:
+    stamps = {}
+    for name in names:
+        try:
+            st = os.stat(path / name)
+        except OSError:
+            continue  # missing: never vouched for, so it is checked (and reported) by hashing
+        stamps[name] = [st.st_size, st.st_ino, st.st_ctime_ns]
+    return stamps
+
+
+def write_stamp(path: Path, files: dict[str, str]) -> None:
+    """Record that `files` were hashed and matched the manifest, as they are now on disk, with the
+    manifest's own hash. A read-only bundle just goes unstamped: each open then hashes it."""
+    stamp = {"written_ns": time.time_ns(), "manifest_sha256": sha256_file(path / MANIFEST),
+             "files": _file_stamps(path, files)}
+    try:
+        tmp = path / (STAMP + ".tmp")
+        tmp.write_text(json.dumps(stamp))
+        tmp.replace(path / STAMP)
+    except OSError:
+        pass
+
+
+def _unvouched_files(path: Path, files: dict[str, str]) -> list[str]:
+    """The files to hash: those whose size, inode or ctime differ from the stamp, and those changed
+    so shortly before it that a later write could share their ctime (timestamps are coarser than
+    writes: the "racy" case git handles the same way). Every file when the stamp is missing or the
+    manifest is not the one it was made for."""
+    try:
+        stamp = json.loads((path / STAMP).read_text())
+        written, recorded = int(stamp["written_ns"]), stamp["files"]
+        if stamp["manifest_sha256"] != sha256_file(path / MANIFEST):
+            return list(files)
+    except (OSError, ValueError, KeyError, TypeError):
+        return list(files)
+    now = _file_stamps(path, files)
+    return [name for name in files
+            if name not in now or recorded.get(name) != now[name] or now[name][2] > written - RACY_NS]

@@ -1,0 +1,119 @@
+"""Opening a bundle: the stamp of the last full check spares re-hashing; any changed file is still refused."""
+
+import os
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from speccompile.cli import main
+from speccompile.errors import SpecCompileError
+from speccompile.runtime import bundle as bundle_module
+from speccompile.runtime.bundle import STAMP, open_bundle
+
+
+@pytest.fixture
+def bundle_copy(tmp_path, bundles):
+    return shutil.copytree(bundles("llama", "random"), tmp_path / "bundle")
+
+
+@pytest.fixture
+def hashed(monkeypatch):
+    """The files sha256_file reads, in order."""
+    files = []
+    original = bundle_module.sha256_file
+
+    def counting(path):
+        files.append(path.name)
+        return original(path)
+
+    monkeypatch.setattr(bundle_module, "sha256_file", counting)
+    return files
+
+
+@pytest.fixture
+def not_racy(monkeypatch):
+    """Files written just now count as settled (the tests' files are all seconds old at most)."""
+    monkeypatch.setattr(bundle_module, "RACY_NS", 0)
+
+
+def test_an_unchanged_bundle_opens_without_hashing(bundle_copy, hashed, not_racy):
+    open_bundle(bundle_copy)  # a copy has new inodes: hashed once, then stamped
+    assert "target.weights" in hashed
+    hashed.clear()
+    open_bundle(bundle_copy)
+    assert hashed == ["manifest.json"]  # the manifest's hash, against the stamp's: a few kB
+
+
+def test_a_freshly_built_bundle_is_stamped(tmp_path, checkpoints, hashed, not_racy):
+    from speccompile.compiler.build import build_bundle
+
+    out = build_bundle(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b", gammas=[2], max_seq=64,
+                       max_batch=1, single_sequence=False, log=lambda _: None)
+    hashed.clear()
+    open_bundle(out)
+    assert hashed == ["manifest.json"]
+
+
+def test_files_changed_just_before_their_stamp_are_hashed_again(bundle_copy, hashed):
+    """A write in the same clock tick as the stamp could leave the ctime unchanged: such files are
+    not vouched for until they are older than the stamp by RACY_NS."""
+    open_bundle(bundle_copy)
+    hashed.clear()
+    open_bundle(bundle_copy)
+    assert "target.weights" in hashed
+
+
+@pytest.mark.parametrize("change", ["same size", "appended", "replaced"])
+def test_a_changed_weight_file_is_refused_after_a_stamp(bundle_copy, change):
+    open_bundle(bundle_copy)
+    weights = bundle_copy / "target.weights"
+    data = bytearray(weights.read_bytes())
+    if change == "same size":
+        data[64] ^= 0x01
+        with open(weights, "r+b") as f:  # written in place: same inode, same size
+            f.write(bytes(data))
+    elif change == "appended":
+        with open(weights, "ab") as f:
+            f.write(b"\0")
+    else:
+        data[64] ^= 0x01
+        (bundle_copy / "new").write_bytes(bytes(data))
+        os.replace(bundle_copy / "new", weights)
+    with pytest.raises(SpecCompileError, match="target.weights.*sha256"):
+        open_bundle(bundle_copy)
+
+
+def test_a_changed_manifest_is_checked_again(bundle_copy, hashed):
+    open_bundle(bundle_copy)
+    manifest = bundle_copy / "manifest.json"
+    manifest.write_text(manifest.read_text())  # same bytes, rewritten: the stamp no longer vouches for it
+    hashed.clear()
+    open_bundle(bundle_copy)
+    assert "target.weights" in hashed
+
+
+def test_a_corrupt_stamp_means_a_full_check(bundle_copy, hashed):
+    open_bundle(bundle_copy)
+    (bundle_copy / STAMP).write_text("{not json")
+    hashed.clear()
+    open_bundle(bundle_copy)
+    assert "target.weights" in hashed
+
+
+def test_verify_command_hashes_even_a_stamped_bundle(bundle_copy, hashed):
+    open_bundle(bundle_copy)
+    hashed.clear()
+    result = CliRunner().invoke(main, ["verify", str(bundle_copy)])
+    assert result.exit_code == 0, result.output
+    assert "match their sha256" in result.output
+    assert "target.weights" in hashed and "draft.weights" in hashed
+
+
+def test_verify_command_names_a_corrupt_file(bundle_copy):
+    weights = bundle_copy / "draft.weights"
+    data = bytearray(weights.read_bytes())
+    data[10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    result = CliRunner().invoke(main, ["verify", str(bundle_copy)])
+    assert result.exit_code == 1 and "draft.weights" in result.output and "sha256" in result.output
