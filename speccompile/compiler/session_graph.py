@@ -1,0 +1,130 @@
+"""One ONNX Runtime graph per model that serves every call of the loop: one copy of the weights in memory.
+
+Why: each ONNX Runtime session keeps its own pre-packed copy of the weights it reads, and a bundle
+has up to 2 + 2·(number of γ) graphs per model, each also in a batch-1 variant. With a session per
+graph, a 1.1B float32 target grew by 4.4 GB with every graph a process ran (prefill, each γ,
+sampling, batch size > 1). ONNX Runtime's Python API has no shared pre-packed weight container,
+and two ways around it were measured and rejected on that target: turning pre-packing off, and
+one model holding every graph as a branch of an If (the weights then sit in an outer scope, which
+ONNX Runtime reads but does not pre-pack): both keep one copy, but verification of 5 tokens took
+1312 ms instead of 370, and an int8 decode step 2.6 s instead of 94 ms.
+
+So the graph itself serves every call, with all weights in its main body:
+
+    input_ids [B, T], past_len [B], token_count [B], kind [], fused []  (+ the kind's own inputs)
+      -> next_token [B], probs [B, V], accepted [B], new_len [B]   (those `kind` makes; others empty)
+
+- `kind` says which call this is (KINDS): a forward step (greedy or sampled: the LM head reads each
+  row's last real token) or a verification of T = γ+1 tokens (any γ: the LM head reads all T, and
+  SpecAccept takes γ from the shape). Only what follows the LM head differs by kind; it holds no
+  weights, so it sits in If branches. A draft with a cut vocabulary has two LM heads, both in the
+  main body: the one the call does not use multiplies zero rows.
+- `fused` picks the attention kernel per call (transformer._either_attention): ONNX Runtime's fused
+  GroupQueryAttention for a batch of one sequence, the standard ops otherwise. That If holds no
+  weights either: the projections around it stay in the main body.
+- Optional inputs (sampling controls, draft probabilities) have zero defaults: a call feeds only
+  what its kind reads.
+
+The graphs of each kind are still written (TensorRT builds from them, and they are the reference
+the tests compare against); the ONNX Runtime backend runs this one.
+"""
+
+import numpy as np
+from onnx import helper, numpy_helper
+
+from speccompile.compiler.checkpoint import ModelSpec
+from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT64, GraphBuilder
+from speccompile.compiler.spec_accept import OUTPUTS
+from speccompile.compiler.transformer import _decoder, _lm_head, accept, greedy_next, sampled_next
+
+KINDS = {"forward": 0, "sample": 1, "verify": 2, "verify_sample": 3}  # recorded in the manifest for the runtime
+ALWAYS_FED = {"input_ids", "past_len", "token_count", "kind", "fused"}
+READ_BACK = ["next_token", "probs", *[o for o in OUTPUTS if o != "next_token"]]  # every output but the cache
+
+
+def build_session_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int, kinds: list[str],
+                        matmul_weights: str = "float32", vocab_ids: np.ndarray | None = None) -> GraphBuilder:
+    g = GraphBuilder(name, matmul_weights)
+    ids = g.input("input_ids", INT64, ["batch", "tokens"])
+    past_len = g.input("past_len", INT64, ["batch"])
+    token_count = g.input("token_count", INT64, ["batch"])
+    kind = g.input("kind", INT64, [])
+    fused = g.input("fused", BOOL, [])
+    hidden = _decoder(g, spec, ids, past_len, max_seq, fused_flag=fused)
+    rows = _head_rows(g, hidden, token_count, kind)  # [B, L, H]
+    subset = vocab_ids is not None
+    # the greedy forward kind of a cut-vocabulary draft scores its subset; every other call the whole head
+    on_subset = g.op("Mul", _row_count(g, rows), g.op("Cast", g.op("Equal", kind, g.const(KINDS["forward"])), to=INT64)) \
+        if subset else g.const([0])
+    logits = _lm_head(g, spec, g.op("Slice", rows, on_subset, g.const([1 << 62]), g.const([1])), vocab_out)
+    logits_subset = _lm_head(g, spec, g.op("Slice", rows, g.const([0]), on_subset, g.const([1])), vocab_out,
+                             vocab_ids) if subset else None
+    tails = {k: _tail(g, k, logits, logits_subset, vocab_ids, ids, past_len, vocab_out) for k in kinds}
+    outputs = _dispatch(g, kind, [tails[k] for k in kinds], [KINDS[k] for k in kinds], "")
+    shapes = {"probs": ["batch", vocab_out]}
+    for tensor, output in zip(outputs, READ_BACK):
+        g.output(tensor, output, FLOAT if output == "probs" else INT64, shapes.get(output, ["batch"]))
+    for value in g.inputs:  # inputs only some kinds read: zero defaults, so other calls need not feed them
+        if value.name not in ALWAYS_FED and not value.name.startswith("past_"):
+            dtype = helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
+            for k, dim in enumerate(value.type.tensor_type.shape.dim):  # free dims: a default of ones is small
+                dim.dim_param = dim.dim_param or f"{value.name}_{k}"
+            rank = len(value.type.tensor_type.shape.dim)
+            g.constants[value.name] = numpy_helper.from_array(np.zeros([1] * rank, dtype), value.name)
+    return g
+
+
+def _row_count(g: GraphBuilder, rows: str) -> str:
+    return g.op("Shape", rows, start=1, end=2)  # [1]: L
+
+
+def _head_rows(g: GraphBuilder, hidden: str, token_count: str, kind: str) -> str:
+    """The positions that reach the LM head: each row's last real token (forward kinds) or all T
+    (verification: T = γ+1, and every row's tokens are real)."""
+    num_tokens = g.op("Shape", hidden, start=1, end=2)  # [1]: T
+    verifying = g.op("GreaterOrEqual", kind, g.const(KINDS["verify"]))
+    count = g.op("Where", verifying, num_tokens, g.const([1]))  # [1]: L
+    first = g.op("Sub", token_count, count)  # [B]
+    steps = g.op("Range", g.const(0), g.op("Squeeze", count, g.const([0])), g.const(1))  # [L]
+    index = g.op("Add", g.op("Unsqueeze", first, g.const([1])), steps)  # [B, L]
+    return g.op("GatherND", hidden, g.op("Unsqueeze", index, g.const([2])), batch_dims=1)  # [B, L, H]
+
+
+def _tail(g, kind, logits, logits_subset, vocab_ids, ids, past_len, vocab_out):
+    """The If branch of one kind: what follows the LM head, yielding every READ_BACK output."""
+    b = g.branch(kind)
+    made = {}
+    if kind == "forward":
+        scores = logits_subset if logits_subset is not None else logits
+        made["next_token"] = greedy_next(b, b.op("Squeeze", scores, b.const([1])), vocab_ids)
+    elif kind == "sample":
+        made["next_token"], made["probs"] = sampled_next(b, b.op("Squeeze", logits, b.const([1])), vocab_out)
+    else:
+        made.update(zip(OUTPUTS, accept(b, logits, ids, past_len, "gamma", vocab_out, kind == "verify_sample")))
+    yields = []
+    for output in READ_BACK:
+        elem_type = FLOAT if output == "probs" else INT64
+        if output not in made:  # If needs the same outputs from every branch; the runtime reads only its kind's
+            made[output] = b.op("Constant", value=numpy_helper.from_array(
+                np.zeros([0], np.float32 if output == "probs" else np.int64), f"{b.scope}{output}/empty"))
+        yields.append((made[output], elem_type))
+    return b, yields
+
+
+def _dispatch(g, kind, tails: list, ids: list[int], path: str) -> list[str]:
+    """A balanced tree of If on `kind` over the tails; returns its outputs (READ_BACK order)."""
+    if len(tails) == 1:
+        raise AssertionError("a session graph serves at least two kinds")
+    mid = len(tails) // 2
+    halves = []
+    for part, label in ((slice(0, mid), "0"), (slice(mid, None), "1")):
+        if len(tails[part]) == 1:
+            branch, yields = tails[part][0]
+            halves.append(branch.graph(yields))
+        else:  # a nested If, built inside a branch of its own
+            holder = g.branch(f"dispatch{path}{label}")
+            inner = _dispatch(holder, kind, tails[part], ids[part], path + label)
+            halves.append(holder.graph([(t, FLOAT if o == "probs" else INT64) for t, o in zip(inner, READ_BACK)]))
+    below = g.op("Less", kind, g.const(ids[mid]))
+    out = [f"dispatch{path}/{o}" for o in READ_BACK]  # a branch builder prefixes its scope
+    return g.op("If", below, outputs=len(READ_BACK), out=out, then_branch=halves[0], else_branch=halves[1])

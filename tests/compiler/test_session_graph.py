@@ -1,0 +1,181 @@
+"""The session graph (compiler/session_graph.py): every call of the loop, in one graph, same results.
+
+Oracle: the graph of each kind (themselves checked against HF in test_transformer_parity.py), run
+on the same inputs and the same cache, with the session graph's `kind` and `fused` inputs set as the
+runtime sets them.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from speccompile.runtime.bundle import open_bundle
+from tests.compiler.test_transformer_parity import empty_cache, run_with_cache
+from tests.conftest import FAMILIES
+
+SAMPLING = ("temperature", "top_k", "top_p")
+
+
+def session(bundle, role):
+    return ort.InferenceSession(str(bundle.path / bundle.model(role)["session"]["file"]))
+
+
+def run_session(sess, bundle, role, kind, fused, feeds, cache):
+    kinds = bundle.model(role)["session"]["kinds"]
+    if "token_count" not in feeds:
+        feeds = {**feeds, "token_count": np.full(len(feeds["past_len"]), feeds["input_ids"].shape[1], np.int64)}
+    return run_with_cache(sess, {**feeds, "kind": np.array(kinds[kind], np.int64), "fused": np.array(fused)}, cache)
+
+
+def graph_file(bundle, name, fused):
+    entry = bundle.graph(name)
+    return entry["single_sequence"]["file"] if fused else entry["file"]
+
+
+def prefilled(bundle, sess, batch, fused):
+    """A cache after a right-padded prefill of `batch` prompts of different lengths."""
+    prompts = [[5, 17, 33, 2, 9], [8, 9, 10], [11, 12, 13, 14]][:batch]
+    ids = np.array([p + [0] * (5 - len(p)) for p in prompts], np.int64)
+    lengths = np.array([len(p) for p in prompts], np.int64)
+    cache = empty_cache(bundle.manifest, "target", batch)
+    run_session(sess, bundle, "target", "forward", fused,
+                {"input_ids": ids, "past_len": np.zeros(batch, np.int64), "token_count": lengths}, cache)
+    return cache, lengths
+
+
+def sampling_feeds(rng, batch, gamma, vocab):
+    probs = rng.random((batch, gamma, vocab)).astype(np.float32)
+    return {"draft_probs": probs / probs.sum(-1, keepdims=True), "temperature": np.full(batch, 0.9, np.float32),
+            "top_k": np.zeros(batch, np.int64), "top_p": np.full(batch, 0.95, np.float32),
+            "u_accept": rng.random((batch, gamma)).astype(np.float32), "u_sample": rng.random(batch).astype(np.float32)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_session_graph_agrees_with_the_graph_of_every_kind(family, batch, bundles):
+    bundle = open_bundle(bundles(family, "random"))
+    sess = session(bundle, "target")
+    vocab = bundle.manifest["vocab_size"]
+    fused = batch == 1 and "single_sequence" in bundle.graph("target_forward")
+    cache, lengths = prefilled(bundle, sess, batch, fused)
+    rng = np.random.default_rng(0)
+    for gamma in bundle.manifest["gammas"]:
+        for sample in (False, True):
+            name = f"target_verify{'_sample' if sample else ''}_g{gamma}"
+            feeds = {"input_ids": rng.integers(0, vocab, (batch, gamma + 1)), "past_len": lengths}
+            if sample:
+                feeds |= sampling_feeds(rng, batch, gamma, vocab)
+            theirs, their_cache = {k: v.copy() for k, v in cache.items()}, None
+            expected = run_with_cache(ort.InferenceSession(str(bundle.path / graph_file(bundle, name, fused))),
+                                      dict(feeds), theirs)
+            ours = {k: v.copy() for k, v in cache.items()}
+            got = run_session(sess, bundle, "target", "verify_sample" if sample else "verify", fused, feeds, ours)
+            for key in ("accepted", "next_token", "new_len"):
+                assert got[key].tolist() == expected[key].tolist(), (name, key)
+            their_cache = theirs
+            for key in cache:  # the same cache entries written
+                np.testing.assert_allclose(ours[key], their_cache[key], atol=1e-5)
+    steps = {"input_ids": rng.integers(0, vocab, (batch, 1)), "past_len": lengths, "token_count": np.ones(batch, np.int64)}
+    for kind, name, extra in (("forward", "target_forward", {}),
+                              ("sample", "target_sample", {**{k: v for k, v in sampling_feeds(rng, batch, 1, vocab).items()
+                                                             if k in SAMPLING},
+                                                          "uniform": rng.random(batch).astype(np.float32)})):
+        feeds = {**steps, **extra}
+        expected = run_with_cache(ort.InferenceSession(str(bundle.path / graph_file(bundle, name, fused))), dict(feeds),
+                                  {k: v.copy() for k, v in cache.items()})
+        got = run_session(sess, bundle, "target", kind, fused, feeds, {k: v.copy() for k, v in cache.items()})
+        assert got["next_token"].tolist() == expected["next_token"].tolist(), kind
+        if kind == "sample":
+            np.testing.assert_allclose(got["probs"], expected["probs"], atol=1e-6)
+
+
+def test_a_cut_vocabulary_draft_scores_its_subset_greedily_and_the_whole_head_when_sampling(tmp_path, checkpoints):
+    from speccompile.compiler.build import build_bundle
+
+    counts = np.arange(320, dtype=np.int64)[::-1]  # token 0 most frequent
+    draft = tmp_path / "draft"
+    shutil.copytree(checkpoints("llama"), draft)
+    (draft / "token_frequencies.json").write_text(json.dumps({"counts": counts.tolist()}))
+    bundle = open_bundle(build_bundle(checkpoints("llama"), draft, tmp_path / "b", gammas=[2], max_seq=64, max_batch=2,
+                                      draft_weights="float32", draft_vocab=64, log=lambda _: None))
+    sess = session(bundle, "draft")
+    ids = np.array([[5, 17, 33, 2, 9]], np.int64)
+    feeds = {"input_ids": ids, "past_len": np.zeros(1, np.int64), "token_count": np.array([5], np.int64)}
+    for fused in (False, True):
+        expected = run_with_cache(ort.InferenceSession(str(bundle.graph_path("draft_forward"))), dict(feeds),
+                                  empty_cache(bundle.manifest, "draft", 1))
+        got = run_session(sess, bundle, "draft", "forward", fused, feeds, empty_cache(bundle.manifest, "draft", 1))
+        assert got["next_token"].tolist() == expected["next_token"].tolist()
+    sampled = {**feeds, "temperature": np.ones(1, np.float32), "top_k": np.zeros(1, np.int64),
+               "top_p": np.ones(1, np.float32), "uniform": np.array([0.3], np.float32)}
+    got = run_session(sess, bundle, "draft", "sample", False, sampled, empty_cache(bundle.manifest, "draft", 1))
+    assert got["probs"].shape == (1, bundle.manifest["vocab_size"])  # the whole head, not the subset
+
+
+def _subgraph_ops(graph: onnx.GraphProto, inside: bool = False) -> list[tuple[str, bool]]:
+    ops = []
+    for node in graph.node:
+        ops.append((node.op_type, inside))
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                ops += _subgraph_ops(attribute.g, True)
+    return ops
+
+
+@pytest.mark.parametrize("draft_weights", ["int8", "float32"])
+def test_every_weight_is_read_in_the_main_graph(bundles, draft_weights):
+    """ONNX Runtime pre-packs only what the main graph reads: no projection inside an If branch."""
+    bundle = open_bundle(bundles("llama", "random", draft_weights))
+    for role in ("target", "draft"):
+        model = onnx.load(str(bundle.path / bundle.model(role)["session"]["file"]), load_external_data=False)
+        ops = _subgraph_ops(model.graph)
+        inside = {op for op, nested in ops if nested}
+        assert not inside & {"MatMul", "MatMulNBits", "DequantizeLinear", "Gemm"}, (role, inside)
+        assert sum(op == "MatMul" for op, nested in ops if not nested) >= 2 * bundle.model(role)["num_layers"]
+        assert "If" in {op for op, _ in ops}
+
+
+MEMORY_SCRIPT = r"""
+import json, sys, numpy as np, psutil
+import speccompile
+process = psutil.Process()
+runtime = speccompile.load(sys.argv[1])
+prompt = [5, 17, 33, 2, 9]
+runtime.generate([prompt], max_new_tokens=4, gamma=2)
+base = process.memory_info().rss  # both models loaded, one graph variant of each run
+for gamma in (2, 4):
+    for temperature in (0.0, 0.8):
+        for batch in (1, 2):
+            runtime.generate([prompt] * batch, max_new_tokens=4, gamma=gamma, temperature=temperature, seed=0)
+print(json.dumps({"growth": process.memory_info().rss - base,
+                  "sessions": len({id(s) for s in runtime.target._sessions.values()}),
+                  "graphs": len(runtime.target._sessions)}))
+"""
+
+
+def test_one_copy_of_the_weights_however_many_graphs_a_process_runs(tmp_path):
+    """A 68 MB target run at two γ, greedy and sampled, batch 1 and 2 (ten graph variants) on one
+    session: the variants after the first add no copy of the weights. With a session per graph,
+    each added one (several hundred MB here)."""
+    from speccompile.compiler.build import build_bundle
+    from tests.compiler.test_streaming_build import _checkpoint
+
+    target = _checkpoint(tmp_path / "target")
+    bundle = build_bundle(target, target, tmp_path / "b", gammas=[2, 4], max_seq=64, max_batch=2,
+                          draft_weights="int8", log=lambda _: None)
+    weights = (bundle / "target.weights").stat().st_size
+    draft = (bundle / "draft.weights").stat().st_size
+    result = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(bundle)], capture_output=True, text=True,
+                            check=False, env={**os.environ, "SPECCOMPILE_SHARED_THREADS": "0"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    measured = json.loads(result.stdout.splitlines()[-1])
+    assert measured["graphs"] >= 6 and measured["sessions"] == 1, measured
+    assert measured["growth"] < 0.5 * weights, f"{measured['growth'] / 1e6:.0f} MB more after the first graph; " \
+        f"the target's weights are {weights / 1e6:.0f} MB, the draft's {draft / 1e6:.0f} MB"
