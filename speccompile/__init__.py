@@ -14,19 +14,23 @@ __version__ = "0.1.0"
 __all__ = ["SpecCompileError", "load", "build", "__version__"]
 
 
-def load(bundle_dir=None, backend: str = "onnxruntime", threads: int | None = None, shared_threads: bool = False):
+def load(bundle_dir=None, backend: str = "onnxruntime", threads: int | None = None, shared_threads: bool = False,
+         one_session: bool | None = None):
     """Open a bundle (default: the embedded demo pair's) and return a `Runtime` ready to `generate`.
 
     shared_threads=True runs ONNX Runtime on one process-wide thread pool: a much faster speculative
     loop, but every other ONNX Runtime session this process creates must then be made with
-    `use_per_session_threads = False` (see runtime.onnxruntime_engine.shared_thread_pool)."""
+    `use_per_session_threads = False` (see runtime.onnxruntime_engine.shared_thread_pool).
+    one_session: each model's calls all run on its one session graph, one copy of its weights in
+    memory (True), or on a session per graph, faster for small models (False); default: one session
+    for models with 256 MiB of weights or more."""
     from speccompile.runtime.runtime import load as _load
 
     if bundle_dir is None:
         from speccompile.demo import demo_bundle
 
         bundle_dir = demo_bundle()
-    return _load(bundle_dir, backend=backend, threads=threads, shared_threads=shared_threads)
+    return _load(bundle_dir, backend=backend, threads=threads, shared_threads=shared_threads, one_session=one_session)
 
 
 def build(target_dir, draft_dir, out_dir, **options):

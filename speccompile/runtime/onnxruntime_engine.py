@@ -89,11 +89,31 @@ def session_options(threads: int | None = None, spinning: bool | None = None, sh
     return options
 
 
+# A model runs on one session graph from this size of weights up (unless asked otherwise). Below it a
+# session per graph is faster: the session graph's per-layer If (attention kernel chosen per call)
+# costs about 0.1 ms per layer per call on the demo pair (7.0 vs 6.4 ms per target step, 10%),
+# while a second copy of small weights costs little. From 256 MiB up a step streams the weights for
+# 13 ms or more here, the Ifs cost about 1% (1.1B target: 174-189 vs 172 ms), and every copy saved
+# is a model's worth of memory.
+ONE_SESSION_MIN_BYTES = 256 << 20
+
+
+def _one_session(bundle: Bundle, info: dict, asked: bool | None) -> bool:
+    if "session" not in info:
+        if asked:
+            raise SpecCompileError(f"{bundle.path}: this bundle has no session graphs (rebuild it to run one session per model)")
+        return False
+    if asked is not None:
+        return asked
+    return (bundle.path / info["weights_file"]).stat().st_size >= ONE_SESSION_MIN_BYTES
+
+
 class OrtModel:
     """Sessions, KV cache and per-sequence cache lengths of one model of a bundle."""
 
     def __init__(self, bundle: Bundle, role: str, providers=("CPUExecutionProvider",), threads: int | None = None,
-                 spinning: bool | None = None, single_sequence: bool = True, shared_pool: bool = False):
+                 spinning: bool | None = None, single_sequence: bool = True, shared_pool: bool = False,
+                 one_session: bool | None = None):
         info = bundle.model(role)
         self.bundle, self.role = bundle, role
         self.num_layers, self.kv_heads, self.head_dim = info["num_layers"], info["num_kv_heads"], info["head_dim"]
@@ -101,7 +121,12 @@ class OrtModel:
         self._threads, self._spinning, self._providers = threads, spinning, list(providers)
         self.single_sequence = single_sequence  # run the batch-1 variants where the bundle has them
         self.shared_pool = shared_pool  # sessions run on the process-wide pool (see shared_thread_pool)
-        self._sessions: dict = {}
+        # One session graph for every call of this model (compiler/session_graph.py): one copy of its
+        # weights in memory, whatever the number of graphs a process runs; each call says its kind.
+        self._session_graph = info.get("session") if _one_session(bundle, info, one_session) else None
+        self._variant_files = {e["single_sequence"]["file"] for e in bundle.manifest["graphs"].values()
+                               if "single_sequence" in e}
+        self._sessions: dict = {}  # graph file -> session
         self._bindings: dict = {}
         self.cache: list = []
         self.cache_lengths = np.zeros(0, dtype=np.int64)
@@ -147,8 +172,9 @@ class OrtModel:
 
     # -- sessions and buffers -----------------------------------------------------------------
     def _file(self, graph: str, batch: int) -> str:
-        """The graph file a batch runs: a batch of one sequence runs the graph's single-sequence
-        variant where the bundle has one (fused attention that reads the cache in place)."""
+        """The graph file whose computation a batch runs: a batch of one sequence runs the graph's
+        single-sequence variant where the bundle has one (fused attention that reads the cache in
+        place). With a session graph, that computation runs there (see _session, _binding)."""
         if graph not in self.bundle.manifest["graphs"]:
             raise SpecCompileError(f"graph {graph} is not in this bundle")
         entry = self.bundle.graph(graph)
@@ -157,10 +183,19 @@ class OrtModel:
         return entry["file"]
 
     def _session(self, file: str):
+        """The session that runs graph `file`: its own, or the model's one session graph."""
         if file not in self._sessions:
-            options = session_options(self._threads, self._spin(file), self.shared_pool)
-            self._sessions[file] = _ort().InferenceSession(str(self.bundle.path / file), options, providers=self._providers)
+            if self._session_graph is None:
+                self._sessions[file] = self._new_session(file)
+            else:
+                loaded = next(iter(self._sessions.values()), None)
+                self._sessions[file] = loaded or self._new_session(self._session_graph["file"])
         return self._sessions[file]
+
+    def _new_session(self, file: str):
+        options = session_options(self._threads, self._spin(file), self.shared_pool)
+        options.log_severity_level = 3  # a session graph's optional inputs have defaults, which it warns about
+        return _ort().InferenceSession(str(self.bundle.path / file), options, providers=self._providers)
 
     def _spin(self, graph: str) -> bool:
         """Pool threads spin after a run only where the same session runs again next (decode steps).
@@ -171,11 +206,15 @@ class OrtModel:
         """
         if self._spinning is not None:
             return self._spinning
+        if self._session_graph is not None:  # one session for all calls: the target's mostly verify
+            return self.role != "target"
         return "_verify" not in graph
 
     def _run(self, graph: str, kind: str, **inputs) -> dict[str, np.ndarray]:
         file = self._file(graph, len(self.cache_lengths))
         binding, outputs, fed = self._binding(file, kind)
+        if self._session_graph is not None and "token_count" not in inputs:  # verification: every token is real
+            inputs["token_count"] = np.full(len(self.cache_lengths), inputs["input_ids"].shape[1], dtype=np.int64)
         for name, value in inputs.items():
             self._feed(binding, fed, name, np.asarray(value))
         self._session(file).run_with_iobinding(binding)
@@ -201,8 +240,8 @@ class OrtModel:
 
     def _binding(self, file: str, kind: str):
         """An IOBinding with the cache bound in place and the read-back outputs in reusable arrays."""
-        if file in self._bindings:
-            return self._bindings[file]
+        if (file, kind) in self._bindings:
+            return self._bindings[file, kind]
         ort = _ort()
         batch = len(self.cache_lengths)
         binding = self._session(file).io_binding()
@@ -215,5 +254,9 @@ class OrtModel:
             shape = (batch, self.vocab_size) if name == "probs" else (batch,)
             arrays[name] = np.zeros(shape, dtype=np.float32 if name == "probs" else np.int64)
             binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(arrays[name]))
-        self._bindings[file] = (binding, arrays, {})
-        return self._bindings[file]
+        fed = {}
+        if self._session_graph is not None:  # constant for this binding: which call, which attention kernel
+            self._feed(binding, fed, "kind", np.array(self._session_graph["kinds"][kind], dtype=np.int64))
+            self._feed(binding, fed, "fused", np.array(file in self._variant_files))
+        self._bindings[file, kind] = (binding, arrays, fed)
+        return self._bindings[file, kind]

@@ -28,7 +28,7 @@ class GenerationResult:
 
 class Runtime:
     def __init__(self, bundle: Bundle, backend: str = "onnxruntime", threads: int | None = None,
-                 shared_threads: bool = False):
+                 shared_threads: bool = False, one_session: bool | None = None):
         """shared_threads (ONNX Runtime): run both models on one process-wide thread pool, which is
         much faster for the speculative loop but binds every other ONNX Runtime session in the
         process (see onnxruntime_engine.shared_thread_pool). The CLI always asks for it; so should
@@ -42,8 +42,9 @@ class Runtime:
             shared = shared_thread_pool(threads, create=shared_threads)
             # On pools of their own, a small draft runs faster on one thread: its ops are too short
             # to amortise a pool that competes with the target's for the cores.
-            self.target = OrtModel(bundle, "target", threads=threads, shared_pool=shared)
-            self.draft = OrtModel(bundle, "draft", threads=1 if threads is None else threads, shared_pool=shared)
+            self.target = OrtModel(bundle, "target", threads=threads, shared_pool=shared, one_session=one_session)
+            self.draft = OrtModel(bundle, "draft", threads=1 if threads is None else threads, shared_pool=shared,
+                                  one_session=one_session)
         elif backend == "tensorrt":
             from speccompile.runtime.tensorrt_engine import TrtModel
 
@@ -184,5 +185,10 @@ class Runtime:
             )
 
 
-def load(bundle_dir, backend: str = "onnxruntime", threads: int | None = None, shared_threads: bool = False) -> Runtime:
-    return Runtime(open_bundle(Path(bundle_dir)), backend=backend, threads=threads, shared_threads=shared_threads)
+def load(bundle_dir, backend: str = "onnxruntime", threads: int | None = None, shared_threads: bool = False,
+         one_session: bool | None = None) -> Runtime:
+    """one_session (ONNX Runtime): run each model's every call on its one session graph, holding one
+    copy of its weights (True), or a session per graph, faster for small models (False). Default:
+    per model, one session from 256 MiB of weights up (onnxruntime_engine.ONE_SESSION_MIN_BYTES)."""
+    return Runtime(open_bundle(Path(bundle_dir)), backend=backend, threads=threads, shared_threads=shared_threads,
+                   one_session=one_session)

@@ -16,6 +16,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+import speccompile
+from speccompile.errors import SpecCompileError
 from speccompile.runtime.bundle import open_bundle
 from tests.compiler.test_transformer_parity import empty_cache, run_with_cache
 from tests.conftest import FAMILIES
@@ -146,7 +148,7 @@ MEMORY_SCRIPT = r"""
 import json, sys, numpy as np, psutil
 import speccompile
 process = psutil.Process()
-runtime = speccompile.load(sys.argv[1])
+runtime = speccompile.load(sys.argv[1], one_session=sys.argv[2] == "one")
 prompt = [5, 17, 33, 2, 9]
 runtime.generate([prompt], max_new_tokens=4, gamma=2)
 base = process.memory_info().rss  # both models loaded, one graph variant of each run
@@ -172,10 +174,49 @@ def test_one_copy_of_the_weights_however_many_graphs_a_process_runs(tmp_path):
                           draft_weights="int8", log=lambda _: None)
     weights = (bundle / "target.weights").stat().st_size
     draft = (bundle / "draft.weights").stat().st_size
-    result = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(bundle)], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(bundle), "one"], capture_output=True, text=True,
                             check=False, env={**os.environ, "SPECCOMPILE_SHARED_THREADS": "0"})
     assert result.returncode == 0, result.stderr[-2000:]
     measured = json.loads(result.stdout.splitlines()[-1])
     assert measured["graphs"] >= 6 and measured["sessions"] == 1, measured
     assert measured["growth"] < 0.5 * weights, f"{measured['growth'] / 1e6:.0f} MB more after the first graph; " \
         f"the target's weights are {weights / 1e6:.0f} MB, the draft's {draft / 1e6:.0f} MB"
+
+
+# -- the runtime's choice ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_one_session_samples_what_sessions_per_graph_sample(bundles, batch):
+    per_graph = speccompile.load(bundles("llama", "random"), one_session=False)
+    one = speccompile.load(bundles("llama", "random"), one_session=True)
+    prompts = [[5, 17, 33, 2, 9], [8, 9, 10]][:batch]
+    for seed in range(5):
+        for gamma in (1, 4):
+            kwargs = {"max_new_tokens": 12, "gamma": gamma, "temperature": 0.9, "top_p": 0.95, "seed": seed}
+            expected = [r.token_ids for r in per_graph.generate(prompts, **kwargs)]
+            assert [r.token_ids for r in one.generate(prompts, **kwargs)] == expected, (seed, gamma)
+    assert len({id(s) for s in one.target._sessions.values()}) == 1 < len(one.target._sessions)
+
+
+def test_one_session_per_model_from_a_weight_size_up(bundles, monkeypatch):
+    from speccompile.runtime import onnxruntime_engine
+
+    small = speccompile.load(bundles("llama", "random"))
+    assert small.target._session_graph is None  # tiny weights: a session per graph is faster
+    monkeypatch.setattr(onnxruntime_engine, "ONE_SESSION_MIN_BYTES", 0)
+    large = speccompile.load(bundles("llama", "random"))
+    assert large.target._session_graph is not None and large.draft._session_graph is not None
+    assert speccompile.load(bundles("llama", "random"), one_session=False).target._session_graph is None
+
+
+def test_one_session_needs_a_bundle_with_session_graphs(bundles, tmp_path):
+    bundle = shutil.copytree(bundles("llama", "random"), tmp_path / "b")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    for model in manifest["models"].values():
+        del model["session"]
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    runtime = speccompile.load(bundle)  # older bundles still run, a session per graph
+    assert runtime.target._session_graph is None
+    with pytest.raises(SpecCompileError, match="no session graphs"):
+        speccompile.load(bundle, one_session=True)

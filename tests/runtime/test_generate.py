@@ -36,10 +36,11 @@ def hf_reference(checkpoints):
     return get
 
 
+@pytest.mark.parametrize("one_session", [False, True], ids=["session per graph", "one session per model"])
 @pytest.mark.parametrize("draft", ["copy", "random"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_speculative_matches_autoregressive_and_hf(family, draft, bundles, hf_reference):
-    runtime = speccompile.load(bundles(family, draft))
+def test_speculative_matches_autoregressive_and_hf(family, draft, one_session, bundles, hf_reference):
+    runtime = speccompile.load(bundles(family, draft), one_session=one_session)
     expected = [hf_reference(family, i) for i in range(len(PROMPTS))]
     for gamma in (1, 4):
         one_by_one = [runtime.generate([p], max_new_tokens=MAX_NEW, gamma=gamma)[0].token_ids for p in PROMPTS]
