@@ -42,7 +42,8 @@ def main():
               "(int8: weight-only, a quarter of the bytes per decode step).")
 @click.option("--draft-weights", type=click.Choice(["int8", "float32", "float16", "bfloat16"]), default="int8",
               show_default=True,
-              help="Draft matmul weights: int8 weight-only (faster draft steps; outputs unchanged) or float32.")
+              help="Draft matmul weights: int8 weight-only (faster draft steps), float32, or float16/bfloat16 "
+              "(half the disk, float32 in memory on CPU); the output is the target's whatever the draft's precision.")
 @click.option("--draft-vocab", type=int, default=None,
               help="Draft LM head scores only the K most frequent tokens (faster draft steps; outputs unchanged).")
 @click.option("--draft-vocab-corpus", default=None,

@@ -27,7 +27,27 @@ def describe(bundle: Bundle) -> dict:
                           "single_sequence_nodes": g["single_sequence"]["nodes"] if "single_sequence" in g else None}
                    for name, g in m["graphs"].items()},
         "engines": m.get("engines", {}),
+        "memory": memory(bundle),
     }
+
+
+def memory(bundle: Bundle) -> dict:
+    """What running the bundle costs in memory, per model (README "Memory"): its weights, whether
+    the ONNX Runtime backend holds them once (one session graph) or once per graph it runs, and its
+    float32 KV cache per sequence and for a full batch of `max_batch` sequences at `max_seq`."""
+    from speccompile.runtime.onnxruntime_engine import ONE_SESSION_MIN_BYTES
+
+    m = bundle.manifest
+    out = {}
+    for role, info in m["models"].items():
+        weights = (bundle.path / info["weights_file"]).stat().st_size
+        per_sequence = 2 * info["num_layers"] * info["num_kv_heads"] * info["head_dim"] * m["max_seq"] * 4
+        one = "session" in info and weights >= ONE_SESSION_MIN_BYTES
+        out[role] = {"weights_bytes": weights, "matmul_weights": info.get("matmul_weights", "float32"),
+                     "weight_copies": "one" if one else "one per graph run",
+                     "kv_cache_bytes_per_sequence": per_sequence,
+                     "kv_cache_bytes_at_max_batch": per_sequence * m["max_batch"]}
+    return out
 
 
 def render(info: dict) -> str:
@@ -36,6 +56,11 @@ def render(info: dict) -> str:
     for role, model in info["models"].items():
         lines.append(f"{role}: {model['model_type']}, {model['num_params'] / 1e6:.2f}M params, {model['num_layers']} layers, "
                      f"hidden {model['hidden_size']}, {model['num_heads']} heads / {model['num_kv_heads']} KV heads")
+    for role, mem in info["memory"].items():
+        folded = ", float32 in memory" if mem["matmul_weights"] in ("float16", "bfloat16") else ""
+        lines.append(f"{role} memory: weights {mem['weights_bytes'] / 1e6:.1f} MB ({mem['matmul_weights']} matmuls{folded}), "
+                     f"{mem['weight_copies']} copy at run time; KV cache {mem['kv_cache_bytes_per_sequence'] / 1e6:.1f} MB "
+                     f"per sequence, {mem['kv_cache_bytes_at_max_batch'] / 1e6:.1f} MB at max_batch")
     lines.append("graphs (the KV cache inputs/outputs past_*/present_* are omitted):")
     for name, graph in info["graphs"].items():
         top = ", ".join(f"{op} {n}" for op, n in sorted(graph["op_counts"].items(), key=lambda kv: -kv[1])[:6])

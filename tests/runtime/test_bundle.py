@@ -1,5 +1,6 @@
 """Opening a bundle: the stamp of the last full check spares re-hashing; any changed file is still refused."""
 
+import json
 import os
 import shutil
 
@@ -117,3 +118,19 @@ def test_verify_command_names_a_corrupt_file(bundle_copy):
     weights.write_bytes(bytes(data))
     result = CliRunner().invoke(main, ["verify", str(bundle_copy)])
     assert result.exit_code == 1 and "draft.weights" in result.output and "sha256" in result.output
+
+
+def test_inspect_reports_what_the_bundle_needs_in_memory(bundles):
+    bundle = bundles("llama", "random")
+    info = json.loads(CliRunner().invoke(main, ["inspect", str(bundle), "--json"]).stdout)
+    manifest = open_bundle(bundle).manifest
+    for role in ("target", "draft"):
+        model, memory = manifest["models"][role], info["memory"][role]
+        assert memory["weights_bytes"] == (bundle / f"{role}.weights").stat().st_size
+        per_sequence = 2 * model["num_layers"] * model["num_kv_heads"] * model["head_dim"] * manifest["max_seq"] * 4
+        assert memory["kv_cache_bytes_per_sequence"] == per_sequence
+        assert memory["kv_cache_bytes_at_max_batch"] == per_sequence * manifest["max_batch"]
+        assert memory["weight_copies"] == "one per graph run"  # tiny weights: a session per graph
+    assert info["memory"]["draft"]["matmul_weights"] == "int8"
+    text = CliRunner().invoke(main, ["inspect", str(bundle)]).stdout
+    assert "target memory: weights" in text and "KV cache" in text
