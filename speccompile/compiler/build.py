@@ -19,6 +19,7 @@ import onnx
 from speccompile.compiler.checkpoint import ModelSpec, check_max_seq, load_checkpoint
 from speccompile.compiler.draft_vocab import FREQUENCIES_FILE, corpus_frequencies, read_frequencies, select_vocab
 from speccompile.compiler.onnx_graph import MATMUL_WEIGHTS, OPSET, WeightFile
+from speccompile.compiler.session_graph import KINDS, build_session_graph
 from speccompile.compiler.tokenizer import check_compatible, eos_token_ids, load_tokenizer, save_tokenizer
 from speccompile.compiler.transformer import build_forward_graph, build_verify_graph, fused_attention_supported
 from speccompile.compiler.trt_rules import check_tensorrt_compatible
@@ -92,8 +93,11 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
 
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     try:
-        weight_files = _write_graphs(staging, graphs, variants)
+        sessions = _session_graphs(target, draft, max_seq, vocab_out, weights, vocab_ids)
+        weight_files = _write_graphs(staging, graphs, variants, sessions)
         progress("check graphs")
+        for role, (builder, _) in sessions.items():
+            _check_onnx(staging / f"{builder.name}.onnx", builder.name)
         needs_plugin = {name: _check_graph(staging / f"{name}.onnx", name) for name in graphs}
         for name in variants:
             _check_onnx(staging / variant_file(name), name + SINGLE_SEQUENCE)
@@ -106,6 +110,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         manifest = _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max_batch, vocab_out, scored, target_tok, needs_plugin)
         for name in variants:
             manifest["graphs"][name]["single_sequence"] = _variant_entry(staging, name)
+        for role, (builder, kinds) in sessions.items():
+            manifest["models"][role]["session"] = {"file": f"{builder.name}.onnx", "kinds": kinds}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
         write_stamp(staging, manifest["files"])  # every file was just hashed: the first open need not
         _move_into_place(staging, out_dir, force)
@@ -189,10 +195,22 @@ def variant_file(name: str) -> str:
     return f"{name}{SINGLE_SEQUENCE}.onnx"
 
 
-def _write_graphs(staging: Path, graphs: dict, variants: dict) -> dict[str, WeightFile]:
-    """One weights file per model, shared by all of that model's graphs and their variants."""
+def _session_graphs(target: ModelSpec, draft: ModelSpec, max_seq, vocab_out, matmul_weights: dict[str, str],
+                    vocab_ids=None) -> dict:
+    """role -> (the model's session graph, {kind: id}): what the ONNX Runtime backend runs (session_graph.py)."""
+    sessions = {}
+    for role, spec, kinds, ids in (("target", target, list(KINDS), None), ("draft", draft, ["forward", "sample"], vocab_ids)):
+        builder = build_session_graph(spec, f"{role}_session", max_seq, vocab_out, kinds, matmul_weights[role], ids)
+        sessions[role] = (builder, {kind: KINDS[kind] for kind in kinds})
+    return sessions
+
+
+def _write_graphs(staging: Path, graphs: dict, variants: dict, sessions: dict) -> dict[str, WeightFile]:
+    """One weights file per model, shared by all of that model's graphs, variants and session graph."""
     weight_files = {role: WeightFile(f"{role}.weights") for role in ("target", "draft")}
     for builder, role in [*graphs.values(), *variants.values()]:
+        weight_files[role].add(builder.weights)
+    for role, (builder, _) in sessions.items():
         weight_files[role].add(builder.weights)
     for role, weight_file in weight_files.items():
         weight_file.write(staging / weight_file.filename)
@@ -200,6 +218,8 @@ def _write_graphs(staging: Path, graphs: dict, variants: dict) -> dict[str, Weig
         onnx.save_model(builder.model(weight_files[role].locations), str(staging / f"{name}.onnx"))
     for name, (builder, role) in variants.items():
         onnx.save_model(builder.model(weight_files[role].locations), str(staging / variant_file(name)))
+    for role, (builder, _) in sessions.items():
+        onnx.save_model(builder.model(weight_files[role].locations), str(staging / f"{builder.name}.onnx"))
     return weight_files
 
 

@@ -112,6 +112,10 @@ class GraphBuilder:
         self.nodes.append(helper.make_node(op_type, list(inputs), names, name=node_name, domain=domain, **attrs))
         return names if outputs > 1 else names[0]
 
+    def graph_nodes(self) -> list[onnx.NodeProto]:
+        """The nodes as the model holds them (graph outputs renamed where they are made)."""
+        return [self._renamed(node) for node in self.nodes]
+
     def _renamed(self, node: onnx.NodeProto) -> onnx.NodeProto:
         if not any(t in self._renames for t in (*node.input, *node.output)):
             return node
@@ -125,18 +129,82 @@ class GraphBuilder:
         self.functions.append(function)
         self.domains[function.domain] = 1
 
+    def branch(self, label: str) -> "BranchBuilder":
+        """A builder for one branch of an If node of this graph (see BranchBuilder)."""
+        return BranchBuilder(self, label)
+
     # -- model --------------------------------------------------------------------------------
     def model(self, weight_locations: dict[str, tuple[str, int, int]]) -> onnx.ModelProto:
         """The ModelProto, with weights referencing (file, offset, length) in `weight_locations`."""
         initializers = list(self.constants.values())
         for name, array in self.weights.items():
             initializers.append(_external_tensor(name, array, *weight_locations[name]))
-        nodes = [self._renamed(node) for node in self.nodes]
-        graph = helper.make_graph(nodes, self.name, self.inputs, self.outputs, initializers)
+        graph = helper.make_graph(self.graph_nodes(), self.name, self.inputs, self.outputs, initializers)
         opsets = [helper.make_opsetid("", OPSET)] + [helper.make_opsetid(d, v) for d, v in self.domains.items()]
         model = helper.make_model(graph, opset_imports=opsets, functions=self.functions, producer_name="speccompile")
         model.ir_version = IR_VERSION
         return model
+
+
+class BranchBuilder(GraphBuilder):
+    """The body of an If branch: its nodes are its own, everything else belongs to the outer graph.
+
+    Inputs, constants, weights and functions are registered in the outer graph (a branch reads
+    outer-scope values by name); the tensors it makes are prefixed with its scope, so that they never
+    shadow an outer name; `output` records what the branch yields instead of adding a graph output.
+    A function the outer graph already has under the same name with another body (SpecAccept's greedy
+    and sampling forms) is added under a numbered name, and this branch's calls use that name.
+    """
+
+    def __init__(self, parent: GraphBuilder, label: str):
+        super().__init__(f"{parent.name}/{parent.scope}{label}", parent.matmul_weights)
+        self.parent, self.scope = parent, f"{parent.scope}{label}/"
+        self.domains = parent.domains
+        self.yields: dict[str, str] = {}  # output name -> tensor of this branch
+        self._functions: dict[tuple[str, str], str] = {}
+
+    def input(self, name: str, elem_type: int, shape: list) -> str:
+        if all(value.name != name for value in self.parent.inputs):
+            self.parent.input(name, elem_type, shape)
+        return name
+
+    def output(self, tensor: str, name: str, elem_type: int, shape: list) -> str:
+        self.yields[name] = tensor
+        return name
+
+    def const(self, value, dtype=np.int64) -> str:
+        return self.parent.const(value, dtype)
+
+    def weight(self, name: str, array) -> str:
+        return self.parent.weight(name, array)
+
+    def matmul(self, x: str, name: str, weight) -> str:
+        raise AssertionError(f"{name}: weights are read in the outer graph (ONNX Runtime pre-packs only those)")
+
+    def op(self, op_type: str, *inputs: str, outputs: int = 1, domain: str = "", out=None, **attrs):
+        if out is not None:
+            out = self.scope + out if isinstance(out, str) else [self.scope + name for name in out]
+        op_type = self._functions.get((domain, op_type), op_type)
+        return super().op(op_type, *inputs, outputs=outputs, domain=domain, out=out, **attrs)
+
+    def add_function(self, function: onnx.FunctionProto) -> None:
+        same_name = [f for f in self.parent.functions if (f.domain, f.name) == (function.domain, function.name)]
+        body = function.SerializeToString()
+        if same_name and same_name[0].SerializeToString() != body:
+            taken = {f.name for f in self.parent.functions}
+            renamed = onnx.FunctionProto.FromString(body)
+            renamed.name = next(f"{function.name}_{k}" for k in range(1, 100) if f"{function.name}_{k}" not in taken)
+            function = renamed
+        elif same_name:
+            function = same_name[0]
+        self._functions[function.domain, same_name[0].name if same_name else function.name] = function.name
+        if function not in self.parent.functions:
+            self.parent.add_function(function)
+
+    def graph(self, outputs: list[tuple[str, int]]) -> onnx.GraphProto:
+        """The branch as an If attribute yielding `outputs` ((tensor of this branch, element type)), in order."""
+        values = [helper.make_tensor_value_info(tensor, elem_type, None) for tensor, elem_type in outputs]
+        return helper.make_graph(self.graph_nodes(), self.name, [], values)
 
 
 def _external_tensor(name: str, array: np.ndarray, location: str, offset: int, length: int) -> onnx.TensorProto:

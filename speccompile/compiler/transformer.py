@@ -49,22 +49,14 @@ def build_forward_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int
     last = g.op("Unsqueeze", g.op("Sub", token_count, g.const(1)), g.const([1]))
     hidden_last = g.op("GatherND", hidden, last, batch_dims=1)  # [B, H]
     if not sample:
-        # vocab_ids: score only those tokens, and map the argmax's position back to its token id
         logits = _lm_head(g, spec, hidden_last, vocab_out, vocab_ids)
         g.output(logits, "logits", FLOAT, ["batch", vocab_out if vocab_ids is None else len(vocab_ids)])
-        best = g.op("ArgMax", logits, axis=-1, keepdims=0)
-        if vocab_ids is not None:
-            best = g.op("Gather", g.weight("vocab_ids", vocab_ids), best)
-        g.output(best, "next_token", INT64, ["batch"])
+        g.output(greedy_next(g, logits, vocab_ids), "next_token", INT64, ["batch"])
         return g
     assert vocab_ids is None, "sampling graphs score the whole vocabulary (see draft_vocab.py)"
-    logits = _lm_head(g, spec, hidden_last, vocab_out)
-    params = _sampling_inputs(g)
-    uniform = g.input("uniform", FLOAT, ["batch"])
-    probs = spec_op(g, "SpecTransform", g.op("Unsqueeze", logits, g.const([1])), *params, vocab_size=vocab_out)
-    probs = g.op("Squeeze", probs, g.const([1]))
+    next_token, probs = sampled_next(g, _lm_head(g, spec, hidden_last, vocab_out), vocab_out)
     g.output(probs, "probs", FLOAT, ["batch", vocab_out])
-    g.output(spec_op(g, "SpecSample", probs, uniform), "next_token", INT64, ["batch"])
+    g.output(next_token, "next_token", INT64, ["batch"])
     return g
 
 
@@ -77,20 +69,45 @@ def build_verify_graph(spec: ModelSpec, name: str, gamma: int, max_seq: int, voc
     past_len = g.input("past_len", INT64, ["batch"])
     hidden = _decoder(g, spec, ids, past_len, max_seq, single_sequence)
     logits = _lm_head(g, spec, hidden, vocab_out)  # [B, γ+1, V]: stays inside the graph
-    drafts = g.op("Slice", ids, g.const([1]), g.const([gamma + 1]), g.const([1]))
-    if not sample:
-        outputs = spec_accept_node(g, logits, drafts, past_len)
-    else:
-        draft_probs = g.input("draft_probs", FLOAT, ["batch", gamma, vocab_out])
-        params = _sampling_inputs(g)
-        u_accept = g.input("u_accept", FLOAT, ["batch", gamma])
-        u_sample = g.input("u_sample", FLOAT, ["batch"])
-        target_probs = spec_op(g, "SpecTransform", logits, *params, vocab_size=vocab_out)
-        outputs = spec_op(g, "SpecAccept", target_probs, draft_probs, drafts, u_accept, u_sample, past_len,
-                          mode="sample", outputs=3, out=OUTPUTS)
-    for output in outputs:
-        g.output(output, output, INT64, ["batch"])
+    for tensor, output in zip(accept(g, logits, ids, past_len, gamma, vocab_out, sample), OUTPUTS):
+        g.output(tensor, output, INT64, ["batch"])
     return g
+
+
+# ---------------------------------------------------------------------------------------------
+# what follows the LM head: shared by the graphs of each kind and the session graph
+
+
+def greedy_next(b: GraphBuilder, logits: str, vocab_ids=None) -> str:
+    """argmax of logits [B, V'], mapped back to a token id when the head scores a subset `vocab_ids`."""
+    best = b.op("ArgMax", logits, axis=-1, keepdims=0)
+    return best if vocab_ids is None else b.op("Gather", b.weight("vocab_ids", vocab_ids), best)
+
+
+def sampled_next(b: GraphBuilder, logits: str, vocab_out: int) -> tuple[str, str]:
+    """A token sampled from the transformed distribution of logits [B, V] with a supplied uniform per
+    sequence; returns (next_token [B], probs [B, V])."""
+    params = _sampling_inputs(b)
+    uniform = b.input("uniform", FLOAT, ["batch"])
+    probs = spec_op(b, "SpecTransform", b.op("Unsqueeze", logits, b.const([1])), *params, vocab_size=vocab_out)
+    probs = b.op("Squeeze", probs, b.const([1]))
+    return spec_op(b, "SpecSample", probs, uniform), probs
+
+
+def accept(b: GraphBuilder, logits: str, ids: str, past_len: str, gamma: int | str, vocab_out: int,
+           sample: bool) -> list[str]:
+    """SpecAccept over logits [B, γ+1, V] of ids [last, d_1..d_γ]: (accepted, next_token, new_len)."""
+    end = b.op("Shape", ids, start=1, end=2) if isinstance(gamma, str) else b.const([gamma + 1])
+    drafts = b.op("Slice", ids, b.const([1]), end, b.const([1]))
+    if not sample:
+        return spec_accept_node(b, logits, drafts, past_len)
+    draft_probs = b.input("draft_probs", FLOAT, ["batch", gamma, vocab_out])
+    params = _sampling_inputs(b)
+    u_accept = b.input("u_accept", FLOAT, ["batch", gamma])
+    u_sample = b.input("u_sample", FLOAT, ["batch"])
+    target_probs = spec_op(b, "SpecTransform", logits, *params, vocab_size=vocab_out)
+    return spec_op(b, "SpecAccept", target_probs, draft_probs, drafts, u_accept, u_sample, past_len,
+                   mode="sample", outputs=3, out=OUTPUTS)
 
 
 def _sampling_inputs(g: GraphBuilder) -> tuple[str, str, str]:
@@ -106,8 +123,12 @@ def cache_shape(spec: ModelSpec, max_seq: int) -> list:
 # decoder body
 
 
-def _decoder(g: GraphBuilder, spec: ModelSpec, ids: str, past_len: str, max_seq: int, single_sequence: bool = False) -> str:
-    """Embeddings, all blocks and the cache I/O; returns the last block's output [B, T, H]."""
+def _decoder(g: GraphBuilder, spec: ModelSpec, ids: str, past_len: str, max_seq: int, single_sequence: bool = False,
+             fused_flag: str | None = None) -> str:
+    """Embeddings, all blocks and the cache I/O; returns the last block's output [B, T, H].
+
+    Attention runs the standard ONNX ops, or with `single_sequence` ONNX Runtime's fused kernel, or
+    with `fused_flag` (a boolean scalar tensor) whichever the flag says, per call (session graphs)."""
     hp, w = spec.hp, spec.weights
     num_tokens = g.op("Gather", g.op("Shape", ids), g.const(1))  # scalar T
     positions = None
@@ -119,12 +140,15 @@ def _decoder(g: GraphBuilder, spec: ModelSpec, ids: str, past_len: str, max_seq:
         x = g.op("Add", x, g.op("Gather", g.weight("pos_embed", w["pos_embed"]), positions))
     rope = _rope_tables(g, spec, max_seq) if spec.arch.block == "llama" else None
     if single_sequence:
-        attention = _fused_attention(g, spec, past_len, num_tokens, rope, max_seq)
+        core = _fused_attention(g, spec, past_len, num_tokens, rope, max_seq)
     else:
-        attention = _onnx_attention(g, spec, past_len, num_tokens, positions, rope, max_seq)
+        core = _onnx_attention(g, spec, past_len, num_tokens, positions, rope, max_seq)
+        if fused_flag is not None and fused_attention_supported(spec):
+            fused = _fused_attention(g, spec, past_len, num_tokens, rope, max_seq)
+            core = _either_attention(g, spec, max_seq, fused_flag, fused, core)
     for i in range(hp["num_layers"]):
         g.scope = f"layer{i}/"
-        x = _block(g, spec, i, x, attention)
+        x = _block(g, spec, i, x, core)
     g.scope = ""
     return x
 
@@ -137,17 +161,20 @@ def _attention_mask(g, past_len, num_tokens, positions):
     return kv_len, g.op("Unsqueeze", visible, g.const([1]))  # [B, 1, T, L]: the same for every head
 
 
-def _block(g, spec, i, x, attention):
+def _block(g, spec, i, x, core):
+    """One block. `core(b, i, qkv)` is attention after the fused QKV projection, emitted into builder
+    b; the projections stay in the caller's graph (a session graph's weights must not sit in a branch)."""
     p = f"layers.{i}."
     h = _norm(g, spec, x, p + "attn_norm")
-    x = g.op("Add", x, attention(i, h))
+    qkv = _linear(g, spec, h, p + "qkv", parts=(p + "q", p + "k", p + "v"))  # [B, T, (Hq+2Hkv)*D]
+    x = g.op("Add", x, _linear(g, spec, core(g, i, qkv), p + "o"))
     h = _norm(g, spec, x, p + "mlp_norm")
     return g.op("Add", x, _mlp(g, spec, p, h))
 
 
 def _onnx_attention(g, spec, past_len, num_tokens, positions, rope, max_seq):
-    """Standard ONNX ops, any batch: one fused QKV projection, RoPE, the cache write, and ONNX
-    Attention (GQA from the shapes).
+    """Standard ONNX ops, any batch: RoPE, the cache write, and ONNX Attention (GQA from the shapes),
+    after one fused QKV projection.
 
     Few, large nodes on purpose: each is one fused kernel in ONNX Runtime (three projections cost
     one GEMV launch instead of three), and TensorRT maps RotaryEmbedding/Attention to fused layers.
@@ -156,22 +183,19 @@ def _onnx_attention(g, spec, past_len, num_tokens, positions, rope, max_seq):
     heads, kv_heads, head_dim = hp["num_heads"], hp["num_kv_heads"], hp["head_dim"]
     kv_len, mask = _attention_mask(g, past_len, num_tokens, positions)
 
-    def attend(i, h):
-        p = f"layers.{i}."
-        qkv = _linear(g, spec, h, p + "qkv", parts=(p + "q", p + "k", p + "v"))  # [B, T, (Hq+2Hkv)*D]
-        qkv = g.op("Reshape", qkv, g.const([0, 0, heads + 2 * kv_heads, head_dim]))
-        qkv = g.op("Transpose", qkv, perm=[0, 2, 1, 3])  # [B, Hq+2Hkv, T, D]
-        q, k, v = g.op("Split", qkv, g.const([heads, kv_heads, kv_heads]), axis=1, outputs=3)
+    def core(b, i, qkv):
+        qkv = b.op("Reshape", qkv, b.const([0, 0, heads + 2 * kv_heads, head_dim]))
+        qkv = b.op("Transpose", qkv, perm=[0, 2, 1, 3])  # [B, Hq+2Hkv, T, D]
+        q, k, v = b.op("Split", qkv, b.const([heads, kv_heads, kv_heads]), axis=1, outputs=3)
         if rope is not None:
-            q, k = (g.op("RotaryEmbedding", t, *rope, positions) for t in (q, k))
-        keys = _write_cache(g, f"key.{i}", k, past_len, spec, max_seq, kv_len)
-        values = _write_cache(g, f"value.{i}", v, past_len, spec, max_seq, kv_len)
-        context = g.op("Attention", q, keys, values, mask, scale=float(hp["attn_scale"]))  # [B, Hq, T, D]
-        context = g.op("Transpose", context, perm=[0, 2, 1, 3])
-        context = g.op("Reshape", context, g.const([0, 0, heads * head_dim]))
-        return _linear(g, spec, context, p + "o")
+            q, k = (b.op("RotaryEmbedding", t, *rope, positions) for t in (q, k))
+        keys = _write_cache(b, f"key.{i}", k, past_len, spec, max_seq, kv_len)
+        values = _write_cache(b, f"value.{i}", v, past_len, spec, max_seq, kv_len)
+        context = b.op("Attention", q, keys, values, mask, scale=float(hp["attn_scale"]))  # [B, Hq, T, D]
+        context = b.op("Transpose", context, perm=[0, 2, 1, 3])
+        return b.op("Reshape", context, b.const([0, 0, heads * head_dim]))
 
-    return attend
+    return core
 
 
 def fused_attention_supported(spec: ModelSpec) -> bool:
@@ -197,29 +221,50 @@ def _fused_attention(g, spec, past_len, num_tokens, rope, max_seq):
     g.domains[ORT_DOMAIN] = 1
     shape = cache_shape(spec, max_seq)
 
-    def attend(i, h):
-        p = f"layers.{i}."
-        qkv = _linear(g, spec, h, p + "qkv", parts=(p + "q", p + "k", p + "v"))  # [1, T, (Hq+2Hkv)*D]
-        past_key, past_value = g.input(f"past_key.{i}", FLOAT, shape), g.input(f"past_value.{i}", FLOAT, shape)
-        outputs = [f"{g.scope}GroupQueryAttention/out", f"present_key.{i}", f"present_value.{i}"]
-        context, present_key, present_value = g.op(
+    def core(b, i, qkv):
+        past_key, past_value = b.input(f"past_key.{i}", FLOAT, shape), b.input(f"past_value.{i}", FLOAT, shape)
+        outputs = [f"{b.scope}GroupQueryAttention/out", f"present_key.{i}", f"present_value.{i}"]
+        context, present_key, present_value = b.op(
             "GroupQueryAttention", qkv, "", "", past_key, past_value, seqlens_k, total_len, *(rope or ("", "")),
             domain=ORT_DOMAIN, outputs=3, out=outputs, num_heads=hp["num_heads"], kv_num_heads=hp["num_kv_heads"],
             scale=float(hp["attn_scale"]), do_rotary=int(rope is not None), rotary_interleaved=0)
-        for present in (present_key, present_value):
-            g.output(present, present, FLOAT, shape)
-        return _linear(g, spec, context, p + "o")  # context is [1, T, Hq*D] already
+        for present, name in ((present_key, f"present_key.{i}"), (present_value, f"present_value.{i}")):
+            b.output(present, name, FLOAT, shape)
+        return context  # [1, T, Hq*D] already
 
-    return attend
+    return core
 
 
-def _write_cache(g, name, new, past_len, spec, max_seq, kv_len):
+def _either_attention(g, spec, max_seq, fused_flag: str, fused, standard):
+    """Per call, the fused kernel where `fused_flag` holds (batch 1), the standard ops otherwise: an
+    If whose two branches hold no weights, so the projections around it stay in the main graph,
+    where ONNX Runtime pre-packs them once (it does not pre-pack weights a branch reads)."""
+    shape = cache_shape(spec, max_seq)
+
+    def core(b, i, qkv):
+        assert b is g, "session graphs choose the attention kernel at the top level"
+        branches = []
+        for label, make in (("fused", fused), ("standard", standard)):
+            branch = g.branch(label)
+            context = make(branch, i, qkv)
+            yields = [context, branch.yields[f"present_key.{i}"], branch.yields[f"present_value.{i}"]]
+            branches.append(branch.graph([(tensor, FLOAT) for tensor in yields]))
+        outputs = [f"{g.scope}attention/context", f"present_key.{i}", f"present_value.{i}"]
+        g.op("If", fused_flag, outputs=3, out=outputs, then_branch=branches[0], else_branch=branches[1])
+        for name in outputs[1:]:
+            g.output(name, name, FLOAT, shape)
+        return outputs[0]
+
+    return core
+
+
+def _write_cache(b, name, new, past_len, spec, max_seq, kv_len):
     """Write new K or V at positions past_len.. in place; return the readable prefix [B, H, L, D]."""
     shape = cache_shape(spec, max_seq)
-    past = g.input(f"past_{name}", FLOAT, shape)
-    present = g.op("TensorScatter", past, new, past_len, axis=-2, out=f"present_{name}")
-    g.output(present, present, FLOAT, shape)
-    return g.op("Slice", present, g.const([0]), kv_len, g.const([2]))
+    past = b.input(f"past_{name}", FLOAT, shape)
+    present = b.op("TensorScatter", past, new, past_len, axis=-2, out=f"present_{name}")
+    b.output(present, f"present_{name}", FLOAT, shape)
+    return b.op("Slice", present, b.const([0]), kv_len, b.const([2]))
 
 
 # ---------------------------------------------------------------------------------------------
