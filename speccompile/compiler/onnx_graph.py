@@ -14,6 +14,8 @@ from speccompile.compiler.tensors import (
     LazyTensor,
     cast,
     materialize,
+    nbits_blocks,
+    nbits_scales,
     quantized_int8,
 )
 
@@ -22,7 +24,10 @@ IR_VERSION = 10
 FLOAT, INT32, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64, TensorProto.BOOL
 WEIGHT_DTYPES = {np.dtype(np.float32): (TensorProto.FLOAT, "<f4"), np.dtype(np.int8): (TensorProto.INT8, "i1"),
                  np.dtype(np.int64): (TensorProto.INT64, "<i8"), np.dtype(np.float16): (TensorProto.FLOAT16, "<f2"),
-                 BFLOAT16: (TensorProto.BFLOAT16, BFLOAT16)}
+                 BFLOAT16: (TensorProto.BFLOAT16, BFLOAT16), np.dtype(np.uint8): (TensorProto.UINT8, "u1")}
+ORT_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops
+INT8_KERNELS = ("DequantizeLinear", "MatMulNBits")  # how a graph runs int8 weights (see GraphBuilder.matmul)
+NBITS_BLOCK = 32
 # How a graph stores its projection and LM-head weights (see GraphBuilder.matmul).
 MATMUL_WEIGHTS = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BFLOAT16,
                   "int8": np.dtype(np.int8)}
@@ -31,10 +36,12 @@ MATMUL_WEIGHTS = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float1
 class GraphBuilder:
     """Accumulates nodes, inputs, outputs and initializers for one ONNX graph."""
 
-    def __init__(self, name: str, matmul_weights: str = "float32"):
+    def __init__(self, name: str, matmul_weights: str = "float32", int8_kernel: str = "DequantizeLinear"):
         assert matmul_weights in MATMUL_WEIGHTS, f"matmul_weights {matmul_weights!r} not in {MATMUL_WEIGHTS}"
+        assert int8_kernel in INT8_KERNELS, f"int8_kernel {int8_kernel!r} not in {INT8_KERNELS}"
         self.name = name
         self.matmul_weights = matmul_weights
+        self.int8_kernel = int8_kernel
         self.nodes: list[onnx.NodeProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
@@ -85,8 +92,23 @@ class GraphBuilder:
             half = self.weight(f"{name}_{stored}", cast(_lazy(weight), MATMUL_WEIGHTS[stored]))
             return self.op("MatMul", x, self.op("Cast", half, to=FLOAT))
         quantized, scale = quantized_int8(_lazy(weight))
+        if self.int8_kernel == "MatMulNBits" and quantized.shape[0] % NBITS_BLOCK == 0:
+            return self._matmul_nbits(x, name, quantized, scale)
         dequantized = self.op("DequantizeLinear", self.weight(name + "_q", quantized), self.weight(name + "_scale", scale), axis=1)
         return self.op("MatMul", x, dequantized)
+
+    def _matmul_nbits(self, x: str, name: str, quantized: LazyTensor, scale: LazyTensor) -> str:
+        """The same int8 weights as ONNX Runtime's MatMulNBits (8 bits) takes them, for graphs only
+        ONNX Runtime runs (session graphs). Why not DequantizeLinear -> MatMul, which ONNX Runtime
+        fuses into this very kernel: the fusion keeps the fused weights beside the packed ones (1.1B
+        int8 target: 2.49 GB RSS for 1.72 GB of weights). Block size and accuracy level are the
+        fusion's (32, int8 compute), so the numbers are the per-kind graphs' exactly."""
+        k, n = quantized.shape
+        self.domains[ORT_DOMAIN] = 1
+        blocks = self.weight(name + "_nbits", nbits_blocks(quantized, NBITS_BLOCK))
+        scales = self.weight(name + "_nbits_scale", nbits_scales(scale, k // NBITS_BLOCK))
+        return self.op("MatMulNBits", x, blocks, scales, domain=ORT_DOMAIN, K=k, N=n, bits=8, block_size=NBITS_BLOCK,
+                       accuracy_level=4)
 
     def const(self, value, dtype=np.int64) -> str:
         """A small constant (shape, axes, scalar) stored inline in the graph."""

@@ -44,7 +44,7 @@ READ_BACK = ["next_token", "probs", *[o for o in OUTPUTS if o != "next_token"]] 
 
 def build_session_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int, kinds: list[str],
                         matmul_weights: str = "float32", vocab_ids: np.ndarray | None = None) -> GraphBuilder:
-    g = GraphBuilder(name, matmul_weights)
+    g = GraphBuilder(name, matmul_weights, int8_kernel="MatMulNBits")
     ids = g.input("input_ids", INT64, ["batch", "tokens"])
     past_len = g.input("past_len", INT64, ["batch"])
     token_count = g.input("token_count", INT64, ["batch"])

@@ -160,6 +160,21 @@ def quantized_int8(t: LazyTensor) -> tuple[LazyTensor, LazyTensor]:
             LazyTensor((n,), np.dtype(np.float32), lambda: pair.take(1)))
 
 
+def nbits_blocks(q: LazyTensor, block: int) -> LazyTensor:
+    """int8 q [K, N] in ONNX Runtime's MatMulNBits 8-bit layout: uint8 [N, K / block, block], one row
+    per output column, stored as q + 128 (the kernel's default zero point)."""
+    k, n = q.shape
+    shape = (n, k // block, block)
+    return LazyTensor(shape, np.dtype(np.uint8), lambda: (q.load().T.astype(np.int16) + 128).astype(np.uint8).reshape(shape))
+
+
+def nbits_scales(scale: LazyTensor, blocks: int) -> LazyTensor:
+    """Each column's scale, once per block of its K / block blocks: the same quantization as one scale
+    per column."""
+    (n,) = scale.shape
+    return LazyTensor((n * blocks,), np.dtype(np.float32), lambda: np.repeat(scale.load(), blocks))
+
+
 class _SharedResult:
     """A tuple computed on the first take and released once every part has been taken."""
 

@@ -23,12 +23,10 @@ GroupQueryAttention kernel, which reads the cache in place (see _fused_attention
 import numpy as np
 
 from speccompile.compiler.checkpoint import ModelSpec
-from speccompile.compiler.onnx_graph import FLOAT, INT32, INT64, GraphBuilder
+from speccompile.compiler.onnx_graph import FLOAT, INT32, INT64, ORT_DOMAIN, GraphBuilder
 from speccompile.compiler.rope import Rope, inverse_frequencies
 from speccompile.compiler.spec_accept import OUTPUTS, spec_accept_node, spec_op
 from speccompile.compiler.tensors import columns, concatenated
-
-ORT_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops
 
 
 def build_forward_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int, sample: bool = False,
