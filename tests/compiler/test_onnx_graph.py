@@ -9,8 +9,9 @@ from onnx import TensorProto
 from speccompile.compiler.onnx_graph import FLOAT, GraphBuilder, WeightFile
 
 
-def run_matmul(weight: np.ndarray, x: np.ndarray, matmul_weights: str, tmp_path) -> np.ndarray:
-    g = GraphBuilder("m", matmul_weights)
+def run_matmul(weight: np.ndarray, x: np.ndarray, matmul_weights: str, tmp_path,
+               int8_kernel: str = "DequantizeLinear") -> np.ndarray:
+    g = GraphBuilder("m", matmul_weights, int8_kernel)
     y = g.matmul(g.input("x", FLOAT, list(x.shape)), "w", weight)
     g.output(y, "y", FLOAT, [x.shape[0], weight.shape[1]])
     weights = WeightFile("w.bin")
@@ -80,3 +81,29 @@ def test_one_weight_name_for_two_different_arrays_is_a_bug():
     weights.add({"w": np.ones(4, np.float32)})  # the same weight again, from another graph: stored once
     with pytest.raises(AssertionError, match="two different weights named w"):
         weights.add({"w": np.zeros(8, np.float32)})
+
+
+@pytest.mark.parametrize("stored", ["float16", "bfloat16"])
+def test_half_precision_weights_are_stored_half_and_computed_in_float32(tmp_path, stored):
+    rng = np.random.default_rng(3)
+    w, x = rng.standard_normal((32, 48)).astype(np.float32), rng.standard_normal((3, 32)).astype(np.float32)
+    g = GraphBuilder("m", stored)
+    g.matmul("x", "w", w)
+    [(name, half)] = g.weights.items()
+    assert half.dtype.itemsize == 2 and name == f"w_{stored}"
+    tolerance = 1e-2 if stored == "float16" else 5e-2
+    np.testing.assert_allclose(run_matmul(w, x, stored, tmp_path), x @ w, rtol=tolerance, atol=tolerance)
+
+
+def test_matmul_nbits_layout_computes_what_the_fused_pattern_computes(tmp_path):
+    """Session graphs run int8 weights on MatMulNBits directly; ONNX Runtime fuses the portable
+    DequantizeLinear -> MatMul into the same kernel: the two must give the same numbers."""
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((96, 40)).astype(np.float32) * np.linspace(0.01, 3.0, 40, dtype=np.float32)
+    x = rng.standard_normal((5, 96)).astype(np.float32)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    fused = run_matmul(w, x, "int8", tmp_path / "a")
+    direct = run_matmul(w, x, "int8", tmp_path / "b", int8_kernel="MatMulNBits")
+    np.testing.assert_array_equal(direct, fused)
+    assert np.abs(direct - x @ w).max() < 0.02 * np.abs(x @ w).max()
