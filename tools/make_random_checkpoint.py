@@ -33,6 +33,13 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab, max position
     "llama-3-8b": (4096, 14336, 32, 32, 8, 128256, 8192, False),
     "small-322m": (1024, 2816, 20, 16, 8, 8192, 2048, False),
 }
+# what a shape's config says beyond the shapes: Llama 3.x's RoPE scaling, as in its released configs
+CONFIG_EXTRAS = {
+    "llama-3.2-1b": {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 32.0,
+                     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    "llama-3-8b": {"rope_theta": 500000.0},
+    "qwen2.5-0.5b": {"rope_theta": 1000000.0},
+}
 DTYPES = {"float16": ("F16", np.float16), "float32": ("F32", np.float32)}
 SHARD_BYTES = 2 << 30
 DEMO_TOKENIZER = Path(__file__).resolve().parents[1] / "speccompile" / "demo" / "target"
@@ -113,7 +120,7 @@ def _write_shard(path: Path, shard, code: str, np_dtype, log) -> None:
 
 
 def random_checkpoint(shape: str, out: Path, dtype: str, seed: int, residual_scale: float = 1.0) -> None:
-    config = llama_config(*SHAPES[shape])
+    config = llama_config(*SHAPES[shape]) | CONFIG_EXTRAS.get(shape, {})
     rng = np.random.default_rng(seed)
     tensors = [(name, s, lambda name=name, s=s: random_tensor(name, s, rng, residual_scale))
                for name, s in tensor_shapes(config).items()]
