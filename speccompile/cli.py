@@ -330,7 +330,7 @@ class _Streamer:
             header = f"--- prompt {row + 1}/{len(self.prompts)}\n" if len(self.prompts) > 1 else ""
             sys.stdout.write(header + self.prompts[row])
             self.printed = ""
-        text = self.tokenizer.decode(self.prompt_ids[row] + self.tokens[row])[len(self.prompt_texts[row]):]
+        text = self.tokenizer.decode_continuation(self.prompt_ids[row], self.tokens[row], self.prompt_texts[row])
         if not text.endswith("\ufffd") or final:  # else an incomplete UTF-8 sequence: wait for the next token
             sys.stdout.write(text[len(self.printed):])
             self.printed = text

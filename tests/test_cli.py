@@ -7,6 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from speccompile.cli import main
+from speccompile.runtime.tokenizer import Tokenizer
 from tests.tiny_models import make_checkpoint, make_tokenizer
 
 
@@ -180,10 +181,13 @@ def test_several_prompts_each_print_their_text_and_a_labelled_stats_line(bundles
     assert lines[1].startswith("[prompt 2/2, speculative γ=1] ")
 
 
-class CharTokenizer:
-    """One token per character; token 0 is EOS."""
+class CharTokenizer(Tokenizer):
+    """One token per character; token 0 is EOS (decode_continuation is the runtime tokenizer's)."""
 
     eos_token_ids = frozenset({0})
+
+    def __init__(self):
+        pass
 
     def encode(self, text):
         return [ord(c) for c in text]

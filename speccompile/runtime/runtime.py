@@ -109,7 +109,8 @@ class Runtime:
             tokens, stats = autoregressive_generate(self.target, token_prompts, max_new_tokens, eos, on_tokens, sampler)
             for s in stats:
                 s.gamma = gamma  # "auto" when the policy chose plain decoding, else 0
-        return [GenerationResult(p, t, self.tokenizer.decode(t), s) for p, t, s in zip(prompts, tokens, stats)]
+        texts = [self.tokenizer.decode_continuation(ids, t) for ids, t in zip(token_prompts, tokens)]
+        return [GenerationResult(p, t, text, s) for p, t, text, s in zip(prompts, tokens, texts, stats)]
 
     def _load_graphs(self, mode: str, gamma, greedy: bool, batch: int) -> None:
         """Load every graph this request can run before its clock starts (they load lazily otherwise)."""

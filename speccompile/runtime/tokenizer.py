@@ -20,3 +20,10 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def decode_continuation(self, prompt_ids: list[int], ids: list[int], prompt_text: str | None = None) -> str:
+        """The text `ids` add after `prompt_ids`. Decoded after the prompt's tokens, not alone: a
+        SentencePiece decoder drops the leading space of a text's first word, which is no first word
+        here (HF pipelines cut the prompt's text off the whole decoded sequence the same way)."""
+        prompt_text = self.decode(prompt_ids) if prompt_text is None else prompt_text
+        return self.decode(prompt_ids + ids)[len(prompt_text):]
