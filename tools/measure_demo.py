@@ -47,7 +47,7 @@ def acceptance(runtime, prompts, gamma, max_new_tokens, **sampling) -> dict:
         accepted += r.stats.accepted_tokens
         iterations += r.stats.iterations
         by_position = [a + b for a, b in zip(by_position, r.stats.accepted_at)]
-    return {"acceptance_rate": accepted / drafted, "mean_accepted_length": accepted / iterations,
+    return {"acceptance_rate": accepted / drafted, "mean_accepted_drafts": accepted / iterations,
             "acceptance_by_position": [n / iterations for n in by_position], "prompts": len(prompts)}
 
 
