@@ -190,7 +190,7 @@ def verify(bundle):
     """Hash every file of a bundle against its manifest (opening a bundle checks only what changed since)."""
     import time
 
-    from speccompile.runtime.bundle import verify_bundle
+    from speccompile.bundle import verify_bundle
 
     started = time.perf_counter()
     checked = verify_bundle(resolve_bundle(bundle))
@@ -206,7 +206,7 @@ def verify(bundle):
 @user_errors
 def inspect(bundle, as_json):
     """Graphs, engines, shapes and op counts of a bundle."""
-    from speccompile.runtime.bundle import open_bundle
+    from speccompile.bundle import open_bundle
     from speccompile.runtime.inspect import describe, render
 
     info = describe(open_bundle(resolve_bundle(bundle)))

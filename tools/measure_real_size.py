@@ -24,7 +24,7 @@ import psutil
 
 def main() -> None:
     import speccompile
-    from speccompile.runtime.bundle import open_bundle
+    from speccompile.bundle import open_bundle
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("bundle", type=Path)

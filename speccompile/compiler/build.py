@@ -16,6 +16,7 @@ from pathlib import Path
 
 import onnx
 
+from speccompile.bundle import FORMAT_VERSION, MANIFEST, sha256_file, write_stamp
 from speccompile.compiler.checkpoint import ModelSpec, check_max_seq, load_checkpoint
 from speccompile.compiler.draft_vocab import FREQUENCIES_FILE, corpus_frequencies, read_frequencies, select_vocab
 from speccompile.compiler.onnx_graph import MATMUL_WEIGHTS, OPSET, WeightFile
@@ -24,7 +25,6 @@ from speccompile.compiler.tokenizer import check_compatible, eos_token_ids, load
 from speccompile.compiler.transformer import build_forward_graph, build_verify_graph, fused_attention_supported
 from speccompile.compiler.trt_rules import check_tensorrt_compatible
 from speccompile.errors import SpecCompileError
-from speccompile.runtime.bundle import FORMAT_VERSION, MANIFEST, sha256_file, write_stamp
 
 DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64", onnx.TensorProto.BOOL: "bool"}
 

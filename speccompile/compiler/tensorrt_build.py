@@ -12,8 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
+from speccompile.bundle import MANIFEST, open_bundle, sha256_file, write_stamp
 from speccompile.errors import SpecCompileError
-from speccompile.runtime.bundle import MANIFEST, open_bundle, sha256_file, write_stamp
 from speccompile.runtime.hardware import gpu as gpu_info
 
 ENGINES_DIR = "engines"

@@ -1,6 +1,6 @@
 """`inspect`: what a bundle holds, from its manifest (graphs, engines, shapes, op counts)."""
 
-from speccompile.runtime.bundle import Bundle
+from speccompile.bundle import Bundle
 
 
 def _is_cache(name: str) -> bool:

@@ -13,8 +13,8 @@ import os
 
 import numpy as np
 
+from speccompile.bundle import Bundle
 from speccompile.errors import SpecCompileError
-from speccompile.runtime.bundle import Bundle
 
 # graph kind -> outputs read back (everything else a graph returns is the cache, bound in place)
 OUTPUTS = {

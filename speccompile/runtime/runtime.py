@@ -4,12 +4,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from speccompile.bundle import Bundle, open_bundle
 from speccompile.core.gamma_policy import GammaPolicy
 from speccompile.core.sampler import Sampler, SamplingParams
 from speccompile.core.speculative import autoregressive_generate, speculative_generate
 from speccompile.core.stats import GenerationStats
 from speccompile.errors import SpecCompileError
-from speccompile.runtime.bundle import Bundle, open_bundle
 from speccompile.runtime.tokenizer import Tokenizer
 
 MODES = ("speculative", "autoregressive")

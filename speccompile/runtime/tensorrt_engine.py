@@ -10,8 +10,8 @@ This module has not been executed on a machine with TensorRT yet (see README: ba
 
 import numpy as np
 
+from speccompile.bundle import Bundle
 from speccompile.errors import SpecCompileError
-from speccompile.runtime.bundle import Bundle
 from speccompile.runtime.onnxruntime_engine import OUTPUTS
 
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1  # forward engines: tokens 1..max_seq, tokens 1..2

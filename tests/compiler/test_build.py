@@ -6,11 +6,11 @@ import numpy as np
 import onnx
 import pytest
 
+from speccompile.bundle import open_bundle, sha256_file
 from speccompile.compiler import build as build_module
 from speccompile.compiler.build import build_bundle
 from speccompile.compiler.trt_rules import tensorrt_violations
 from speccompile.errors import SpecCompileError
-from speccompile.runtime.bundle import open_bundle, sha256_file
 from tests.tiny_models import make_checkpoint
 
 

@@ -7,10 +7,16 @@ import onnx
 import pytest
 
 import speccompile
+from speccompile.bundle import open_bundle
 from speccompile.compiler.build import build_bundle
-from speccompile.compiler.draft_vocab import FREQUENCIES_FILE, corpus_frequencies, read_frequencies, select_vocab, write_frequencies
+from speccompile.compiler.draft_vocab import (
+    FREQUENCIES_FILE,
+    corpus_frequencies,
+    read_frequencies,
+    select_vocab,
+    write_frequencies,
+)
 from speccompile.errors import SpecCompileError
-from speccompile.runtime.bundle import open_bundle
 from tests.tiny_models import TEXT
 
 

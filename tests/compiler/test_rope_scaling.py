@@ -14,6 +14,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import speccompile
+from speccompile.bundle import open_bundle
 from speccompile.compiler.architectures import LLAMA
 from speccompile.compiler.build import build_bundle
 from speccompile.compiler.checkpoint import (
@@ -24,7 +25,6 @@ from speccompile.compiler.checkpoint import (
 from speccompile.compiler.rope import Rope, inverse_frequencies
 from speccompile.compiler.transformer import rope_tables
 from speccompile.errors import SpecCompileError
-from speccompile.runtime.bundle import open_bundle
 from tests.compiler.test_transformer_parity import (
     ATOL,
     empty_cache,

@@ -17,8 +17,8 @@ import onnxruntime as ort
 import pytest
 
 import speccompile
+from speccompile.bundle import open_bundle
 from speccompile.errors import SpecCompileError
-from speccompile.runtime.bundle import open_bundle
 from tests.compiler.test_transformer_parity import empty_cache, run_with_cache
 from tests.conftest import FAMILIES
 

@@ -7,9 +7,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from speccompile.bundle import open_bundle
 from speccompile.cli import main
 from speccompile.compiler.tensorrt_build import optimization_profiles
-from speccompile.runtime.bundle import open_bundle
 
 HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from speccompile.runtime.bundle import open_bundle
+from speccompile.bundle import open_bundle
 from tests.conftest import FAMILIES
 
 ATOL = 1e-4

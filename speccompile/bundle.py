@@ -1,4 +1,5 @@
-"""A bundle on disk: manifest.json + ONNX graphs + weights + tokenizer, integrity-checked on open.
+"""The bundle format, which the compiler writes and the runtime reads: manifest.json, ONNX graphs,
+weights, tokenizer, and their integrity check on open.
 
 Integrity is the sha256 of every file, recorded in the manifest at build time. Hashing a real-size
 bundle costs seconds to minutes (an 8B float32 bundle is 32 GB to read), so it is not paid at every

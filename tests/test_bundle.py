@@ -7,10 +7,10 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
+from speccompile import bundle as bundle_module
+from speccompile.bundle import STAMP, open_bundle
 from speccompile.cli import main
 from speccompile.errors import SpecCompileError
-from speccompile.runtime import bundle as bundle_module
-from speccompile.runtime.bundle import STAMP, open_bundle
 
 
 @pytest.fixture
