@@ -24,6 +24,52 @@ FORMAT_VERSION = 1
 STAMP = ".verified.json"  # not in the manifest's file list: it describes the files, it is not one of them
 
 
+# what a graph computes (see compiler/transformer.py) -> the outputs a runtime reads back; everything
+# else a graph returns is the KV cache, which the runtime binds in place
+GRAPH_OUTPUTS = {
+    "forward": ("next_token",),
+    "sample": ("next_token", "probs"),
+    "verify": ("accepted", "next_token", "new_len"),
+    "verify_sample": ("accepted", "next_token", "new_len"),
+}
+GRAPH_KINDS = tuple(GRAPH_OUTPUTS)
+
+
+@dataclass(frozen=True)
+class GraphId:
+    """What a graph is: its model, its kind and, for a verification, its γ. Its name, the manifest's
+    key and its file's stem (`target_forward`, `target_verify_sample_g4`), is derived from these
+    here, once; nothing parses a name back."""
+
+    model: str  # "target" | "draft"
+    kind: str  # one of GRAPH_KINDS
+    gamma: int | None = None  # verifications only
+
+    def __post_init__(self):
+        assert self.kind in GRAPH_KINDS, f"graph kind {self.kind!r} not in {GRAPH_KINDS}"
+        assert (self.gamma is not None) == self.verifies, f"{self.kind} graph with γ={self.gamma}"
+
+    @classmethod
+    def verification(cls, gamma: int, sample: bool) -> "GraphId":
+        return cls("target", "verify_sample" if sample else "verify", int(gamma))
+
+    @property
+    def verifies(self) -> bool:
+        return self.kind.startswith("verify")
+
+    @property
+    def sampling(self) -> bool:
+        return self.kind in ("sample", "verify_sample")
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}_{self.kind}" + (f"_g{self.gamma}" if self.verifies else "")
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return GRAPH_OUTPUTS[self.kind]
+
+
 @dataclass
 class Bundle:
     path: Path

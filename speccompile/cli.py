@@ -264,7 +264,10 @@ def profile(bundle, prompts_file, batch_sizes, context_lengths, repeats, rounds,
     except SpecCompileError as e:
         log(f"no plots: {e}")
     if ops:
-        for graph in ("target_forward", "draft_forward", f"target_verify_g{max(runtime.gammas)}"):
+        from speccompile.bundle import GraphId
+
+        graphs = (GraphId("target", "forward"), GraphId("draft", "forward"), GraphId.verification(max(runtime.gammas), False))
+        for graph in (g.name for g in graphs):
             click.echo(f"\n{graph}: top ops by share (batch 1, context 32)")
             for op, ms, share in prof.op_profile(runtime.bundle, graph, prof.graph_feeds(runtime.bundle, graph)):
                 click.echo(f"  {op:<22} {ms:8.3f} ms  {share:6.1%}")

@@ -134,3 +134,26 @@ def test_inspect_reports_what_the_bundle_needs_in_memory(bundles):
     assert info["memory"]["draft"]["matmul_weights"] == "int8"
     text = CliRunner().invoke(main, ["inspect", str(bundle)]).stdout
     assert "target memory: weights" in text and "KV cache" in text
+
+
+def test_graph_names_are_derived_from_what_a_graph_is():
+    from speccompile.bundle import GraphId
+
+    assert GraphId("target", "forward").name == "target_forward"
+    assert GraphId("draft", "sample").name == "draft_sample"
+    assert GraphId.verification(4, sample=False).name == "target_verify_g4"
+    assert GraphId.verification(6, sample=True).name == "target_verify_sample_g6"
+    assert GraphId.verification(2, sample=True).outputs == ("accepted", "next_token", "new_len")
+    with pytest.raises(AssertionError):
+        GraphId("target", "verify")  # a verification has a γ
+    with pytest.raises(AssertionError):
+        GraphId("target", "forward", 4)
+
+
+def test_the_manifest_records_each_graph_as_its_id(bundles):
+    from speccompile.bundle import GraphId
+
+    manifest = open_bundle(bundles("llama", "random")).manifest
+    for name, entry in manifest["graphs"].items():
+        graph = GraphId(entry["model"], entry["kind"], entry["gamma"])
+        assert graph.name == name and entry["file"] == f"{name}.onnx"

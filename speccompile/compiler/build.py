@@ -16,7 +16,7 @@ from pathlib import Path
 
 import onnx
 
-from speccompile.bundle import FORMAT_VERSION, MANIFEST, sha256_file, write_stamp
+from speccompile.bundle import FORMAT_VERSION, MANIFEST, GraphId, sha256_file, write_stamp
 from speccompile.compiler.checkpoint import ModelSpec, check_max_seq, load_checkpoint
 from speccompile.compiler.draft_vocab import FREQUENCIES_FILE, corpus_frequencies, read_frequencies, select_vocab
 from speccompile.compiler.onnx_graph import MATMUL_WEIGHTS, OPSET, WeightFile
@@ -168,23 +168,25 @@ def _draft_vocab_ids(draft: ModelSpec, size: int, corpus, vocab_out: int, eos_id
 
 def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_out, matmul_weights: dict[str, str],
                    vocab_ids=None, single_sequence: bool = False) -> dict:
-    """name -> (GraphBuilder, role); with single_sequence, the batch-1 variants under the same names,
+    """name -> (GraphBuilder, GraphId); with single_sequence, the batch-1 variants under the same names,
     for the models ONNX Runtime's fused attention kernel accepts. Graphs hold lazy weights only."""
     graphs = {}
     for role, spec, ids in (("target", target, None), ("draft", draft, vocab_ids)):
         weights = matmul_weights[role]
         if single_sequence and not fused_attention_supported(spec):
             continue
-        for sample, name in ((False, f"{role}_forward"), (True, f"{role}_sample")):
-            graphs[name] = (build_forward_graph(spec, name, max_seq, vocab_out, sample=sample, matmul_weights=weights,
-                                                vocab_ids=None if sample else ids, single_sequence=single_sequence), role)
+        for graph in (GraphId(role, "forward"), GraphId(role, "sample")):
+            graphs[graph.name] = (build_forward_graph(spec, graph.name, max_seq, vocab_out, sample=graph.sampling,
+                                                      matmul_weights=weights,
+                                                      vocab_ids=None if graph.sampling else ids,
+                                                      single_sequence=single_sequence), graph)
     if single_sequence and not fused_attention_supported(target):
         return graphs
     for gamma in gammas:
-        for sample, name in ((False, f"target_verify_g{gamma}"), (True, f"target_verify_sample_g{gamma}")):
-            graphs[name] = (build_verify_graph(target, name, gamma, max_seq, vocab_out, sample=sample,
-                                               single_sequence=single_sequence,
-                                               matmul_weights=matmul_weights["target"]), "target")
+        for graph in (GraphId.verification(gamma, sample=False), GraphId.verification(gamma, sample=True)):
+            graphs[graph.name] = (build_verify_graph(target, graph.name, gamma, max_seq, vocab_out, sample=graph.sampling,
+                                                     single_sequence=single_sequence,
+                                                     matmul_weights=matmul_weights["target"]), graph)
     return graphs
 
 
@@ -208,16 +210,16 @@ def _session_graphs(target: ModelSpec, draft: ModelSpec, max_seq, vocab_out, mat
 def _write_graphs(staging: Path, graphs: dict, variants: dict, sessions: dict) -> dict[str, WeightFile]:
     """One weights file per model, shared by all of that model's graphs, variants and session graph."""
     weight_files = {role: WeightFile(f"{role}.weights") for role in ("target", "draft")}
-    for builder, role in [*graphs.values(), *variants.values()]:
-        weight_files[role].add(builder.weights)
+    for builder, graph in [*graphs.values(), *variants.values()]:
+        weight_files[graph.model].add(builder.weights)
     for role, (builder, _) in sessions.items():
         weight_files[role].add(builder.weights)
     for role, weight_file in weight_files.items():
         weight_file.write(staging / weight_file.filename)
-    for name, (builder, role) in graphs.items():
-        onnx.save_model(builder.model(weight_files[role].locations), str(staging / f"{name}.onnx"))
-    for name, (builder, role) in variants.items():
-        onnx.save_model(builder.model(weight_files[role].locations), str(staging / variant_file(name)))
+    for name, (builder, graph) in graphs.items():
+        onnx.save_model(builder.model(weight_files[graph.model].locations), str(staging / f"{name}.onnx"))
+    for name, (builder, graph) in variants.items():
+        onnx.save_model(builder.model(weight_files[graph.model].locations), str(staging / variant_file(name)))
     for role, (builder, _) in sessions.items():
         onnx.save_model(builder.model(weight_files[role].locations), str(staging / f"{builder.name}.onnx"))
     return weight_files
@@ -244,13 +246,13 @@ def _io_spec(values) -> list[dict]:
     return out
 
 
-def _graph_entry(staging: Path, name: str, role: str, gamma, needs_plugin: list[str]) -> dict:
-    model = onnx.load(str(staging / f"{name}.onnx"), load_external_data=False)
+def _graph_entry(staging: Path, graph: GraphId, needs_plugin: list[str]) -> dict:
+    model = onnx.load(str(staging / f"{graph.name}.onnx"), load_external_data=False)
     return {
-        "file": f"{name}.onnx",
-        "model": role,
-        "kind": ("verify" if gamma else "forward") + ("_sample" if "_sample" in name else ""),
-        "gamma": gamma,
+        "file": f"{graph.name}.onnx",
+        "model": graph.model,
+        "kind": graph.kind,
+        "gamma": graph.gamma,
         "inputs": _io_spec(model.graph.input),
         "outputs": _io_spec(model.graph.output),
         **_op_summary(model),
@@ -301,7 +303,8 @@ def _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max
         "max_seq": max_seq,
         "max_batch": max_batch,
         "vocab_size": vocab_out,
-        "models": {role: _model_entry(spec, weight_files[role], graphs[f"{role}_forward"][0].matmul_weights, scored[role])
+        "models": {role: _model_entry(spec, weight_files[role], graphs[GraphId(role, "forward").name][0].matmul_weights,
+                                      scored[role])
                    for role, spec in (("target", target), ("draft", draft))},
         "tokenizer": {
             "dir": "tokenizer",
@@ -310,8 +313,7 @@ def _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max
             "size": len(tokenizer),
         },
         "graphs": {
-            name: _graph_entry(staging, name, role, int(name.rsplit("_g", 1)[1]) if "_verify" in name else None, needs_plugin[name])
-            for name, (_, role) in graphs.items()
+            name: _graph_entry(staging, graph, needs_plugin[name]) for name, (_, graph) in graphs.items()
         },
         "files": {name: sha256_file(staging / name) for name in files},
     }

@@ -32,12 +32,13 @@ the tests compare against); the ONNX Runtime backend runs this one.
 import numpy as np
 from onnx import helper, numpy_helper
 
+from speccompile.bundle import GRAPH_KINDS
 from speccompile.compiler.checkpoint import ModelSpec
 from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT64, GraphBuilder
 from speccompile.compiler.spec_accept import OUTPUTS
 from speccompile.compiler.transformer import _decoder, _lm_head, accept, greedy_next, sampled_next
 
-KINDS = {"forward": 0, "sample": 1, "verify": 2, "verify_sample": 3}  # recorded in the manifest for the runtime
+KINDS = {kind: k for k, kind in enumerate(GRAPH_KINDS)}  # the `kind` input's values, recorded in the manifest
 ALWAYS_FED = {"input_ids", "past_len", "token_count", "kind", "fused"}
 READ_BACK = ["next_token", "probs", *[o for o in OUTPUTS if o != "next_token"]]  # every output but the cache
 

@@ -51,7 +51,7 @@ def optimization_profiles(entry: dict, max_batch: int, max_seq: int) -> list[lis
     forward/sample graphs: one profile for prefill (tokens 1..max_seq) and one for decode/draft
     steps (tokens 1..2). Verification graphs have a fixed γ+1 and one profile. Batch is 1..max_batch.
     """
-    token_ranges = [(1, max_seq // 4, max_seq), (1, 1, 2)] if entry["kind"].startswith("forward") else [None]
+    token_ranges = [(1, max_seq // 4, max_seq), (1, 1, 2)] if not entry["kind"].startswith("verify") else [None]
     profiles = []
     for tokens in token_ranges:
         shapes = []

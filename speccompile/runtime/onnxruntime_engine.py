@@ -13,16 +13,8 @@ import os
 
 import numpy as np
 
-from speccompile.bundle import Bundle
+from speccompile.bundle import Bundle, GraphId
 from speccompile.errors import SpecCompileError
-
-# graph kind -> outputs read back (everything else a graph returns is the cache, bound in place)
-OUTPUTS = {
-    "forward": ["next_token"],
-    "sample": ["next_token", "probs"],
-    "verify": ["accepted", "next_token", "new_len"],
-    "verify_sample": ["accepted", "next_token", "new_len"],
-}
 
 
 def _ort():
@@ -130,7 +122,7 @@ class OrtModel:
         self._bindings: dict = {}
         self.cache: list = []
         self.cache_lengths = np.zeros(0, dtype=np.int64)
-        self._session(self._file(f"{role}_forward", 1))  # fail early on a broken bundle; others load on first use
+        self._session(GraphId(role, "forward"), 1)  # fail early on a broken bundle; others load on first use
 
     def compiled_gammas(self) -> list[int]:
         return self.bundle.gammas if self.role == "target" else []
@@ -142,62 +134,66 @@ class OrtModel:
         self.cache_lengths = np.zeros(batch_size, dtype=np.int64)
 
     def forward(self, tokens: np.ndarray, token_count: np.ndarray) -> np.ndarray:
-        out = self._run(f"{self.role}_forward", "forward", input_ids=tokens, past_len=self.cache_lengths, token_count=token_count)
+        out = self._run(GraphId(self.role, "forward"), input_ids=tokens, past_len=self.cache_lengths,
+                        token_count=token_count)
         self.cache_lengths = self.cache_lengths + token_count
         return out["next_token"].copy()
 
     def forward_sample(self, tokens, token_count, params, uniform) -> tuple[np.ndarray, np.ndarray]:
         """Like forward, but the next token is sampled; also returns the distribution it came from."""
-        out = self._run(f"{self.role}_sample", "sample", input_ids=tokens, past_len=self.cache_lengths,
+        out = self._run(GraphId(self.role, "sample"), input_ids=tokens, past_len=self.cache_lengths,
                         token_count=token_count, uniform=uniform, **params)
         self.cache_lengths = self.cache_lengths + token_count
         return out["next_token"].copy(), out["probs"].copy()
 
     def verify(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        out = self._run(f"target_verify_g{tokens.shape[1] - 1}", "verify", input_ids=tokens, past_len=self.cache_lengths)
+        out = self._run(GraphId.verification(tokens.shape[1] - 1, sample=False), input_ids=tokens,
+                        past_len=self.cache_lengths)
         self.cache_lengths = out["new_len"].copy()
         return out["accepted"].copy(), out["next_token"].copy()
 
     def verify_sample(self, tokens, draft_probs, params, u_accept, u_sample) -> tuple[np.ndarray, np.ndarray]:
-        out = self._run(f"target_verify_sample_g{tokens.shape[1] - 1}", "verify_sample", input_ids=tokens,
+        out = self._run(GraphId.verification(tokens.shape[1] - 1, sample=True), input_ids=tokens,
                         past_len=self.cache_lengths, draft_probs=draft_probs, u_accept=u_accept, u_sample=u_sample, **params)
         self.cache_lengths = out["new_len"].copy()
         return out["accepted"].copy(), out["next_token"].copy()
 
-    def load_graphs(self, graphs: list[str], batch: int | None = None) -> None:
+    def load_graphs(self, graphs: list[GraphId], batch: int | None = None) -> None:
         """Create the sessions these graphs run on at this batch size now, so that no generation
         times a session load."""
         for graph in graphs:
-            self._session(self._file(graph, batch or len(self.cache_lengths)))
+            self._session(graph, batch or len(self.cache_lengths))
 
     # -- sessions and buffers -----------------------------------------------------------------
-    def _file(self, graph: str, batch: int) -> str:
+    def _file(self, graph: GraphId, batch: int) -> str:
         """The graph file whose computation a batch runs: a batch of one sequence runs the graph's
         single-sequence variant where the bundle has one (fused attention that reads the cache in
         place). With a session graph, that computation runs there (see _session, _binding)."""
-        if graph not in self.bundle.manifest["graphs"]:
-            raise SpecCompileError(f"graph {graph} is not in this bundle")
-        entry = self.bundle.graph(graph)
+        if graph.name not in self.bundle.manifest["graphs"]:
+            raise SpecCompileError(f"graph {graph.name} is not in this bundle")
+        entry = self.bundle.graph(graph.name)
         if batch == 1 and "single_sequence" in entry and self.single_sequence:
             return entry["single_sequence"]["file"]
         return entry["file"]
 
-    def _session(self, file: str):
-        """The session that runs graph `file`: its own, or the model's one session graph."""
+    def _session(self, graph: GraphId, batch: int):
+        """The session that runs `graph` at this batch size: its file's own, or the model's one
+        session graph. Sessions are kept by the file whose computation they run."""
+        file = self._file(graph, batch)
         if file not in self._sessions:
             if self._session_graph is None:
-                self._sessions[file] = self._new_session(file)
+                self._sessions[file] = self._new_session(file, self._spin(graph))
             else:
                 loaded = next(iter(self._sessions.values()), None)
-                self._sessions[file] = loaded or self._new_session(self._session_graph["file"])
+                self._sessions[file] = loaded or self._new_session(self._session_graph["file"], self._spin(graph))
         return self._sessions[file]
 
-    def _new_session(self, file: str):
-        options = session_options(self._threads, self._spin(file), self.shared_pool)
+    def _new_session(self, file: str, spinning: bool):
+        options = session_options(self._threads, spinning, self.shared_pool)
         options.log_severity_level = 3  # a session graph's optional inputs have defaults, which it warns about
         return _ort().InferenceSession(str(self.bundle.path / file), options, providers=self._providers)
 
-    def _spin(self, graph: str) -> bool:
+    def _spin(self, graph: GraphId) -> bool:
         """Pool threads spin after a run only where the same session runs again next (decode steps).
 
         In the speculative loop a verification is followed by draft steps on another session:
@@ -208,16 +204,17 @@ class OrtModel:
             return self._spinning
         if self._session_graph is not None:  # one session for all calls: the target's mostly verify
             return self.role != "target"
-        return "_verify" not in graph
+        return not graph.verifies
 
-    def _run(self, graph: str, kind: str, **inputs) -> dict[str, np.ndarray]:
-        file = self._file(graph, len(self.cache_lengths))
-        binding, outputs, fed = self._binding(file, kind)
+    def _run(self, graph: GraphId, **inputs) -> dict[str, np.ndarray]:
+        batch = len(self.cache_lengths)
+        file = self._file(graph, batch)
+        binding, outputs, fed = self._binding(graph, file)
         if self._session_graph is not None and "token_count" not in inputs:  # verification: every token is real
             inputs["token_count"] = np.full(len(self.cache_lengths), inputs["input_ids"].shape[1], dtype=np.int64)
         for name, value in inputs.items():
             self._feed(binding, fed, name, np.asarray(value))
-        self._session(file).run_with_iobinding(binding)
+        self._session(graph, batch).run_with_iobinding(binding)
         return outputs
 
     @staticmethod
@@ -238,19 +235,21 @@ class OrtModel:
         self.cache = [ort.OrtValue.ortvalue_from_numpy(a) for a in self._cache_arrays]
         self._bindings = {}
 
-    def _binding(self, file: str, kind: str):
-        """An IOBinding with the cache bound in place and the read-back outputs in reusable arrays."""
-        if (file, kind) in self._bindings:
-            return self._bindings[file, kind]
+    def _binding(self, graph: GraphId, file: str):
+        """An IOBinding with the cache bound in place and the read-back outputs in reusable arrays.
+        Kept per graph and file: with a session graph, one session runs several graphs' calls."""
+        key = graph, file
+        if key in self._bindings:
+            return self._bindings[key]
         ort = _ort()
-        batch = len(self.cache_lengths)
-        binding = self._session(file).io_binding()
+        batch, kind = len(self.cache_lengths), graph.kind
+        binding = self._session(graph, batch).io_binding()
         for i in range(self.num_layers):
             for k, kind_name in enumerate(("key", "value")):
                 binding.bind_ortvalue_input(f"past_{kind_name}.{i}", self.cache[2 * i + k])
                 binding.bind_ortvalue_output(f"present_{kind_name}.{i}", self.cache[2 * i + k])
         arrays = {}
-        for name in OUTPUTS[kind]:
+        for name in graph.outputs:
             shape = (batch, self.vocab_size) if name == "probs" else (batch,)
             arrays[name] = np.zeros(shape, dtype=np.float32 if name == "probs" else np.int64)
             binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(arrays[name]))
@@ -258,5 +257,5 @@ class OrtModel:
         if self._session_graph is not None:  # constant for this binding: which call, which attention kernel
             self._feed(binding, fed, "kind", np.array(self._session_graph["kinds"][kind], dtype=np.int64))
             self._feed(binding, fed, "fused", np.array(file in self._variant_files))
-        self._bindings[file, kind] = (binding, arrays, fed)
-        return self._bindings[file, kind]
+        self._bindings[key] = (binding, arrays, fed)
+        return self._bindings[key]

@@ -4,7 +4,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from speccompile.bundle import Bundle, open_bundle
+from speccompile.bundle import Bundle, GraphId, open_bundle
 from speccompile.core.gamma_policy import GammaPolicy
 from speccompile.core.sampler import Sampler, SamplingParams
 from speccompile.core.speculative import autoregressive_generate, speculative_generate
@@ -114,12 +114,12 @@ class Runtime:
 
     def _load_graphs(self, mode: str, gamma, greedy: bool, batch: int) -> None:
         """Load every graph this request can run before its clock starts (they load lazily otherwise)."""
-        suffix = "forward" if greedy else "sample"
-        verify = "target_verify_g" if greedy else "target_verify_sample_g"
-        target = [f"target_{suffix}"]
+        step = "forward" if greedy else "sample"
+        target = [GraphId("target", step)]
         if mode == "speculative":
-            target += [f"{verify}{g}" for g in (self.gammas if isinstance(gamma, GammaPolicy) else [gamma])]
-            self.draft.load_graphs([f"draft_{suffix}"], batch)
+            gammas = self.gammas if isinstance(gamma, GammaPolicy) else [gamma]
+            target += [GraphId.verification(g, sample=not greedy) for g in gammas]
+            self.draft.load_graphs([GraphId("draft", step)], batch)
         self.target.load_graphs(target, batch)
 
     # -- γ selection ---------------------------------------------------------------------------

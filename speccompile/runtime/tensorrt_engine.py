@@ -10,9 +10,8 @@ This module has not been executed on a machine with TensorRT yet (see README: ba
 
 import numpy as np
 
-from speccompile.bundle import Bundle
+from speccompile.bundle import Bundle, GraphId
 from speccompile.errors import SpecCompileError
-from speccompile.runtime.onnxruntime_engine import OUTPUTS
 
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1  # forward engines: tokens 1..max_seq, tokens 1..2
 
@@ -51,32 +50,34 @@ class TrtModel:
         self.cache_lengths = np.zeros(batch_size, dtype=np.int64)
 
     def forward(self, tokens, token_count):
-        out = self._run(f"{self.role}_forward", "forward", input_ids=tokens, past_len=self.cache_lengths, token_count=token_count)
+        out = self._run(GraphId(self.role, "forward"), input_ids=tokens, past_len=self.cache_lengths,
+                        token_count=token_count)
         self.cache_lengths = self.cache_lengths + token_count
         return out["next_token"]
 
     def forward_sample(self, tokens, token_count, params, uniform):
-        out = self._run(f"{self.role}_sample", "sample", input_ids=tokens, past_len=self.cache_lengths,
+        out = self._run(GraphId(self.role, "sample"), input_ids=tokens, past_len=self.cache_lengths,
                         token_count=token_count, uniform=uniform, **params)
         self.cache_lengths = self.cache_lengths + token_count
         return out["next_token"], out["probs"]
 
     def verify(self, tokens):
-        out = self._run(f"target_verify_g{tokens.shape[1] - 1}", "verify", input_ids=tokens, past_len=self.cache_lengths)
+        out = self._run(GraphId.verification(tokens.shape[1] - 1, sample=False), input_ids=tokens,
+                        past_len=self.cache_lengths)
         self.cache_lengths = out["new_len"]
         return out["accepted"], out["next_token"]
 
     def verify_sample(self, tokens, draft_probs, params, u_accept, u_sample):
-        out = self._run(f"target_verify_sample_g{tokens.shape[1] - 1}", "verify_sample", input_ids=tokens,
+        out = self._run(GraphId.verification(tokens.shape[1] - 1, sample=True), input_ids=tokens,
                         past_len=self.cache_lengths, draft_probs=draft_probs, u_accept=u_accept, u_sample=u_sample, **params)
         self.cache_lengths = out["new_len"]
         return out["accepted"], out["next_token"]
 
     # -- execution ----------------------------------------------------------------------------
-    def load_graphs(self, graphs: list[str], batch: int | None = None) -> None:
+    def load_graphs(self, graphs: list[GraphId], batch: int | None = None) -> None:
         """Deserialize these engines now, so that no generation times an engine load."""
         for graph in graphs:
-            self._context(graph)
+            self._context(graph.name)
 
     def _context(self, graph: str):
         if graph not in self._contexts:
@@ -89,9 +90,9 @@ class TrtModel:
             self._contexts[graph] = (engine, engine.create_execution_context(), {})
         return self._contexts[graph]
 
-    def _run(self, graph: str, kind: str, **inputs) -> dict[str, np.ndarray]:
-        engine, context, scratch = self._context(graph)
-        if kind in ("forward", "sample"):
+    def _run(self, graph: GraphId, **inputs) -> dict[str, np.ndarray]:
+        engine, context, scratch = self._context(graph.name)
+        if not graph.verifies:
             profile = PREFILL_PROFILE if inputs["input_ids"].shape[1] > 2 else DECODE_PROFILE
             context.set_optimization_profile_async(profile, self.stream.ptr)
         for i in range(self.num_layers):
@@ -108,12 +109,12 @@ class TrtModel:
             context.set_tensor_address(name, device.ptr)
         batch = len(self.cache_lengths)
         outputs = {}
-        for name in OUTPUTS[kind]:
+        for name in graph.outputs:
             shape, dtype = ((batch, self.vocab_size), np.float32) if name == "probs" else ((batch,), np.int64)
             outputs[name] = self._scratch(scratch, name, shape, dtype)
             context.set_tensor_address(name, outputs[name].ptr)
         if not context.execute_async_v3(self.stream.ptr):
-            raise SpecCompileError(f"TensorRT failed to execute {graph}")
+            raise SpecCompileError(f"TensorRT failed to execute {graph.name}")
         result = {name: buffer.copy_to(np.empty(buffer.shape, dtype=buffer.dtype), self.stream) for name, buffer in outputs.items()}
         self.stream.synchronize()
         return result

@@ -8,6 +8,7 @@ import torch
 import transformers
 
 import speccompile
+from speccompile.bundle import GraphId
 from tests.conftest import FAMILIES
 
 PROMPTS = [[5, 17, 33, 2, 9, 100, 7], [8, 9, 10, 11], [200], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
@@ -96,8 +97,9 @@ def test_streaming_callback_sees_every_token_in_order(bundles):
     assert [seen[0], seen[1]] == [r.token_ids for r in results]
 
 
-@pytest.mark.parametrize("temperature, graphs", [(0.0, ["target_verify_g4", "draft_forward"]),
-                                                 (0.8, ["target_verify_sample_g4", "draft_sample"])])
+@pytest.mark.parametrize("temperature, graphs", [
+    (0.0, [GraphId.verification(4, sample=False), GraphId("draft", "forward")]),
+    (0.8, [GraphId.verification(4, sample=True), GraphId("draft", "sample")])])
 def test_graphs_are_loaded_before_the_clock_starts(bundles, temperature, graphs):
     """Session loads (tens of ms) must not land in the first iteration's verify/draft time."""
     runtime = speccompile.load(bundles("llama", "random"))
@@ -112,7 +114,7 @@ def test_graphs_are_loaded_before_the_clock_starts(bundles, temperature, graphs)
     runtime.generate([PROMPTS[0]], max_new_tokens=4, gamma=4, temperature=temperature, seed=0)
     target_graph, draft_graph = graphs
     files = {runtime.target._file(target_graph, 1), runtime.draft._file(draft_graph, 1)}
-    assert f"{target_graph}_b1.onnx" in files  # batch 1: the target's single-sequence variant
+    assert f"{target_graph.name}_b1.onnx" in files  # batch 1: the target's single-sequence variant
     assert loaded_at_first_call and files <= loaded_at_first_call[0]
 
 
