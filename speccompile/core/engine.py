@@ -24,6 +24,12 @@ class DecoderEngine(Protocol):
         cache_lengths by token_count.
         """
 
+    def forward_sample(self, tokens: np.ndarray, token_count: np.ndarray, params: dict,
+                       uniform: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Like forward, but the next token is sampled from the distribution that `params`
+        (temperature, top_k, top_p per sequence) make of the logits, with one uniform per sequence.
+        Returns (next_token [B], that distribution [B, V])."""
+
 
 class VerifierEngine(DecoderEngine, Protocol):
     def verify(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -32,5 +38,9 @@ class VerifierEngine(DecoderEngine, Protocol):
         Returns (accepted [B], next_token [B]) and sets cache_lengths to the rolled-back lengths.
         """
 
-    def compiled_gammas(self) -> list[int]:
-        """The γ values a verification graph exists for."""
+    def verify_sample(self, tokens: np.ndarray, draft_probs: np.ndarray, params: dict, u_accept: np.ndarray,
+                      u_sample: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """verify with rejection sampling: draft token d_k is accepted with probability
+        min(1, p/q) (u_accept [B, γ]); the correction or bonus token is drawn with u_sample [B] from
+        the residual or from p (draft_probs [B, γ, V] is q). Same returns and rollback as verify."""
+

@@ -124,9 +124,6 @@ class OrtModel:
         self.cache_lengths = np.zeros(0, dtype=np.int64)
         self._session(GraphId(role, "forward"), 1)  # fail early on a broken bundle; others load on first use
 
-    def compiled_gammas(self) -> list[int]:
-        return self.bundle.gammas if self.role == "target" else []
-
     # -- engine interface ---------------------------------------------------------------------
     def start(self, batch_size: int) -> None:
         if len(self.cache_lengths) != batch_size:

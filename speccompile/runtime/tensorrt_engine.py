@@ -37,9 +37,6 @@ class TrtModel:
         self.cache: list = []
         self.cache_lengths = np.zeros(0, dtype=np.int64)
 
-    def compiled_gammas(self) -> list[int]:
-        return self.bundle.gammas if self.role == "target" else []
-
     # -- engine interface ---------------------------------------------------------------------
     def start(self, batch_size: int) -> None:
         if len(self.cache_lengths) != batch_size:
