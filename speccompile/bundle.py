@@ -70,6 +70,17 @@ class GraphId:
         return GRAPH_OUTPUTS[self.kind]
 
 
+def kv_cache_shape(num_kv_heads: int, head_dim: int, max_seq: int, batch="batch") -> list:
+    """One layer's K (or V) cache: [batch, KV heads, max_seq, head dim], float32, addressed by
+    position (graphs declare `batch` symbolic; a runtime allocates it for the batch it runs)."""
+    return [batch, num_kv_heads, max_seq, head_dim]
+
+
+def kv_cache_bytes_per_sequence(model: dict, max_seq: int) -> int:
+    """K and V of every layer of a manifest model entry, for one sequence at max_seq."""
+    return 2 * model["num_layers"] * model["num_kv_heads"] * model["head_dim"] * max_seq * 4
+
+
 @dataclass
 class Bundle:
     path: Path

@@ -24,7 +24,7 @@ import psutil
 
 def main() -> None:
     import speccompile
-    from speccompile.bundle import open_bundle
+    from speccompile.bundle import kv_cache_bytes_per_sequence, open_bundle
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("bundle", type=Path)
@@ -42,8 +42,8 @@ def main() -> None:
     report["rss_all_calls_bytes"] = process.memory_info().rss
     report["target_sessions"] = len({id(s) for s in runtime.target._sessions.values()})
     report["graph_variants_run"] = len(runtime.target._sessions) + len(runtime.draft._sessions)
-    report["kv_cache_bytes_batch2"] = sum(2 * m.num_layers * m.kv_heads * m.head_dim * m.max_seq * 4 * 2
-                                          for m in (runtime.target, runtime.draft))
+    report["kv_cache_bytes_batch2"] = 2 * sum(kv_cache_bytes_per_sequence(runtime.bundle.model(role), runtime.max_seq)
+                                              for role in ("target", "draft"))
     report["step_ms_batch1"] = _step_times(runtime.target, prompt, runtime.gammas, args.repeats)
     print(json.dumps(report, indent=1))
 

@@ -22,6 +22,7 @@ GroupQueryAttention kernel, which reads the cache in place (see _fused_attention
 
 import numpy as np
 
+from speccompile.bundle import kv_cache_shape
 from speccompile.compiler.checkpoint import ModelSpec
 from speccompile.compiler.onnx_graph import FLOAT, INT32, INT64, ORT_DOMAIN, GraphBuilder
 from speccompile.compiler.rope import Rope, inverse_frequencies
@@ -114,7 +115,7 @@ def _sampling_inputs(g: GraphBuilder) -> tuple[str, str, str]:
 
 
 def cache_shape(spec: ModelSpec, max_seq: int) -> list:
-    return ["batch", spec.hp["num_kv_heads"], max_seq, spec.hp["head_dim"]]
+    return kv_cache_shape(spec.hp["num_kv_heads"], spec.hp["head_dim"], max_seq)
 
 
 # ---------------------------------------------------------------------------------------------

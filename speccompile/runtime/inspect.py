@@ -1,6 +1,6 @@
 """`inspect`: what a bundle holds, from its manifest (graphs, engines, shapes, op counts)."""
 
-from speccompile.bundle import Bundle
+from speccompile.bundle import Bundle, kv_cache_bytes_per_sequence
 
 
 def _is_cache(name: str) -> bool:
@@ -41,7 +41,7 @@ def memory(bundle: Bundle) -> dict:
     out = {}
     for role, info in m["models"].items():
         weights = (bundle.path / info["weights_file"]).stat().st_size
-        per_sequence = 2 * info["num_layers"] * info["num_kv_heads"] * info["head_dim"] * m["max_seq"] * 4
+        per_sequence = kv_cache_bytes_per_sequence(info, m["max_seq"])
         one = "session" in info and weights >= ONE_SESSION_MIN_BYTES
         out[role] = {"weights_bytes": weights, "matmul_weights": info.get("matmul_weights", "float32"),
                      "weight_copies": "one" if one else "one per graph run",

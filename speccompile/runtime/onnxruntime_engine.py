@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from speccompile.bundle import Bundle, GraphId
+from speccompile.bundle import Bundle, GraphId, kv_cache_shape
 from speccompile.errors import SpecCompileError
 
 
@@ -227,7 +227,7 @@ class OrtModel:
 
     def _allocate(self, batch: int) -> None:
         ort = _ort()
-        shape = (batch, self.kv_heads, self.max_seq, self.head_dim)
+        shape = tuple(kv_cache_shape(self.kv_heads, self.head_dim, self.max_seq, batch))
         self._cache_arrays = [np.zeros(shape, dtype=np.float32) for _ in range(2 * self.num_layers)]
         self.cache = [ort.OrtValue.ortvalue_from_numpy(a) for a in self._cache_arrays]
         self._bindings = {}

@@ -10,7 +10,7 @@ This module has not been executed on a machine with TensorRT yet (see README: ba
 
 import numpy as np
 
-from speccompile.bundle import Bundle, GraphId
+from speccompile.bundle import Bundle, GraphId, kv_cache_shape
 from speccompile.errors import SpecCompileError
 
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1  # forward engines: tokens 1..max_seq, tokens 1..2
@@ -40,7 +40,7 @@ class TrtModel:
     # -- engine interface ---------------------------------------------------------------------
     def start(self, batch_size: int) -> None:
         if len(self.cache_lengths) != batch_size:
-            shape = (batch_size, self.kv_heads, self.max_seq, self.head_dim)
+            shape = tuple(kv_cache_shape(self.kv_heads, self.head_dim, self.max_seq, batch_size))
             self.cache = [self._cuda.DeviceArray(shape=shape, dtype=np.float32) for _ in range(2 * self.num_layers)]
             for buffer in self.cache:
                 buffer.copy_from(np.zeros(shape, dtype=np.float32), self.stream)
