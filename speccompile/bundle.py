@@ -10,6 +10,7 @@ manifest; a file the stamp does not vouch for is hashed again, and refused if it
 `speccompile verify` always hashes everything.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -49,7 +50,15 @@ class GraphId:
         assert self.kind in GRAPH_KINDS, f"graph kind {self.kind!r} not in {GRAPH_KINDS}"
         assert (self.gamma is not None) == self.verifies, f"{self.kind} graph with γ={self.gamma}"
 
+    # Both are cached: the speculative loop asks for its graphs at every step.
     @classmethod
+    @functools.cache
+    def step(cls, model: str, sample: bool) -> "GraphId":
+        """A prefill, decode or draft step: greedy (`forward`) or sampled."""
+        return cls(model, "sample" if sample else "forward")
+
+    @classmethod
+    @functools.cache
     def verification(cls, gamma: int, sample: bool) -> "GraphId":
         return cls("target", "verify_sample" if sample else "verify", int(gamma))
 

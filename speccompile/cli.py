@@ -266,7 +266,8 @@ def profile(bundle, prompts_file, batch_sizes, context_lengths, repeats, rounds,
     if ops:
         from speccompile.bundle import GraphId
 
-        graphs = (GraphId("target", "forward"), GraphId("draft", "forward"), GraphId.verification(max(runtime.gammas), False))
+        graphs = (GraphId.step("target", sample=False), GraphId.step("draft", sample=False),
+                  GraphId.verification(max(runtime.gammas), sample=False))
         for graph in (g.name for g in graphs):
             click.echo(f"\n{graph}: top ops by share (batch 1, context 32)")
             for op, ms, share in prof.op_profile(runtime.bundle, graph, prof.graph_feeds(runtime.bundle, graph)):

@@ -175,7 +175,7 @@ def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_o
         weights = matmul_weights[role]
         if single_sequence and not fused_attention_supported(spec):
             continue
-        for graph in (GraphId(role, "forward"), GraphId(role, "sample")):
+        for graph in (GraphId.step(role, sample=False), GraphId.step(role, sample=True)):
             graphs[graph.name] = (build_forward_graph(spec, graph.name, max_seq, vocab_out, sample=graph.sampling,
                                                       matmul_weights=weights,
                                                       vocab_ids=None if graph.sampling else ids,
@@ -303,7 +303,7 @@ def _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max
         "max_seq": max_seq,
         "max_batch": max_batch,
         "vocab_size": vocab_out,
-        "models": {role: _model_entry(spec, weight_files[role], graphs[GraphId(role, "forward").name][0].matmul_weights,
+        "models": {role: _model_entry(spec, weight_files[role], graphs[GraphId.step(role, sample=False).name][0].matmul_weights,
                                       scored[role])
                    for role, spec in (("target", target), ("draft", draft))},
         "tokenizer": {

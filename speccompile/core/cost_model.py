@@ -28,9 +28,7 @@ def predicted_speedup(acceptance_by_position: list[float], t_target: float, t_dr
     gamma = len(acceptance_by_position)
     if gamma == 0:
         return 1.0
-    iteration = gamma * t_draft + t_verify + t_overhead
-    assert iteration > 0, "iteration time must be positive"
-    return expected_tokens(acceptance_by_position) * t_target / iteration
+    return predicted_speedup_mixed(acceptance_by_position, {gamma: 1}, t_target, t_draft, t_verify, t_overhead)
 
 
 def predicted_speedup_mixed(acceptance_by_position: list[float], gammas_used: dict[int, int], t_target: float,

@@ -119,10 +119,10 @@ class OrtModel:
         self._variant_files = {e["single_sequence"]["file"] for e in bundle.manifest["graphs"].values()
                                if "single_sequence" in e}
         self._sessions: dict = {}  # graph file -> session
-        self._bindings: dict = {}
+        self._calls: dict = {}  # (graph, batch) -> (session, binding, outputs, fed): resolved once, not per step
         self.cache: list = []
         self.cache_lengths = np.zeros(0, dtype=np.int64)
-        self._session(GraphId(role, "forward"), 1)  # fail early on a broken bundle; others load on first use
+        self._session(GraphId.step(role, sample=False), 1)  # fail early on a broken bundle; others load on first use
 
     # -- engine interface ---------------------------------------------------------------------
     def start(self, batch_size: int) -> None:
@@ -131,14 +131,14 @@ class OrtModel:
         self.cache_lengths = np.zeros(batch_size, dtype=np.int64)
 
     def forward(self, tokens: np.ndarray, token_count: np.ndarray) -> np.ndarray:
-        out = self._run(GraphId(self.role, "forward"), input_ids=tokens, past_len=self.cache_lengths,
+        out = self._run(GraphId.step(self.role, sample=False), input_ids=tokens, past_len=self.cache_lengths,
                         token_count=token_count)
         self.cache_lengths = self.cache_lengths + token_count
         return out["next_token"].copy()
 
     def forward_sample(self, tokens, token_count, params, uniform) -> tuple[np.ndarray, np.ndarray]:
         """Like forward, but the next token is sampled; also returns the distribution it came from."""
-        out = self._run(GraphId(self.role, "sample"), input_ids=tokens, past_len=self.cache_lengths,
+        out = self._run(GraphId.step(self.role, sample=True), input_ids=tokens, past_len=self.cache_lengths,
                         token_count=token_count, uniform=uniform, **params)
         self.cache_lengths = self.cache_lengths + token_count
         return out["next_token"].copy(), out["probs"].copy()
@@ -204,15 +204,20 @@ class OrtModel:
         return not graph.verifies
 
     def _run(self, graph: GraphId, **inputs) -> dict[str, np.ndarray]:
-        batch = len(self.cache_lengths)
-        file = self._file(graph, batch)
-        binding, outputs, fed = self._binding(graph, file)
+        key = graph, len(self.cache_lengths)
+        session, binding, outputs, fed = self._calls.get(key) or self._prepare(*key)
         if self._session_graph is not None and "token_count" not in inputs:  # verification: every token is real
-            inputs["token_count"] = np.full(len(self.cache_lengths), inputs["input_ids"].shape[1], dtype=np.int64)
+            inputs["token_count"] = np.full(key[1], inputs["input_ids"].shape[1], dtype=np.int64)
         for name, value in inputs.items():
             self._feed(binding, fed, name, np.asarray(value))
-        self._session(graph, batch).run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         return outputs
+
+    def _prepare(self, graph: GraphId, batch: int) -> tuple:
+        """What a call of `graph` at this batch size runs on: its session and its binding."""
+        session = self._session(graph, batch)
+        self._calls[graph, batch] = (session, *self._binding(session, graph, self._file(graph, batch), batch))
+        return self._calls[graph, batch]
 
     @staticmethod
     def _feed(binding, fed: dict, name: str, value: np.ndarray) -> None:
@@ -230,17 +235,14 @@ class OrtModel:
         shape = tuple(kv_cache_shape(self.kv_heads, self.head_dim, self.max_seq, batch))
         self._cache_arrays = [np.zeros(shape, dtype=np.float32) for _ in range(2 * self.num_layers)]
         self.cache = [ort.OrtValue.ortvalue_from_numpy(a) for a in self._cache_arrays]
-        self._bindings = {}
+        self._calls = {}
 
-    def _binding(self, graph: GraphId, file: str):
-        """An IOBinding with the cache bound in place and the read-back outputs in reusable arrays.
-        Kept per graph and file: with a session graph, one session runs several graphs' calls."""
-        key = graph, file
-        if key in self._bindings:
-            return self._bindings[key]
+    def _binding(self, session, graph: GraphId, file: str, batch: int):
+        """An IOBinding with the cache bound in place and the read-back outputs in reusable arrays:
+        (binding, outputs, fed inputs). One per graph and batch size: with a session graph, one
+        session runs several graphs' calls."""
         ort = _ort()
-        batch, kind = len(self.cache_lengths), graph.kind
-        binding = self._session(graph, batch).io_binding()
+        binding = session.io_binding()
         for i in range(self.num_layers):
             for k, kind_name in enumerate(("key", "value")):
                 binding.bind_ortvalue_input(f"past_{kind_name}.{i}", self.cache[2 * i + k])
@@ -252,7 +254,6 @@ class OrtModel:
             binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(arrays[name]))
         fed = {}
         if self._session_graph is not None:  # constant for this binding: which call, which attention kernel
-            self._feed(binding, fed, "kind", np.array(self._session_graph["kinds"][kind], dtype=np.int64))
+            self._feed(binding, fed, "kind", np.array(self._session_graph["kinds"][graph.kind], dtype=np.int64))
             self._feed(binding, fed, "fused", np.array(file in self._variant_files))
-        self._bindings[key] = (binding, arrays, fed)
-        return self._bindings[key]
+        return binding, arrays, fed

@@ -114,12 +114,11 @@ class Runtime:
 
     def _load_graphs(self, mode: str, gamma, greedy: bool, batch: int) -> None:
         """Load every graph this request can run before its clock starts (they load lazily otherwise)."""
-        step = "forward" if greedy else "sample"
-        target = [GraphId("target", step)]
+        target = [GraphId.step("target", sample=not greedy)]
         if mode == "speculative":
             gammas = self.gammas if isinstance(gamma, GammaPolicy) else [gamma]
             target += [GraphId.verification(g, sample=not greedy) for g in gammas]
-            self.draft.load_graphs([GraphId("draft", step)], batch)
+            self.draft.load_graphs([GraphId.step("draft", sample=not greedy)], batch)
         self.target.load_graphs(target, batch)
 
     # -- γ selection ---------------------------------------------------------------------------

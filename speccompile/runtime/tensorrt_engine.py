@@ -47,13 +47,13 @@ class TrtModel:
         self.cache_lengths = np.zeros(batch_size, dtype=np.int64)
 
     def forward(self, tokens, token_count):
-        out = self._run(GraphId(self.role, "forward"), input_ids=tokens, past_len=self.cache_lengths,
+        out = self._run(GraphId.step(self.role, sample=False), input_ids=tokens, past_len=self.cache_lengths,
                         token_count=token_count)
         self.cache_lengths = self.cache_lengths + token_count
         return out["next_token"]
 
     def forward_sample(self, tokens, token_count, params, uniform):
-        out = self._run(GraphId(self.role, "sample"), input_ids=tokens, past_len=self.cache_lengths,
+        out = self._run(GraphId.step(self.role, sample=True), input_ids=tokens, past_len=self.cache_lengths,
                         token_count=token_count, uniform=uniform, **params)
         self.cache_lengths = self.cache_lengths + token_count
         return out["next_token"], out["probs"]
