@@ -107,7 +107,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         progress("write bundle")
         save_tokenizer(target_tok, staging / "tokenizer")
         scored = {"target": vocab_out, "draft": vocab_out if vocab_ids is None else len(vocab_ids)}
-        manifest = _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max_batch, vocab_out, scored, target_tok, needs_plugin)
+        manifest = _manifest(staging, target, draft, graphs, weight_files, weights, gammas, max_seq, max_batch, vocab_out,
+                             scored, target_tok, needs_plugin)
         for name in variants:
             manifest["graphs"][name]["single_sequence"] = _variant_entry(staging, name)
         for role, (builder, kinds) in sessions.items():
@@ -184,8 +185,8 @@ def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_o
         return graphs
     for gamma in gammas:
         for graph in (GraphId.verification(gamma, sample=False), GraphId.verification(gamma, sample=True)):
-            graphs[graph.name] = (build_verify_graph(target, graph.name, gamma, max_seq, vocab_out, sample=graph.sampling,
-                                                     single_sequence=single_sequence,
+            graphs[graph.name] = (build_verify_graph(target, graph.name, gamma, max_seq, vocab_out,
+                                                     sample=graph.sampling, single_sequence=single_sequence,
                                                      matmul_weights=matmul_weights["target"]), graph)
     return graphs
 
@@ -201,7 +202,8 @@ def _session_graphs(target: ModelSpec, draft: ModelSpec, max_seq, vocab_out, mat
                     vocab_ids=None) -> dict:
     """role -> (the model's session graph, {kind: id}): what the ONNX Runtime backend runs (session_graph.py)."""
     sessions = {}
-    for role, spec, kinds, ids in (("target", target, list(KINDS), None), ("draft", draft, ["forward", "sample"], vocab_ids)):
+    models = (("target", target, list(KINDS), None), ("draft", draft, ["forward", "sample"], vocab_ids))
+    for role, spec, kinds, ids in models:
         builder = build_session_graph(spec, f"{role}_session", max_seq, vocab_out, kinds, matmul_weights[role], ids)
         sessions[role] = (builder, {kind: KINDS[kind] for kind in kinds})
     return sessions
@@ -289,7 +291,8 @@ def _model_entry(spec: ModelSpec, weight_file: WeightFile, matmul_weights: str, 
     }
 
 
-def _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max_batch, vocab_out, scored, tokenizer, needs_plugin) -> dict:
+def _manifest(staging, target, draft, graphs, weight_files, matmul_weights, gammas, max_seq, max_batch, vocab_out, scored,
+              tokenizer, needs_plugin) -> dict:
     from speccompile import __version__
 
     files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
@@ -303,8 +306,7 @@ def _manifest(staging, target, draft, graphs, weight_files, gammas, max_seq, max
         "max_seq": max_seq,
         "max_batch": max_batch,
         "vocab_size": vocab_out,
-        "models": {role: _model_entry(spec, weight_files[role], graphs[GraphId.step(role, sample=False).name][0].matmul_weights,
-                                      scored[role])
+        "models": {role: _model_entry(spec, weight_files[role], matmul_weights[role], scored[role])
                    for role, spec in (("target", target), ("draft", draft))},
         "tokenizer": {
             "dir": "tokenizer",

@@ -4,8 +4,9 @@ transformers (`modeling_rope_utils.py`) turns a config's rope parameters into in
 and an attention factor, and applies q*cos + rotate_half(q)*sin with cos, sin = cos/sin(position ×
 inv_freq) × attention factor. Each function below is the numpy twin of HF's for one `rope_type`,
 in float32 and in HF's order of operations: the inverse frequencies equal HF's bit for bit, and the
-tables built from them (transformer.rope_tables) are within an ulp of torch's cos/sin. Each type also says how many positions a model that uses it is
-meant to attend over (`Scaling.span`): the limit a build's --max-seq is checked against.
+tables built from them (transformer.rope_tables) are within an ulp of torch's cos/sin. Each type
+also says how many positions a model that uses it is meant to attend over (`Scaling.span`): the
+limit a build's --max-seq is checked against.
 """
 
 import math

@@ -55,8 +55,10 @@ def build_session_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int
     rows = _head_rows(g, hidden, token_count, kind)  # [B, L, H]
     subset = vocab_ids is not None
     # the greedy forward kind of a cut-vocabulary draft scores its subset; every other call the whole head
-    on_subset = g.op("Mul", _row_count(g, rows), g.op("Cast", g.op("Equal", kind, g.const(KINDS["forward"])), to=INT64)) \
-        if subset else g.const([0])
+    on_subset = g.const([0])
+    if subset:
+        greedy_step = g.op("Cast", g.op("Equal", kind, g.const(KINDS["forward"])), to=INT64)
+        on_subset = g.op("Mul", _row_count(g, rows), greedy_step)
     logits = _lm_head(g, spec, g.op("Slice", rows, on_subset, g.const([1 << 62]), g.const([1])), vocab_out)
     logits_subset = _lm_head(g, spec, g.op("Slice", rows, g.const([0]), on_subset, g.const([1])), vocab_out,
                              vocab_ids) if subset else None

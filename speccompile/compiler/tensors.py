@@ -85,7 +85,8 @@ def safetensors_tensors(file: Path) -> dict[str, LazyTensor]:
         except (KeyError, TypeError, ValueError) as e:
             raise SpecCompileError(f"{file}: cannot read safetensors file (bad header entry {name!r}: {e})") from None
         if dtype not in SAFETENSORS_DTYPES:
-            raise SpecCompileError(f"{file}: tensor {name} has dtype {dtype}; supported: {', '.join(SAFETENSORS_DTYPES)}")
+            supported = ", ".join(SAFETENSORS_DTYPES)
+            raise SpecCompileError(f"{file}: tensor {name} has dtype {dtype}; supported: {supported}")
         stored = SAFETENSORS_DTYPES[dtype]
         if end - begin != math.prod(shape) * stored.itemsize or data_start + end > size or begin < 0:
             raise SpecCompileError(f"{file}: cannot read safetensors file (tensor {name} lies outside the file)")
@@ -165,7 +166,8 @@ def nbits_blocks(q: LazyTensor, block: int) -> LazyTensor:
     per output column, stored as q + 128 (the kernel's default zero point)."""
     k, n = q.shape
     shape = (n, k // block, block)
-    return LazyTensor(shape, np.dtype(np.uint8), lambda: (q.load().T.astype(np.int16) + 128).astype(np.uint8).reshape(shape))
+    return LazyTensor(shape, np.dtype(np.uint8),
+                      lambda: (q.load().T.astype(np.int16) + 128).astype(np.uint8).reshape(shape))
 
 
 def nbits_scales(scale: LazyTensor, blocks: int) -> LazyTensor:

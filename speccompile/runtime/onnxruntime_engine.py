@@ -93,7 +93,8 @@ ONE_SESSION_MIN_BYTES = 256 << 20
 def _one_session(bundle: Bundle, info: dict, asked: bool | None) -> bool:
     if "session" not in info:
         if asked:
-            raise SpecCompileError(f"{bundle.path}: this bundle has no session graphs (rebuild it to run one session per model)")
+            raise SpecCompileError(f"{bundle.path}: this bundle has no session graphs "
+                                   "(rebuild it to run one session per model)")
         return False
     if asked is not None:
         return asked

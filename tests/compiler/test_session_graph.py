@@ -17,7 +17,7 @@ import onnxruntime as ort
 import pytest
 
 import speccompile
-from speccompile.bundle import open_bundle
+from speccompile.bundle import GraphId, open_bundle
 from speccompile.errors import SpecCompileError
 from tests.compiler.test_transformer_parity import empty_cache, run_with_cache
 from tests.conftest import FAMILIES
@@ -36,9 +36,14 @@ def run_session(sess, bundle, role, kind, fused, feeds, cache):
     return run_with_cache(sess, {**feeds, "kind": np.array(kinds[kind], np.int64), "fused": np.array(fused)}, cache)
 
 
-def graph_file(bundle, name, fused):
+def graph_session(bundle, name, fused):
+    """The graph of one kind, as the runtime runs it without a session graph."""
     entry = bundle.graph(name)
-    return entry["single_sequence"]["file"] if fused else entry["file"]
+    return ort.InferenceSession(str(bundle.path / (entry["single_sequence"]["file"] if fused else entry["file"])))
+
+
+def copied(cache: dict) -> dict:
+    return {k: v.copy() for k, v in cache.items()}
 
 
 def prefilled(bundle, sess, batch, fused):
@@ -70,29 +75,25 @@ def test_session_graph_agrees_with_the_graph_of_every_kind(family, batch, bundle
     rng = np.random.default_rng(0)
     for gamma in bundle.manifest["gammas"]:
         for sample in (False, True):
-            name = f"target_verify{'_sample' if sample else ''}_g{gamma}"
+            graph = GraphId.verification(gamma, sample)
             feeds = {"input_ids": rng.integers(0, vocab, (batch, gamma + 1)), "past_len": lengths}
             if sample:
                 feeds |= sampling_feeds(rng, batch, gamma, vocab)
-            theirs, their_cache = {k: v.copy() for k, v in cache.items()}, None
-            expected = run_with_cache(ort.InferenceSession(str(bundle.path / graph_file(bundle, name, fused))),
-                                      dict(feeds), theirs)
-            ours = {k: v.copy() for k, v in cache.items()}
-            got = run_session(sess, bundle, "target", "verify_sample" if sample else "verify", fused, feeds, ours)
+            theirs, ours = copied(cache), copied(cache)
+            expected = run_with_cache(graph_session(bundle, graph.name, fused), dict(feeds), theirs)
+            got = run_session(sess, bundle, "target", graph.kind, fused, feeds, ours)
             for key in ("accepted", "next_token", "new_len"):
-                assert got[key].tolist() == expected[key].tolist(), (name, key)
-            their_cache = theirs
+                assert got[key].tolist() == expected[key].tolist(), (graph.name, key)
             for key in cache:  # the same cache entries written
-                np.testing.assert_allclose(ours[key], their_cache[key], atol=1e-5)
-    steps = {"input_ids": rng.integers(0, vocab, (batch, 1)), "past_len": lengths, "token_count": np.ones(batch, np.int64)}
-    for kind, name, extra in (("forward", "target_forward", {}),
-                              ("sample", "target_sample", {**{k: v for k, v in sampling_feeds(rng, batch, 1, vocab).items()
-                                                             if k in SAMPLING},
-                                                          "uniform": rng.random(batch).astype(np.float32)})):
+                np.testing.assert_allclose(ours[key], theirs[key], atol=1e-5)
+    steps = {"input_ids": rng.integers(0, vocab, (batch, 1)), "past_len": lengths,
+             "token_count": np.ones(batch, np.int64)}
+    controls = {k: v for k, v in sampling_feeds(rng, batch, 1, vocab).items() if k in SAMPLING}
+    sampled = {**controls, "uniform": rng.random(batch).astype(np.float32)}
+    for kind, extra in (("forward", {}), ("sample", sampled)):
         feeds = {**steps, **extra}
-        expected = run_with_cache(ort.InferenceSession(str(bundle.path / graph_file(bundle, name, fused))), dict(feeds),
-                                  {k: v.copy() for k, v in cache.items()})
-        got = run_session(sess, bundle, "target", kind, fused, feeds, {k: v.copy() for k, v in cache.items()})
+        expected = run_with_cache(graph_session(bundle, f"target_{kind}", fused), dict(feeds), copied(cache))
+        got = run_session(sess, bundle, "target", kind, fused, feeds, copied(cache))
         assert got["next_token"].tolist() == expected["next_token"].tolist(), kind
         if kind == "sample":
             np.testing.assert_allclose(got["probs"], expected["probs"], atol=1e-6)

@@ -38,7 +38,7 @@ def test_build_peak_memory_is_a_few_largest_tensors_not_the_model(tmp_path):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    weights = (tmp_path / "bundle" / "target.weights").stat().st_size + (tmp_path / "bundle" / "draft.weights").stat().st_size
+    weights = sum((tmp_path / "bundle" / f"{role}.weights").stat().st_size for role in ("target", "draft"))
     assert weights > 2 * model_bytes * 0.6  # both models' weights were written (the draft's in int8)
     # one tensor in flight: read (fp16), converted, transposed, quantized; never the model
     assert peak < 6 * largest + (8 << 20), f"peak {peak / 1e6:.1f} MB; largest tensor {largest / 1e6:.1f} MB"
