@@ -210,18 +210,15 @@ class BranchBuilder(GraphBuilder):
         return super().op(op_type, *inputs, outputs=outputs, domain=domain, out=out, **attrs)
 
     def add_function(self, function: onnx.FunctionProto) -> None:
-        same_name = [f for f in self.parent.functions if (f.domain, f.name) == (function.domain, function.name)]
-        body = function.SerializeToString()
-        if same_name and same_name[0].SerializeToString() != body:
-            taken = {f.name for f in self.parent.functions}
-            renamed = onnx.FunctionProto.FromString(body)
-            renamed.name = next(f"{function.name}_{k}" for k in range(1, 100) if f"{function.name}_{k}" not in taken)
-            function = renamed
-        elif same_name:
-            function = same_name[0]
-        self._functions[function.domain, same_name[0].name if same_name else function.name] = function.name
-        if function not in self.parent.functions:
-            self.parent.add_function(function)
+        existing = {f.name: f for f in self.parent.functions if f.domain == function.domain}
+        for name in (function.name, *(f"{function.name}_{k}" for k in range(1, 100))):
+            named = onnx.FunctionProto.FromString(function.SerializeToString())
+            named.name = name
+            if name not in existing:
+                self.parent.add_function(named)
+            if existing.get(name, named) == named:  # added now, or the same definition already there
+                break
+        self._functions[function.domain, function.name] = name
 
     def graph(self, outputs: list[tuple[str, int]]) -> onnx.GraphProto:
         """The branch as an If attribute yielding `outputs` ((tensor of this branch, element type)), in order."""

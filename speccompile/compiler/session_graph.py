@@ -32,7 +32,7 @@ the tests compare against); the ONNX Runtime backend runs this one.
 import numpy as np
 from onnx import helper, numpy_helper
 
-from speccompile.bundle import GRAPH_KINDS
+from speccompile.bundle import GRAPH_KINDS, GRAPH_OUTPUTS
 from speccompile.compiler.checkpoint import ModelSpec
 from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT64, GraphBuilder
 from speccompile.compiler.spec_accept import OUTPUTS
@@ -40,7 +40,8 @@ from speccompile.compiler.transformer import _decoder, _lm_head, accept, greedy_
 
 KINDS = {kind: k for k, kind in enumerate(GRAPH_KINDS)}  # the `kind` input's values, recorded in the manifest
 ALWAYS_FED = {"input_ids", "past_len", "token_count", "kind", "fused"}
-READ_BACK = ["next_token", "probs", *[o for o in OUTPUTS if o != "next_token"]]  # every output but the cache
+# every output any kind reads back (all but the cache), and its element type
+READ_BACK = {output: FLOAT if output == "probs" else INT64 for outputs in GRAPH_OUTPUTS.values() for output in outputs}
 
 
 def build_session_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int, kinds: list[str],
@@ -65,8 +66,8 @@ def build_session_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int
     tails = {k: _tail(g, k, logits, logits_subset, vocab_ids, ids, past_len, vocab_out) for k in kinds}
     outputs = _dispatch(g, kind, [tails[k] for k in kinds], [KINDS[k] for k in kinds], "")
     shapes = {"probs": ["batch", vocab_out]}
-    for tensor, output in zip(outputs, READ_BACK):
-        g.output(tensor, output, FLOAT if output == "probs" else INT64, shapes.get(output, ["batch"]))
+    for tensor, (output, elem_type) in zip(outputs, READ_BACK.items()):
+        g.output(tensor, output, elem_type, shapes.get(output, ["batch"]))
     for value in g.inputs:  # inputs only some kinds read: zero defaults, so other calls need not feed them
         if value.name not in ALWAYS_FED and not value.name.startswith("past_"):
             dtype = helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
@@ -105,19 +106,17 @@ def _tail(g, kind, logits, logits_subset, vocab_ids, ids, past_len, vocab_out):
     else:
         made.update(zip(OUTPUTS, accept(b, logits, ids, past_len, "gamma", vocab_out, kind == "verify_sample")))
     yields = []
-    for output in READ_BACK:
-        elem_type = FLOAT if output == "probs" else INT64
+    for output, elem_type in READ_BACK.items():
         if output not in made:  # If needs the same outputs from every branch; the runtime reads only its kind's
-            made[output] = b.op("Constant", value=numpy_helper.from_array(
-                np.zeros([0], np.float32 if output == "probs" else np.int64), f"{b.scope}{output}/empty"))
+            empty = np.zeros([0], helper.tensor_dtype_to_np_dtype(elem_type))
+            made[output] = b.op("Constant", value=numpy_helper.from_array(empty, f"{b.scope}{output}/empty"))
         yields.append((made[output], elem_type))
     return b, yields
 
 
-def _dispatch(g, kind, tails: list, ids: list[int], path: str) -> list[str]:
+def _dispatch(g, kind, tails: list, kind_ids: list[int], path: str) -> list[str]:
     """A balanced tree of If on `kind` over the tails; returns its outputs (READ_BACK order)."""
-    if len(tails) == 1:
-        raise AssertionError("a session graph serves at least two kinds")
+    assert len(tails) >= 2, "a session graph serves at least two kinds"
     mid = len(tails) // 2
     halves = []
     for part, label in ((slice(0, mid), "0"), (slice(mid, None), "1")):
@@ -126,8 +125,8 @@ def _dispatch(g, kind, tails: list, ids: list[int], path: str) -> list[str]:
             halves.append(branch.graph(yields))
         else:  # a nested If, built inside a branch of its own
             holder = g.branch(f"dispatch{path}{label}")
-            inner = _dispatch(holder, kind, tails[part], ids[part], path + label)
-            halves.append(holder.graph([(t, FLOAT if o == "probs" else INT64) for t, o in zip(inner, READ_BACK)]))
-    below = g.op("Less", kind, g.const(ids[mid]))
+            inner = _dispatch(holder, kind, tails[part], kind_ids[part], path + label)
+            halves.append(holder.graph(list(zip(inner, READ_BACK.values()))))
+    below = g.op("Less", kind, g.const(kind_ids[mid]))
     out = [f"dispatch{path}/{o}" for o in READ_BACK]  # a branch builder prefixes its scope
     return g.op("If", below, outputs=len(READ_BACK), out=out, then_branch=halves[0], else_branch=halves[1])
