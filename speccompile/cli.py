@@ -64,7 +64,7 @@ def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force, tar
 
     log = lambda line: click.echo(line, err=True)  # noqa: E731
     if backend == "tensorrt":  # fail before the ONNX export if the TensorRT side cannot run here
-        from speccompile.compiler.tensorrt_build import plugin_library, require_tensorrt
+        from speccompile.tensorrt_setup import plugin_library, require_tensorrt
 
         require_tensorrt()
         plugin_library(plugin_lib)

@@ -8,41 +8,14 @@ precision is the ONNX's. Engines and their manifest entries are added to the bun
 """
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 from speccompile.bundle import MANIFEST, open_bundle, sha256_file, write_stamp
-from speccompile.errors import SpecCompileError
-from speccompile.runtime.hardware import gpu as gpu_info
+from speccompile.tensorrt_setup import gpu as gpu_info
+from speccompile.tensorrt_setup import plugin_library, require_tensorrt
 
 ENGINES_DIR = "engines"
-PLUGIN_ENV = "SPECCOMPILE_PLUGIN_LIB"
-DEFAULT_PLUGIN = Path(__file__).resolve().parents[2] / "build" / "plugins" / "libspeccompile_plugins.so"
-
-
-def require_tensorrt():
-    """Import tensorrt and polygraphy, or fail with one line naming what is missing."""
-    missing = []
-    try:
-        import tensorrt
-    except ImportError:
-        missing.append("the tensorrt Python package (NVIDIA TensorRT 10.x/11.x with its native libraries)")
-        tensorrt = None
-    try:
-        import polygraphy  # noqa: F401
-    except ImportError:
-        missing.append("polygraphy")
-    if missing:
-        raise SpecCompileError("the TensorRT backend needs " + " and ".join(missing) + ": pip install 'speccompile[tensorrt]' on an NVIDIA machine")
-    return tensorrt
-
-
-def plugin_library(path=None) -> Path:
-    path = Path(path or os.environ.get(PLUGIN_ENV) or DEFAULT_PLUGIN)
-    if not path.is_file():
-        raise SpecCompileError(f"SpecAccept plugin library not found at {path}: build plugins/ with CMake (see plugins/README.md) or set {PLUGIN_ENV}")
-    return path
 
 
 def optimization_profiles(entry: dict, max_batch: int, max_seq: int) -> list[list[tuple]]:

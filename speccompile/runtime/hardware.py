@@ -4,7 +4,8 @@ import hashlib
 import json
 import os
 import platform
-import subprocess
+
+from speccompile.tensorrt_setup import gpu
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
 
@@ -42,17 +43,6 @@ def fingerprint(backend: str = "onnxruntime", providers=("CPUExecutionProvider",
         result["backend_version"] = tensorrt.__version__
         result.update(gpu())
     return result
-
-
-def gpu() -> dict:
-    """Name and compute capability of GPU 0, from nvidia-smi ("unknown" where there is none)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()[0]
-        name, capability = (x.strip() for x in out.split(","))
-        return {"gpu": name, "compute_capability": capability}
-    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
-        return {"gpu": "unknown", "compute_capability": "unknown"}
 
 
 def fingerprint_key(fp: dict) -> str:
