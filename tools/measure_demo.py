@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import speccompile  # noqa: E402
 from speccompile.runtime.bench import bench  # noqa: E402
 from speccompile.runtime.profile import measure_costs  # noqa: E402
-from speccompile.training.corpus import read_texts, stdlib_split  # noqa: E402
+from speccompile.corpus import read_texts, stdlib_split  # noqa: E402
 
 
 def heldout_prompts(count: int, lines: int, from_code: bool = False) -> list[str]:

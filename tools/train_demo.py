@@ -38,7 +38,7 @@ def train_tokenizer(work: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from speccompile.training.corpus import read_texts, stdlib_split, tokenize_files
+    from speccompile.corpus import read_texts, stdlib_split, tokenize_files
 
     train_files, heldout_files = stdlib_split(RECIPE["heldout_fraction"])
     tok = Tokenizer(models.BPE())
@@ -88,7 +88,7 @@ def evaluate(model, heldout: np.ndarray, cfg: dict) -> float:
     import torch
 
     rng = np.random.default_rng(0)  # the same windows every time
-    from speccompile.training.corpus import sample_windows
+    from speccompile.corpus import sample_windows
 
     windows = torch.from_numpy(sample_windows(heldout, cfg["eval_windows"], cfg["seq_len"], rng))
     model.eval()
@@ -102,7 +102,7 @@ def train_target(work: Path, steps: int | None) -> None:
     import torch
     import transformers
 
-    from speccompile.training.corpus import sample_windows
+    from speccompile.corpus import sample_windows
 
     cfg = dict(RECIPE["train"], steps=steps or RECIPE["train"]["steps"])
     torch.set_num_threads(cfg["threads"])

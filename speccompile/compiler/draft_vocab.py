@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from speccompile.corpus import corpus_tokens
 from speccompile.errors import SpecCompileError
 
 FREQUENCIES_FILE = "token_frequencies.json"
@@ -56,8 +57,6 @@ def read_frequencies(directory) -> np.ndarray | None:
 
 def corpus_frequencies(corpus, tokenizer, vocab_size: int) -> np.ndarray:
     """Token counts of a corpus argument (as `speccompile distill --corpus`), train part only."""
-    from speccompile.training.corpus import corpus_tokens
-
     encode = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
     train, _ = corpus_tokens(corpus, encode, tokenizer.eos_token_id or 0)
     if len(train) == 0:

@@ -17,8 +17,8 @@ import numpy as np
 
 from speccompile.compiler.architectures import ARCHITECTURES
 from speccompile.compiler.draft_vocab import count_tokens, write_frequencies
+from speccompile.corpus import corpus_tokens, sample_windows
 from speccompile.errors import SpecCompileError
-from speccompile.training.corpus import corpus_tokens, sample_windows
 
 STATE = "distill_state.pt"
 LOG = "distill_log.jsonl"

@@ -1,4 +1,5 @@
-"""Text corpora for training and distillation, tokenized into one flat id array.
+"""Text corpora, tokenized into one flat id array: what `distill` trains on and `build --draft-vocab-corpus`
+counts tokens of (so both the training and the compiler side import it).
 
 The demo corpus is the Python standard library of the interpreter running this code: present on
 every machine with Python, offline. It is split by file, deterministically: a file is held out when
