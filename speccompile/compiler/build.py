@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import onnx
@@ -293,12 +294,10 @@ def _model_entry(spec: ModelSpec, weight_file: WeightFile, matmul_weights: str, 
 
 def _manifest(staging, target, draft, graphs, weight_files, matmul_weights, gammas, max_seq, max_batch, vocab_out, scored,
               tokenizer, needs_plugin) -> dict:
-    from speccompile import __version__
-
     files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
     return {
         "format_version": FORMAT_VERSION,
-        "speccompile_version": __version__,
+        "speccompile_version": version("speccompile"),  # as installed: what `speccompile --version` says
         "opset": OPSET,
         "dtype": "float32",
         "gammas": gammas,
