@@ -21,7 +21,7 @@ from pathlib import Path
 from speccompile.errors import SpecCompileError, read_json_object
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: verification graphs take draft_len [B]
 STAMP = ".verified.json"  # not in the manifest's file list: it describes the files, it is not one of them
 
 

@@ -157,3 +157,11 @@ def test_the_manifest_records_each_graph_as_its_id(bundles):
     for name, entry in manifest["graphs"].items():
         graph = GraphId(entry["model"], entry["kind"], entry["gamma"])
         assert graph.name == name and entry["file"] == f"{name}.onnx"
+
+
+def test_a_bundle_of_the_previous_format_asks_for_a_rebuild(bundle_copy):
+    """Format 1's verification graphs lack draft_len: one error that says to rebuild, before any graph loads."""
+    manifest = json.loads((bundle_copy / "manifest.json").read_text())
+    (bundle_copy / "manifest.json").write_text(json.dumps({**manifest, "format_version": 1}))
+    with pytest.raises(SpecCompileError, match=r"format version 1 is not supported .*reads version 2\); rebuild"):
+        open_bundle(bundle_copy)

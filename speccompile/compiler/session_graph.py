@@ -22,8 +22,9 @@ So the graph itself serves every call, with all weights in its main body:
 - `fused` picks the attention kernel per call (transformer._either_attention): ONNX Runtime's fused
   GroupQueryAttention for a batch of one sequence, the standard ops otherwise. That If holds no
   weights either: the projections around it stay in the main body.
-- Optional inputs (sampling controls, draft probabilities) have zero defaults: a call feeds only
-  what its kind reads.
+- Optional inputs (sampling controls, draft probabilities, draft_len) have zero defaults: a call feeds
+  only what its kind reads. A verification always feeds draft_len; were it left out, the default 0
+  would make every row a plain decoding step (nothing accepted): slow, never wrong.
 
 The graphs of each kind are still written (TensorRT builds from them, and they are the reference
 the tests compare against); the ONNX Runtime backend runs this one.

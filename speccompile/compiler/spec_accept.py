@@ -10,16 +10,20 @@ carries `plugin_namespace` and `plugin_version`, so TensorRT's parser can serve 
 (plugins/) instead of inlining the body. The numpy references are `speccompile.core.acceptance` and
 `speccompile.core.sampling`; the tests hold the bodies to them position by position.
 
+Each row b proposes only its first k = draft_len[b] drafts (0 <= k <= γ): a batch verified in one
+pass shares γ, its rows need not. The slots after them are padding, whatever they hold.
+
 Greedy rule. The target scored [last, d_1 .. d_γ] at positions L .. L+γ, so its argmax t_j at
 input j is its own choice for the token after input j.
-  accepted  n = number of leading j in 1..γ with d_j == t_{j-1}
-  next        = t_n  (the correction at the first mismatch, or the bonus token when n == γ)
+  accepted  n = min(number of leading j in 1..γ with d_j == t_{j-1}, k)
+  next        = t_n  (the correction at the first mismatch, or the target's own token after d_k)
   new_len     = L + n + 1  (last and d_1..d_n stay in the cache; entries past them are dead and
                             will be overwritten, which is the O(1) rollback)
 
-Sampling rule (Leviathan et al.; Chen et al.): accept d_j iff u_j q_j(d_j) < p_j(d_j); at the first
-rejection n sample from normalise(max(0, p_n - q_n)); after γ acceptances sample from p_γ. The proof
-that this emits exactly p is next to the numpy reference (`sample_accept`).
+Sampling rule (Leviathan et al.; Chen et al.): accept d_j (j <= k) iff u_j q_j(d_j) < p_j(d_j); at
+the first rejection n sample from normalise(max(0, p_n - q_n)); after k acceptances sample from p_k.
+Why this emits exactly p, and why the pads cannot matter (the target is causal), is next to the
+numpy reference (`speccompile.core.acceptance`).
 """
 
 import numpy as np
@@ -32,8 +36,8 @@ PLUGIN_NAMESPACE = "speccompile"
 PLUGIN_VERSION = "1"
 ATTRIBUTES = ["plugin_namespace", "plugin_version", "mode"]
 OUTPUTS = ["accepted", "next_token", "new_len"]
-GREEDY_INPUTS = ["target_logits", "draft_tokens", "past_len"]
-SAMPLE_INPUTS = ["target_probs", "draft_probs", "draft_tokens", "u_accept", "u_sample", "past_len"]
+GREEDY_INPUTS = ["target_logits", "draft_tokens", "draft_len", "past_len"]
+SAMPLE_INPUTS = ["target_probs", "draft_probs", "draft_tokens", "draft_len", "u_accept", "u_sample", "past_len"]
 FLOAT32_MIN = float(np.finfo(np.float32).min)
 
 
@@ -51,6 +55,13 @@ def _leading_run(f: FunctionBuilder, accepted_each: str) -> str:
     rejections_so_far = f.op("CumSum", rejected, f.const(1))
     in_run = f.op("Cast", f.op("Equal", rejections_so_far, f.const(0.0, np.float32)), to=onnx.TensorProto.INT64)
     return f.op("ReduceSum", in_run, f.const([1]), keepdims=0, out="accepted")
+
+
+def _proposed(f: FunctionBuilder) -> str:
+    """[B, γ] bool: slot j of row b holds a real draft, j < draft_len[b]."""
+    gamma = f.op("Squeeze", f.op("Shape", "draft_tokens", start=1, end=2), f.const([0]))
+    slots = f.op("Range", f.const(0), gamma, f.const(1))  # [γ]
+    return f.op("Less", f.op("Unsqueeze", slots, f.const([0])), f.op("Unsqueeze", "draft_len", f.const([1])))
 
 
 def _new_len(f: FunctionBuilder, past_len: str, accepted: str) -> str:
@@ -78,8 +89,8 @@ def spec_accept_greedy_function() -> onnx.FunctionProto:
     target_tokens = f.op("ArgMax", "target_logits", axis=-1, keepdims=0)
     # t_0 .. t_{γ-1} are the target's choices at the positions the drafts d_1..d_γ occupy.
     target_choice = f.op("Slice", target_tokens, f.const([0]), f.const([-1]), f.const([1]))
-    accepted = _leading_run(f, f.op("Equal", "draft_tokens", target_choice))
-    # next = t_n: the correction at the first mismatch, or the bonus token when all γ matched.
+    accepted = _leading_run(f, f.op("And", f.op("Equal", "draft_tokens", target_choice), _proposed(f)))
+    # next = t_n: the correction at the first mismatch, or the target's own token after the last real draft.
     next_col = f.op("GatherElements", target_tokens, f.op("Unsqueeze", accepted, f.const([1])), axis=1)
     f.op("Squeeze", next_col, f.const([1]), out="next_token")
     _new_len(f, "past_len", accepted)
@@ -88,21 +99,36 @@ def spec_accept_greedy_function() -> onnx.FunctionProto:
 
 def spec_accept_sample_function() -> onnx.FunctionProto:
     f = FunctionBuilder(DOMAIN, "SpecAccept", SAMPLE_INPUTS, ATTRIBUTES)  # mode "sample"
-    drafts = f.op("Unsqueeze", "draft_tokens", f.const([2]))  # [B, γ, 1]
+    proposed = _proposed(f)
+    # a pad slot may hold any integer: gather at token 0 there (the slot is rejected anyway)
+    drafts = f.op("Unsqueeze", f.op("Where", proposed, "draft_tokens", f.const(0)), f.const([2]))  # [B, γ, 1]
     p_head = f.op("Slice", "target_probs", f.const([0]), f.const([-1]), f.const([1]))  # p_0..p_{γ-1}
     p_of_draft = f.op("Squeeze", f.op("GatherElements", p_head, drafts, axis=2), f.const([2]))
     q_of_draft = f.op("Squeeze", f.op("GatherElements", "draft_probs", drafts, axis=2), f.const([2]))
     # accept d_j with probability min(1, p/q):  u q < p  (no division, so q = 0 cannot blow up)
-    accepted = _leading_run(f, f.op("Less", f.op("Mul", "u_accept", q_of_draft), p_of_draft))
-    # p_n and q_n at the first rejection; q_γ := 0 so that the bonus token samples from p_γ.
-    q_padded = f.op("Concat", "draft_probs", f.op("Mul", f.op("Slice", "target_probs", f.const([-1]), f.const([np.iinfo(np.int64).max]), f.const([1])), f.const(0.0, np.float32)), axis=1)
-    row = f.op("Expand", f.op("Unsqueeze", accepted, f.const([1, 2])), f.op("Shape", f.op("Slice", "target_probs", f.const([0]), f.const([1]), f.const([1]))))
-    p_n = f.op("Squeeze", f.op("GatherElements", "target_probs", row, axis=1), f.const([1]))
-    q_n = f.op("Squeeze", f.op("GatherElements", q_padded, row, axis=1), f.const([1]))
+    accepted = _leading_run(f, f.op("And", f.op("Less", f.op("Mul", "u_accept", q_of_draft), p_of_draft), proposed))
+    p_n, q_n = _rows_at(f, "target_probs", accepted), _rows_at(f, _padded_draft_probs(f), accepted)
+    # q_k := 0 at k = the row's number of real drafts, so that the token after them samples from p_k.
+    real_drafts = f.op("ReduceSum", f.op("Cast", proposed, to=onnx.TensorProto.INT64), f.const([1]), keepdims=1)
+    rejected = f.op("Greater", real_drafts, f.op("Unsqueeze", accepted, f.const([1])))  # [B, 1]: n < k
+    q_n = f.op("Where", rejected, q_n, f.const(0.0, np.float32))
     residual = residual_weights(f, p_n, q_n)
     inverse_cdf(f, residual, "u_sample", out="next_token")
     _new_len(f, "past_len", accepted)
     return f.function(OUTPUTS, OPSET)
+
+
+def _padded_draft_probs(f: FunctionBuilder) -> str:
+    """draft_probs [B, γ, V] with a row of zeros appended at position γ: [B, γ+1, V]."""
+    last_p = f.op("Slice", "target_probs", f.const([-1]), f.const([np.iinfo(np.int64).max]), f.const([1]))
+    return f.op("Concat", "draft_probs", f.op("Mul", last_p, f.const(0.0, np.float32)), axis=1)
+
+
+def _rows_at(f: FunctionBuilder, probs: str, position: str) -> str:
+    """probs [B, R, V] at each row's position [B]: [B, V]."""
+    like = f.op("Shape", f.op("Slice", "target_probs", f.const([0]), f.const([1]), f.const([1])))  # [B, 1, V]
+    index = f.op("Expand", f.op("Unsqueeze", position, f.const([1, 2])), like)
+    return f.op("Squeeze", f.op("GatherElements", probs, index, axis=1), f.const([1]))
 
 
 def residual_weights(f: FunctionBuilder, p_n: str, q_n: str) -> str:
@@ -124,7 +150,7 @@ def spec_transform_function(vocab_size: int) -> onnx.FunctionProto:
     """
     f = FunctionBuilder(DOMAIN, "SpecTransform", ["logits", "temperature", "top_k", "top_p"], ATTRIBUTES)
     vocab = f.const([vocab_size])
-    per_row = lambda x: f.op("Unsqueeze", x, f.const([1, 2]))  # noqa: E731  [B] -> [B, 1, 1]
+    per_row = lambda x: f.op("Unsqueeze", x, f.const([1, 2]))  # [B] -> [B, 1, 1]
     temperature = per_row("temperature")
     greedy = f.op("Equal", temperature, f.const(0.0, np.float32))
     z = f.op("Div", "logits", f.op("Where", greedy, f.const(1.0, np.float32), temperature))
@@ -186,6 +212,7 @@ def spec_op(builder, name: str, *inputs: str, mode: str = "", outputs: int = 1, 
                       plugin_version=PLUGIN_VERSION, mode=mode or "default")
 
 
-def spec_accept_node(builder, target_logits: str, draft_tokens: str, past_len: str) -> list[str]:
+def spec_accept_node(builder, target_logits: str, draft_tokens: str, draft_len: str, past_len: str) -> list[str]:
     """Greedy SpecAccept; its outputs are named `accepted`, `next_token`, `new_len`."""
-    return spec_op(builder, "SpecAccept", target_logits, draft_tokens, past_len, mode="greedy", outputs=3, out=OUTPUTS)
+    return spec_op(builder, "SpecAccept", target_logits, draft_tokens, draft_len, past_len, mode="greedy", outputs=3,
+                   out=OUTPUTS)

@@ -6,8 +6,10 @@ Two graphs per model, both batch-capable with per-sequence cache lengths:
                    Prefill (past_len = 0, right-padded prompts, token_count = prompt lengths) and
                    decode/draft steps (T = 1 or 2) are the same computation; only the last real
                    position of each sequence reaches the LM head.
-  verify_g{γ}      input_ids [B, γ+1] = [last accepted, d_1..d_γ], past_len [B]
+  verify_g{γ}      input_ids [B, γ+1] = [last accepted, d_1..d_γ], past_len [B], draft_len [B]
                    -> accepted [B], next_token [B], new_len [B]   (target only; ends in SpecAccept)
+                   draft_len[b] in 0..γ: how many of row b's drafts are real (the rest pad the row
+                   to γ and are never accepted; see spec_accept.py)
 
 KV cache: past_key.{i} / past_value.{i} [B, H_kv, S_max, D] in, present_* out. New entries are
 written at positions past_len .. past_len+T-1 by TensorScatter, which updates the buffer in place when
@@ -95,17 +97,19 @@ def sampled_next(b: GraphBuilder, logits: str, vocab_out: int) -> tuple[str, str
 
 def accept(b: GraphBuilder, logits: str, ids: str, past_len: str, gamma: int | str, vocab_out: int,
            sample: bool) -> list[str]:
-    """SpecAccept over logits [B, γ+1, V] of ids [last, d_1..d_γ]: (accepted, next_token, new_len)."""
+    """SpecAccept over logits [B, γ+1, V] of ids [last, d_1..d_γ], of which the first draft_len [B] are
+    real drafts (a graph input): (accepted, next_token, new_len)."""
     end = b.op("Shape", ids, start=1, end=2) if isinstance(gamma, str) else b.const([gamma + 1])
     drafts = b.op("Slice", ids, b.const([1]), end, b.const([1]))
+    draft_len = b.input("draft_len", INT64, ["batch"])
     if not sample:
-        return spec_accept_node(b, logits, drafts, past_len)
+        return spec_accept_node(b, logits, drafts, draft_len, past_len)
     draft_probs = b.input("draft_probs", FLOAT, ["batch", gamma, vocab_out])
     params = _sampling_inputs(b)
     u_accept = b.input("u_accept", FLOAT, ["batch", gamma])
     u_sample = b.input("u_sample", FLOAT, ["batch"])
     target_probs = spec_op(b, "SpecTransform", logits, *params, vocab_size=vocab_out)
-    return spec_op(b, "SpecAccept", target_probs, draft_probs, drafts, u_accept, u_sample, past_len,
+    return spec_op(b, "SpecAccept", target_probs, draft_probs, drafts, draft_len, u_accept, u_sample, past_len,
                    mode="sample", outputs=3, out=OUTPUTS)
 
 

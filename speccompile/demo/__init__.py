@@ -2,19 +2,21 @@
 
 Every command that takes a bundle uses the demo bundle when given none. It is built on first use
 into the user cache directory (or $SPECCOMPILE_CACHE), under a name keyed by the sha256 of the demo
-checkpoint files and of the compiler's source, so a changed pair or a changed compiler is rebuilt and
-an unchanged one never is.
+checkpoint files, of the compiler's source and of the bundle format version, so a changed pair, compiler
+or format is rebuilt and an unchanged one never is.
 """
 
 import hashlib
 import os
 from pathlib import Path
 
+from speccompile.bundle import FORMAT_VERSION
 from speccompile.errors import SpecCompileError
 
 DEMO_ROOT = Path(__file__).resolve().parent
 DEMO_TARGET = DEMO_ROOT / "target"
 DEMO_DRAFT = DEMO_ROOT / "draft"
+DEMO_PROMPTS = DEMO_ROOT / "prompts.json"  # what `bench` and `profile` run when given no --prompts
 COMPILER_ROOT = DEMO_ROOT.parent / "compiler"
 DEMO_GAMMAS = [4, 2, 6]  # the first is the default γ
 DEMO_MAX_SEQ = 1024
@@ -31,10 +33,11 @@ def cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("speccompile"))
 
 
-def demo_key(target: Path = None, draft: Path = None) -> str:
-    """sha256 over the build settings, and the file names and contents of the demo checkpoints and
-    the compiler package."""
-    digest = hashlib.sha256(repr((DEMO_GAMMAS, DEMO_MAX_SEQ, DEMO_MAX_BATCH, DEMO_DRAFT_VOCAB)).encode())
+def demo_key(target: Path | None = None, draft: Path | None = None) -> str:
+    """sha256 over the build settings and format version, and the file names and contents of the demo
+    checkpoints and the compiler package (the format lives outside it, in bundle.py)."""
+    settings = (DEMO_GAMMAS, DEMO_MAX_SEQ, DEMO_MAX_BATCH, DEMO_DRAFT_VOCAB, FORMAT_VERSION)
+    digest = hashlib.sha256(repr(settings).encode())
     for root in (target or DEMO_TARGET, draft or DEMO_DRAFT, COMPILER_ROOT):
         for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
             digest.update(str(path.relative_to(root.parent)).encode())
@@ -42,7 +45,7 @@ def demo_key(target: Path = None, draft: Path = None) -> str:
     return digest.hexdigest()
 
 
-def demo_bundle(log=print, target: Path = None, draft: Path = None) -> Path:
+def demo_bundle(log=print, target: Path | None = None, draft: Path | None = None) -> Path:
     """The demo bundle's path, building it first if the cache has none for this pair."""
     target, draft = target or DEMO_TARGET, draft or DEMO_DRAFT
     if not (target / "config.json").is_file() or not (draft / "config.json").is_file():

@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import pytest
 
-from speccompile.bundle import open_bundle, sha256_file
+from speccompile.bundle import FORMAT_VERSION, open_bundle, sha256_file
 from speccompile.compiler import build as build_module
 from speccompile.compiler.build import build_bundle
 from speccompile.compiler.trt_rules import tensorrt_violations
@@ -17,7 +17,8 @@ from tests.tiny_models import make_checkpoint
 def test_manifest_describes_every_graph_and_file(bundles):
     bundle = open_bundle(bundles("qwen2", "random"))
     m = bundle.manifest
-    assert m["format_version"] == 1 and m["gammas"] == [1, 4] and m["max_seq"] == 96 and m["max_batch"] == 4
+    assert m["format_version"] == FORMAT_VERSION == 2
+    assert m["gammas"] == [1, 4] and m["max_seq"] == 96 and m["max_batch"] == 4
     assert set(m["graphs"]) == {
         "target_forward", "draft_forward", "target_verify_g1", "target_verify_g4",
         "target_sample", "draft_sample", "target_verify_sample_g1", "target_verify_sample_g4",
@@ -33,6 +34,23 @@ def test_manifest_describes_every_graph_and_file(bundles):
     assert outputs["accepted"] == {"name": "accepted", "dtype": "int64", "shape": ["batch"]}
     assert outputs["present_key.0"]["shape"] == ["batch", 2, 96, 16]
     assert verify["op_counts"]["SpecAccept"] == 1 and verify["op_counts"]["TensorScatter"] == 4
+
+
+def test_every_verification_graph_takes_a_draft_len_per_row(bundles):
+    """Rows of one verification may carry fewer than γ real drafts: every graph that verifies (each
+    kind's, its batch-1 variant, the target's session graph) takes draft_len int64 [batch]."""
+    bundle = open_bundle(bundles("llama", "random"))
+    files = [bundle.model("target")["session"]["file"]]
+    for name, entry in bundle.manifest["graphs"].items():
+        takes = {"name": "draft_len", "dtype": "int64", "shape": ["batch"]} in entry["inputs"]
+        assert takes == (entry["gamma"] is not None), name
+        if takes:
+            files += [entry["file"]] + ([entry["single_sequence"]["file"]] if "single_sequence" in entry else [])
+    assert len(files) > 1 + 4  # the variants are there too
+    for file in files:
+        graph = onnx.load(str(bundle.path / file), load_external_data=False).graph
+        [value] = [v for v in graph.input if v.name == "draft_len"]
+        assert value.type.tensor_type.elem_type == onnx.TensorProto.INT64, file
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

@@ -76,7 +76,8 @@ def test_session_graph_agrees_with_the_graph_of_every_kind(family, batch, bundle
     for gamma in bundle.manifest["gammas"]:
         for sample in (False, True):
             graph = GraphId.verification(gamma, sample)
-            feeds = {"input_ids": rng.integers(0, vocab, (batch, gamma + 1)), "past_len": lengths}
+            feeds = {"input_ids": rng.integers(0, vocab, (batch, gamma + 1)), "past_len": lengths,
+                     "draft_len": rng.integers(0, gamma + 1, batch)}
             if sample:
                 feeds |= sampling_feeds(rng, batch, gamma, vocab)
             theirs, ours = copied(cache), copied(cache)
@@ -97,6 +98,22 @@ def test_session_graph_agrees_with_the_graph_of_every_kind(family, batch, bundle
         assert got["next_token"].tolist() == expected["next_token"].tolist(), kind
         if kind == "sample":
             np.testing.assert_allclose(got["probs"], expected["probs"], atol=1e-6)
+
+
+def test_a_verification_without_draft_len_proposes_nothing(bundles):
+    """draft_len has the session graph's zero default, like every input only some kinds read: a
+    verification that left it out would emit one target token per row (slow, but never wrong)."""
+    bundle = open_bundle(bundles("llama", "random"))
+    sess = session(bundle, "target")
+    cache, lengths = prefilled(bundle, sess, 2, fused=False)
+    ids = np.array([[9, 1, 2, 3, 4], [10, 5, 6, 7, 8]], np.int64)
+    feeds = {"input_ids": ids, "past_len": lengths}
+    left_out = run_session(sess, bundle, "target", "verify", False, feeds, copied(cache))
+    zero = run_session(sess, bundle, "target", "verify", False, {**feeds, "draft_len": np.zeros(2, np.int64)},
+                       copied(cache))
+    for key in ("accepted", "next_token", "new_len"):
+        assert left_out[key].tolist() == zero[key].tolist(), key
+    assert left_out["accepted"].tolist() == [0, 0] and left_out["new_len"].tolist() == (lengths + 1).tolist()
 
 
 def test_a_cut_vocabulary_draft_scores_its_subset_greedily_and_the_whole_head_when_sampling(tmp_path, checkpoints):

@@ -6,17 +6,19 @@ import onnxruntime as ort
 import pytest
 
 from speccompile.compiler.onnx_graph import FLOAT, INT64, GraphBuilder
-from speccompile.compiler.spec_accept import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION, spec_accept_node
+from speccompile.compiler.spec_accept import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION, spec_accept_node, spec_op
 from speccompile.compiler.trt_rules import tensorrt_violations
-from speccompile.core.acceptance import greedy_accept
+from speccompile.core.acceptance import greedy_accept, sample_accept
+from speccompile.core.sampling import sample_from, transform
 
 
 def spec_accept_model(gamma: int, vocab: int) -> onnx.ModelProto:
     g = GraphBuilder("spec_accept")
     logits = g.input("target_logits", FLOAT, ["batch", gamma + 1, vocab])
     drafts = g.input("draft_tokens", INT64, ["batch", gamma])
+    draft_len = g.input("draft_len", INT64, ["batch"])
     past_len = g.input("past_len", INT64, ["batch"])
-    spec_accept_node(g, logits, drafts, past_len)
+    spec_accept_node(g, logits, drafts, draft_len, past_len)
     for name in ("accepted", "next_token", "new_len"):
         g.outputs.append(onnx.helper.make_tensor_value_info(name, INT64, ["batch"]))
     model = g.model({})
@@ -35,10 +37,17 @@ def drafts_with_prefixes(target_tokens, accepted_wanted, vocab, rng):
     return drafts
 
 
+def draft_lengths(rng, batch, gamma):
+    """Random real-draft counts per row, with 0 and γ always among them."""
+    draft_len = rng.integers(0, gamma + 1, size=batch)
+    draft_len[-2:] = [0, gamma]
+    return draft_len
+
+
 @pytest.mark.parametrize("gamma", [1, 2, 4, 7])
 def test_in_graph_rule_equals_numpy_reference(gamma):
     rng = np.random.default_rng(gamma)
-    vocab, batch = 11, 16
+    vocab, batch = 11, 32
     session = ort.InferenceSession(spec_accept_model(gamma, vocab).SerializeToString())
     logits = rng.standard_normal((batch, gamma + 1, vocab)).astype(np.float32)
     target_tokens = logits.argmax(-1)
@@ -46,13 +55,13 @@ def test_in_graph_rule_equals_numpy_reference(gamma):
     wanted[:2] = [0, gamma]  # always cover none and all accepted
     drafts = drafts_with_prefixes(target_tokens, wanted, vocab, rng)
     past_len = rng.integers(0, 50, size=batch)
-    accepted, next_token, new_len = session.run(
-        ["accepted", "next_token", "new_len"], {"target_logits": logits, "draft_tokens": drafts, "past_len": past_len}
-    )
-    ref = greedy_accept(target_tokens, drafts, past_len)
-    assert accepted.tolist() == wanted.tolist() == ref[0].tolist()
-    assert next_token.tolist() == ref[1].tolist()
-    assert new_len.tolist() == ref[2].tolist()
+    for draft_len in (np.full(batch, gamma), draft_lengths(rng, batch, gamma)):
+        feeds = {"target_logits": logits, "draft_tokens": drafts, "draft_len": draft_len, "past_len": past_len}
+        accepted, next_token, new_len = session.run(["accepted", "next_token", "new_len"], feeds)
+        ref = greedy_accept(target_tokens, drafts, past_len, draft_len)
+        assert accepted.tolist() == np.minimum(wanted, draft_len).tolist() == ref[0].tolist()
+        assert next_token.tolist() == ref[1].tolist()
+        assert new_len.tolist() == ref[2].tolist()
 
 
 def test_node_carries_plugin_attributes_and_is_tensorrt_parsable():
@@ -66,10 +75,6 @@ def test_node_carries_plugin_attributes_and_is_tensorrt_parsable():
 
 
 # -- sampling ops ------------------------------------------------------------------------------
-
-from speccompile.compiler.spec_accept import spec_op  # noqa: E402
-from speccompile.core.acceptance import sample_accept  # noqa: E402
-from speccompile.core.sampling import sample_from, transform  # noqa: E402
 
 SETTINGS = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 3, 0.5), (2.0, 40, 0.95)]
 
@@ -117,30 +122,62 @@ def test_in_graph_sample_equals_numpy_reference():
     assert (probs[np.arange(256), tokens] > 0).all()  # never a zero-probability token
 
 
-@pytest.mark.parametrize("gamma", [1, 3])
-def test_in_graph_sampling_rule_equals_numpy_reference(gamma):
-    vocab, batch = 11, 64
-
+def sample_accept_session(gamma, vocab):
     def build_graph(g):
-        ins = [g.input("target_probs", FLOAT, ["batch", gamma + 1, vocab]), g.input("draft_probs", FLOAT, ["batch", gamma, vocab]),
-               g.input("draft_tokens", INT64, ["batch", gamma]), g.input("u_accept", FLOAT, ["batch", gamma]),
+        ins = [g.input("target_probs", FLOAT, ["batch", gamma + 1, vocab]),
+               g.input("draft_probs", FLOAT, ["batch", gamma, vocab]), g.input("draft_tokens", INT64, ["batch", gamma]),
+               g.input("draft_len", INT64, ["batch"]), g.input("u_accept", FLOAT, ["batch", gamma]),
                g.input("u_sample", FLOAT, ["batch"]), g.input("past_len", INT64, ["batch"])]
         for name in spec_op(g, "SpecAccept", *ins, mode="sample", outputs=3, out=["accepted", "next_token", "new_len"]):
             g.output(name, name, INT64, ["batch"])
+    return session_for(build_graph)
 
-    rng = np.random.default_rng(gamma)
+
+def sampling_feeds(rng, gamma, vocab, batch):
     p = transform(rng.standard_normal((batch, gamma + 1, vocab)) * 2, 1.0, 0, 0.9)
     q = transform(rng.standard_normal((batch, gamma, vocab)) * 2, 1.0, 4, 1.0)
     q[:8] = p[:8, :gamma]  # rows where the draft equals the target: everything accepted
     u_draft = rng.random((batch, gamma), dtype=np.float32)
     drafts = np.stack([sample_from(q[:, j], u_draft[:, j]) for j in range(gamma)], axis=1)
-    feeds = {"target_probs": p, "draft_probs": q, "draft_tokens": drafts, "u_accept": rng.random((batch, gamma), dtype=np.float32),
-             "u_sample": rng.random(batch, dtype=np.float32), "past_len": rng.integers(0, 30, batch)}
-    got = session_for(build_graph).run(["accepted", "next_token", "new_len"], feeds)
-    expected = sample_accept(**feeds)
+    return {"target_probs": p, "draft_probs": q, "draft_tokens": drafts, "draft_len": np.full(batch, gamma),
+            "u_accept": rng.random((batch, gamma), dtype=np.float32), "u_sample": rng.random(batch, dtype=np.float32),
+            "past_len": rng.integers(0, 30, batch)}
+
+
+def assert_agrees(got, expected):
     for name, a, b in zip(("accepted", "next_token", "new_len"), got, expected):
         assert a.tolist() == b.tolist(), name
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_in_graph_sampling_rule_equals_numpy_reference(gamma):
+    vocab, batch = 11, 64
+    feeds = sampling_feeds(np.random.default_rng(gamma), gamma, vocab, batch)
+    got = sample_accept_session(gamma, vocab).run(["accepted", "next_token", "new_len"], feeds)
+    expected = sample_accept(**feeds)
+    assert_agrees(got, expected)
     assert (expected[0][:8] == gamma).all() and 0 < expected[0][8:].mean() < gamma
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_in_graph_sampling_rule_with_a_draft_len_per_row_equals_numpy_reference(gamma):
+    """Rows with fewer real drafts than γ: the pads hold ids that are no token and, in odd rows, NaN draft
+    probabilities (in even rows the draft's own q, as after confidence thresholding). Both forms must
+    ignore them alike, and draw the token after k accepted drafts from p_k, not from max(0, p_k - q_k)."""
+    vocab, batch = 11, 96
+    rng = np.random.default_rng(10 + gamma)
+    feeds = sampling_feeds(rng, gamma, vocab, batch)
+    feeds["draft_len"] = draft_lengths(rng, batch, gamma)
+    feeds["u_accept"][::3] = 0  # every third row accepts all its real drafts: the bonus rule at k < γ
+    pads = np.arange(gamma)[None, :] >= feeds["draft_len"][:, None]
+    feeds["draft_tokens"] = np.where(pads, np.where(rng.random(pads.shape) < 0.5, -5, 10**6), feeds["draft_tokens"])
+    odd_pads = pads & (np.arange(batch)[:, None] % 2 == 1)
+    feeds["draft_probs"] = np.where(odd_pads[..., None], np.float32(np.nan), feeds["draft_probs"])
+    got = sample_accept_session(gamma, vocab).run(["accepted", "next_token", "new_len"], feeds)
+    expected = sample_accept(**feeds)
+    assert_agrees(got, expected)
+    assert (expected[0] <= feeds["draft_len"]).all()
+    assert ((expected[0] == feeds["draft_len"]) & (feeds["draft_len"] < gamma)).sum() >= 8
 
 
 def test_one_hot_sampling_rule_is_the_greedy_rule():

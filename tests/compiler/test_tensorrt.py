@@ -23,6 +23,7 @@ def test_optimization_profiles_cover_prefill_decode_and_fixed_gamma(bundles):
     [verify] = optimization_profiles(manifest["graphs"]["target_verify_g4"], max_batch=4, max_seq=96)
     shapes = {name: (lo, hi) for name, lo, _, hi in verify}
     assert shapes["input_ids"] == ([1, 5], [4, 5])
+    assert shapes["draft_len"] == ([1], [4])
     assert shapes["past_key.0"] == ([1, 2, 96, 16], [4, 2, 96, 16])
     for name, entry in manifest["graphs"].items():  # every step graph, sampling too, takes prefill and decode
         assert len(optimization_profiles(entry, max_batch=4, max_seq=96)) == (1 if entry["gamma"] else 2), name

@@ -155,7 +155,8 @@ def test_single_sequence_verification_agrees_with_the_standard_graph(bundles, sa
     _, cache = run_file(bundle, "target_forward.onnx", prefill, cache)
     vocab = bundle.manifest["vocab_size"]
     for trial in range(5):
-        feeds = {"input_ids": rng.integers(0, vocab, (1, 5)), "past_len": np.array([5], np.int64)}
+        feeds = {"input_ids": rng.integers(0, vocab, (1, 5)), "past_len": np.array([5], np.int64),
+                 "draft_len": np.array([4 - trial % 3], np.int64)}  # 4, 3, 2 real drafts
         if sample:
             probs = rng.random((1, 4, vocab)).astype(np.float32)
             feeds.update(draft_probs=probs / probs.sum(-1, keepdims=True), temperature=np.ones(1, np.float32),

@@ -76,3 +76,11 @@ def test_missing_demo_pair_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(demo, "DEMO_TARGET", tmp_path / "none")
     result = CliRunner().invoke(main, ["generate", "--prompt", "x"])
     assert result.exit_code == 1 and "no embedded demo pair" in result.output
+
+
+def test_cache_key_follows_the_bundle_format(monkeypatch, checkpoints):
+    """A cached demo bundle of an older format is never reused: opening it would only ask for a rebuild."""
+    target, draft = checkpoints("llama"), checkpoints("llama", "draft")
+    key = demo.demo_key(target, draft)
+    monkeypatch.setattr(demo, "FORMAT_VERSION", demo.FORMAT_VERSION + 1)
+    assert demo.demo_key(target, draft) != key
