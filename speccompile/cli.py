@@ -103,6 +103,14 @@ def distill(target_dir, corpus, out_dir, **options):
     run_distill(target_dir, corpus, out_dir, DistillOptions(**options), log=lambda line: click.echo(line, err=True))
 
 
+def read_prompts(prompts_file) -> list[str]:
+    """The --prompts file's prompts, or the demo's when none is given (their domain is the demo pair's)."""
+    from speccompile.demo import DEMO_PROMPTS
+    from speccompile.runtime.bench import read_prompts as read_file
+
+    return read_file(prompts_file or DEMO_PROMPTS)
+
+
 def resolve_bundle(bundle):
     """The bundle argument, or the embedded demo bundle (built once into the cache) when omitted."""
     if bundle is not None:
@@ -160,11 +168,11 @@ def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, as_
     """Speculative vs autoregressive tokens/s on the same prompts (medians over repeats)."""
     import speccompile
     from speccompile.runtime.bench import bench as run_bench
-    from speccompile.runtime.bench import read_prompts
 
     runtime = speccompile.load(resolve_bundle(bundle), shared_threads=True)  # the process is ours
     sampling = {"temperature": temperature, "seed": 0} if temperature else {}
-    summary, details = run_bench(runtime, read_prompts(prompts_file), max_new_tokens, repeats, _gamma_option(gamma), sampling)
+    summary, details = run_bench(runtime, read_prompts(prompts_file), max_new_tokens, repeats, _gamma_option(gamma),
+                                 sampling)
     if as_json:
         click.echo(json.dumps(summary))
         return
@@ -246,7 +254,6 @@ def profile(bundle, prompts_file, batch_sizes, context_lengths, repeats, rounds,
 
     import speccompile
     from speccompile.runtime import profile as prof
-    from speccompile.runtime.bench import read_prompts
 
     runtime = speccompile.load(resolve_bundle(bundle), shared_threads=True)  # the process is ours
     log = lambda line: click.echo(line, err=True)

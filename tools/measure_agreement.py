@@ -30,7 +30,7 @@ def main() -> None:
     import transformers
 
     import speccompile
-    from speccompile.runtime.bench import read_prompts
+    from speccompile.cli import read_prompts  # the demo's prompts when --prompts is not given
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True)

@@ -17,6 +17,7 @@ DEMO_ROOT = Path(__file__).resolve().parent
 DEMO_TARGET = DEMO_ROOT / "target"
 DEMO_DRAFT = DEMO_ROOT / "draft"
 DEMO_PROMPTS = DEMO_ROOT / "prompts.json"  # what `bench` and `profile` run when given no --prompts
+DEMO_PROMPTS = DEMO_ROOT / "prompts.json"  # what `bench` and `profile` run when given no --prompts
 COMPILER_ROOT = DEMO_ROOT.parent / "compiler"
 DEMO_GAMMAS = [4, 2, 6]  # the first is the default γ
 DEMO_MAX_SEQ = 1024

@@ -16,12 +16,11 @@ from speccompile.errors import SpecCompileError
 
 BENCH_KEYS = ["ar_tokens_per_s", "spec_tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_drafts",
               "mean_acceptance_length", "gamma", "gammas_used", "predicted_speedup", "efficiency"]
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "demo" / "prompts.json"
 
 
-def read_prompts(path=None) -> list[str]:
+def read_prompts(path) -> list[str]:
     """A JSON list of strings, or a text file with one prompt per non-empty line."""
-    path = Path(path) if path else DEFAULT_PROMPTS
+    path = Path(path)
     if not path.is_file():
         raise SpecCompileError(f"prompts file not found: {path}")
     text = path.read_text()
