@@ -18,7 +18,7 @@ PREFILL_PROFILE, DECODE_PROFILE = 0, 1  # forward engines: tokens 1..max_seq, to
 
 class TrtModel:
     def __init__(self, bundle: Bundle, role: str, plugin=None):
-        from speccompile.compiler.tensorrt_build import plugin_library, require_tensorrt
+        from speccompile.tensorrt_setup import plugin_library, require_tensorrt
 
         trt = require_tensorrt()
         from polygraphy import cuda
