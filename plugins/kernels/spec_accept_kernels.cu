@@ -19,6 +19,10 @@
  *             = min(p(x), q(x)) + (1 - sum_y min(p(y), q(y))) max(0, p(x) - q(x)) / sum_y max(0, p(y) - q(y))
  *             = min(p(x), q(x)) + max(0, p(x) - q(x)) = p(x),
  * because sum_y max(0, p - q) = 1 - sum_y min(p, q). With u ~ U[0, 1), "u q(d) < p(d)" is that accept.
+ *
+ * A row with k = draft_len[b] < γ real drafts is verified as at γ = k: the target is causal, so its
+ * scores at inputs 0..k never saw the pads after d_k, and the kernels read no pad slot (see
+ * speccompile/core/acceptance.py).
  */
 #include "spec_accept_kernels.h"
 
@@ -85,21 +89,29 @@ __device__ int blockArgmax(const float* row, int V)
     return best;
 }
 
-__global__ void greedyAcceptKernel(const float* logits, const int64_t* draftTokens, const int64_t* pastLen, int G,
-    int V, int64_t* accepted, int64_t* nextToken, int64_t* newLen)
+// k = draft_len clamped to [0, G]: how many of the row's G draft slots are real drafts.
+__device__ int realDrafts(const int64_t* draftLen, int64_t b, int G)
+{
+    const int64_t k = draftLen[b];
+    return k < 0 ? 0 : (k > G ? G : static_cast<int>(k));
+}
+
+__global__ void greedyAcceptKernel(const float* logits, const int64_t* draftTokens, const int64_t* draftLen,
+    const int64_t* pastLen, int G, int V, int64_t* accepted, int64_t* nextToken, int64_t* newLen)
 {
     const int64_t b = blockIdx.x;
-    // Positions are scored only up to the first mismatch: the rest cannot change the result.
-    for (int j = 0; j <= G; ++j)
+    const int k = realDrafts(draftLen, b, G);
+    // Positions are scored only up to the first mismatch or the last real draft: the rest cannot change the result.
+    for (int j = 0; j <= k; ++j)
     {
         const int target = blockArgmax(logits + (b * (G + 1) + j) * V, V);
         // Every thread sees the same target and draft, so the whole block leaves together.
-        if (j == G || draftTokens[b * G + j] != target)
+        if (j == k || draftTokens[b * G + j] != target)
         {
             if (threadIdx.x == 0)
             {
                 accepted[b] = j;
-                nextToken[b] = target; // the correction, or the bonus token when j == G
+                nextToken[b] = target; // the correction, or the target's own token after d_k
                 newLen[b] = pastLen[b] + j + 1;
             }
             return;
@@ -184,11 +196,11 @@ __device__ bool hasMass(Weights r, int V)
     return anyPositive && !anyNan;
 }
 
-// n = the leading run of accepts: d_j is kept iff u_j * q_j(d_j) < p_j(d_j), i.e. with probability
-// min(1, p_j(d_j) / q_j(d_j)). p, q, draft and u point at this sequence's rows.
-__device__ int leadingAccepts(const float* p, const float* q, const int64_t* draft, const float* u, int G, int V)
+// n = the leading run of accepts among the k real drafts: d_j is kept iff u_j * q_j(d_j) < p_j(d_j), i.e. with
+// probability min(1, p_j(d_j) / q_j(d_j)). p, q, draft and u point at this sequence's rows.
+__device__ int leadingAccepts(const float* p, const float* q, const int64_t* draft, const float* u, int k, int V)
 {
-    for (int j = 0; j < G; ++j)
+    for (int j = 0; j < k; ++j)
     {
         const int64_t d = draft[j];
         if (d < 0 || d >= V)
@@ -197,25 +209,26 @@ __device__ int leadingAccepts(const float* p, const float* q, const int64_t* dra
         if (!(__fmul_rn(u[j], q[at]) < p[at]))
             return j;
     }
-    return G;
+    return k;
 }
 
 __global__ void sampleAcceptKernel(const float* targetProbs, const float* draftProbs, const int64_t* draftTokens,
-    const float* uAccept, const float* uSample, const int64_t* pastLen, int G, int V, int64_t* accepted,
-    int64_t* nextToken, int64_t* newLen)
+    const int64_t* draftLen, const float* uAccept, const float* uSample, const int64_t* pastLen, int G, int V,
+    int64_t* accepted, int64_t* nextToken, int64_t* newLen)
 {
     __shared__ float stage[kChunk];
     __shared__ int run;
     const int64_t b = blockIdx.x;
+    const int k = realDrafts(draftLen, b, G);
     const float* p = targetProbs + b * (G + 1) * V;
     const float* q = draftProbs + b * G * V;
     if (threadIdx.x == 0)
-        run = leadingAccepts(p, q, draftTokens + b * G, uAccept + b * G, G, V);
+        run = leadingAccepts(p, q, draftTokens + b * G, uAccept + b * G, k, V); // only the k real drafts
     __syncthreads();
     const int n = run;
-    // Rejected at n < γ: draw from the residual max(0, p_n - q_n), the mass p has where q over-proposed.
-    // All γ accepted: q_γ := 0, so the residual is p_γ and the bonus token is a plain draw from the target.
-    const Weights residual{p + static_cast<int64_t>(n) * V, n < G ? q + static_cast<int64_t>(n) * V : nullptr, true};
+    // Rejected at n < k: draw from the residual max(0, p_n - q_n), the mass p has where q over-proposed.
+    // All k accepted: q_k := 0 (slot k, if any, is a pad), so the residual is p_k: a plain draw from the target.
+    const Weights residual{p + static_cast<int64_t>(n) * V, n < k ? q + static_cast<int64_t>(n) * V : nullptr, true};
     // p_n == q_n leaves no residual (rejection then had probability 0); like the oracle, draw from p_n.
     const Weights weights = hasMass(residual, V) ? residual : Weights{residual.p, nullptr, false};
     const int64_t token = sampleRow(weights, V, uSample[b], stage);
@@ -527,32 +540,35 @@ int launched()
 // ---------------------------------------------------------------------------------------------
 // C ABI
 
-extern "C" int speccompile_greedy_accept(const float* logits, const int64_t* draft_tokens, const int64_t* past_len,
-    int B, int G, int V, int64_t* accepted, int64_t* next_token, int64_t* new_len, cudaStream_t stream)
+extern "C" int speccompile_greedy_accept(const float* logits, const int64_t* draft_tokens, const int64_t* draft_len,
+    const int64_t* past_len, int B, int G, int V, int64_t* accepted, int64_t* next_token, int64_t* new_len,
+    cudaStream_t stream)
 {
     if (B < 0 || G < 0 || V < 1)
         return cudaErrorInvalidValue;
     if (B == 0)
         return cudaSuccess;
-    if (!logits || (G > 0 && !draft_tokens) || !past_len || !accepted || !next_token || !new_len)
+    if (!logits || (G > 0 && !draft_tokens) || !draft_len || !past_len || !accepted || !next_token || !new_len)
         return cudaErrorInvalidValue;
-    greedyAcceptKernel<<<B, kThreads, 0, stream>>>(logits, draft_tokens, past_len, G, V, accepted, next_token, new_len);
+    greedyAcceptKernel<<<B, kThreads, 0, stream>>>(
+        logits, draft_tokens, draft_len, past_len, G, V, accepted, next_token, new_len);
     return launched();
 }
 
 extern "C" int speccompile_sample_accept(const float* target_probs, const float* draft_probs,
-    const int64_t* draft_tokens, const float* u_accept, const float* u_sample, const int64_t* past_len, int B, int G,
-    int V, int64_t* accepted, int64_t* next_token, int64_t* new_len, cudaStream_t stream)
+    const int64_t* draft_tokens, const int64_t* draft_len, const float* u_accept, const float* u_sample,
+    const int64_t* past_len, int B, int G, int V, int64_t* accepted, int64_t* next_token, int64_t* new_len,
+    cudaStream_t stream)
 {
     if (B < 0 || G < 0 || V < 1)
         return cudaErrorInvalidValue;
     if (B == 0)
         return cudaSuccess;
-    if (!target_probs || (G > 0 && (!draft_probs || !draft_tokens || !u_accept)) || !u_sample || !past_len
-        || !accepted || !next_token || !new_len)
+    if (!target_probs || (G > 0 && (!draft_probs || !draft_tokens || !u_accept)) || !draft_len || !u_sample
+        || !past_len || !accepted || !next_token || !new_len)
         return cudaErrorInvalidValue;
-    sampleAcceptKernel<<<B, kThreads, 0, stream>>>(
-        target_probs, draft_probs, draft_tokens, u_accept, u_sample, past_len, G, V, accepted, next_token, new_len);
+    sampleAcceptKernel<<<B, kThreads, 0, stream>>>(target_probs, draft_probs, draft_tokens, draft_len, u_accept,
+        u_sample, past_len, G, V, accepted, next_token, new_len);
     return launched();
 }
 

@@ -11,6 +11,10 @@
  * Every function returns 0 (cudaSuccess) when the kernel was enqueued, cudaErrorInvalidValue for
  * bad sizes or missing pointers, or the launch error otherwise (a cudaError_t value as int).
  * B == 0 enqueues nothing and returns 0; with G == 0 the G-sized inputs may be NULL.
+ *
+ * Row b proposes only its first k = draft_len[b] drafts (0 <= k <= G; values outside are clamped): a
+ * batch verified together shares G, its rows need not. The slots after them are padding, never read:
+ * neither their draft ids nor their draft probabilities matter.
  */
 #ifndef SPECCOMPILE_SPEC_ACCEPT_KERNELS_H
 #define SPECCOMPILE_SPEC_ACCEPT_KERNELS_H
@@ -31,26 +35,29 @@ extern "C" {
 /*
  * Greedy acceptance (`greedy_accept` on target_tokens = argmax(logits, -1)).
  *   t_j      = argmax_v logits[b, j, v]            first maximum on ties (NaN counts as maximal)
- *   accepted = leading run of j < G with draft_tokens[b, j] == t_j
- *   next     = t_accepted                          the correction, or the bonus token when all match
+ *   accepted = leading run of j < k with draft_tokens[b, j] == t_j
+ *   next     = t_accepted                          the correction, or the target's token after d_k
  *   new_len  = past_len + accepted + 1
- * logits [B, G+1, V] fp32, draft_tokens [B, G] int64, past_len [B] int64; outputs [B] int64.
+ * logits [B, G+1, V] fp32, draft_tokens [B, G], draft_len [B], past_len [B] int64; outputs [B] int64.
  */
-SPECCOMPILE_API int speccompile_greedy_accept(const float* logits, const int64_t* draft_tokens, const int64_t* past_len,
-    int B, int G, int V, int64_t* accepted, int64_t* next_token, int64_t* new_len, cudaStream_t stream);
+SPECCOMPILE_API int speccompile_greedy_accept(const float* logits, const int64_t* draft_tokens,
+    const int64_t* draft_len, const int64_t* past_len, int B, int G, int V, int64_t* accepted, int64_t* next_token,
+    int64_t* new_len, cudaStream_t stream);
 
 /*
  * Speculative sampling (`sample_accept`).
- *   accept d_j iff u_accept[b, j] * q_j(d_j) < p_j(d_j); n = leading run of accepts
- *   next ~ max(0, p_n - q_n) with q_G := 0 (the bonus token is a draw from p_G); when that residual
+ *   accept d_j (j < k) iff u_accept[b, j] * q_j(d_j) < p_j(d_j); n = leading run of accepts (n <= k)
+ *   next ~ max(0, p_n - q_n) with q_k := 0 (after k accepts the draw is from p_k); when that residual
  *          has no mass (p_n == q_n) the draw is from p_n; drawn with u_sample[b] as `sample_from`
  *   new_len = past_len + n + 1
  * target_probs [B, G+1, V], draft_probs [B, G, V], u_accept [B, G], u_sample [B] fp32;
- * draft_tokens [B, G], past_len [B] int64; outputs [B] int64. A draft id outside [0, V) is rejected.
+ * draft_tokens [B, G], draft_len [B], past_len [B] int64; outputs [B] int64. A draft id outside [0, V)
+ * is rejected.
  */
 SPECCOMPILE_API int speccompile_sample_accept(const float* target_probs, const float* draft_probs,
-    const int64_t* draft_tokens, const float* u_accept, const float* u_sample, const int64_t* past_len, int B, int G,
-    int V, int64_t* accepted, int64_t* next_token, int64_t* new_len, cudaStream_t stream);
+    const int64_t* draft_tokens, const int64_t* draft_len, const float* u_accept, const float* u_sample,
+    const int64_t* past_len, int B, int G, int V, int64_t* accepted, int64_t* next_token, int64_t* new_len,
+    cudaStream_t stream);
 
 /*
  * Inverse-CDF sampling (`sample_from`): token[b] = #{i : c_i <= uniform[b] * c_{V-1}}, clamped to V-1,

@@ -15,6 +15,7 @@
 #include <exception>
 #include <initializer_list>
 #include <iostream>
+#include <iterator>
 #include <limits>
 
 #if defined(_WIN32)
@@ -45,16 +46,18 @@ constexpr char const* kPLUGIN_NAMESPACE = "speccompile";
 constexpr char const* kMODE_FIELD = "mode";
 constexpr int32_t kNB_OUTPUTS = 3; // accepted, next_token, new_len
 
-// Input dtypes in ONNX input order.
+// Input dtypes in ONNX input order (test_kernels_build.py holds them to the ONNX function's inputs).
 constexpr DataType kGREEDY_INPUTS[] = {
     DataType::kFLOAT, // target_logits [B, γ+1, V]
     DataType::kINT64, // draft_tokens  [B, γ]
+    DataType::kINT64, // draft_len     [B]
     DataType::kINT64, // past_len      [B]
 };
 constexpr DataType kSAMPLE_INPUTS[] = {
     DataType::kFLOAT, // target_probs  [B, γ+1, V]
     DataType::kFLOAT, // draft_probs   [B, γ, V]
     DataType::kINT64, // draft_tokens  [B, γ]
+    DataType::kINT64, // draft_len     [B]
     DataType::kFLOAT, // u_accept      [B, γ]
     DataType::kFLOAT, // u_sample      [B]
     DataType::kINT64, // past_len      [B]
@@ -62,7 +65,8 @@ constexpr DataType kSAMPLE_INPUTS[] = {
 
 int32_t nbInputsFor(AcceptMode mode)
 {
-    return mode == AcceptMode::kGREEDY ? 3 : 6;
+    auto const count = mode == AcceptMode::kGREEDY ? std::size(kGREEDY_INPUTS) : std::size(kSAMPLE_INPUTS);
+    return static_cast<int32_t>(count);
 }
 
 DataType inputType(AcceptMode mode, int32_t index)
@@ -139,9 +143,9 @@ bool shapesAgree(AcceptMode mode, PluginTensorDesc const* in)
         return false;
     int64_t const B = scores.d[0], G = scores.d[1] - 1, V = scores.d[2];
     if (mode == AcceptMode::kGREEDY)
-        return isShape(in[1].dims, {B, G}) && isShape(in[2].dims, {B});
-    return isShape(in[1].dims, {B, G, V}) && isShape(in[2].dims, {B, G}) && isShape(in[3].dims, {B, G})
-        && isShape(in[4].dims, {B}) && isShape(in[5].dims, {B});
+        return isShape(in[1].dims, {B, G}) && isShape(in[2].dims, {B}) && isShape(in[3].dims, {B});
+    return isShape(in[1].dims, {B, G, V}) && isShape(in[2].dims, {B, G}) && isShape(in[3].dims, {B})
+        && isShape(in[4].dims, {B, G}) && isShape(in[5].dims, {B}) && isShape(in[6].dims, {B});
 }
 
 } // namespace
@@ -264,10 +268,11 @@ int32_t SpecAcceptPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTenso
     auto* newLen = static_cast<int64_t*>(outputs[2]);
     auto f32 = [inputs](int32_t i) { return static_cast<float const*>(inputs[i]); };
     auto i64 = [inputs](int32_t i) { return static_cast<int64_t const*>(inputs[i]); };
+    // Inputs in the order of kGREEDY_INPUTS / kSAMPLE_INPUTS.
     if (mMode == AcceptMode::kGREEDY)
-        return speccompile_greedy_accept(f32(0), i64(1), i64(2), B, G, V, accepted, nextToken, newLen, stream);
+        return speccompile_greedy_accept(f32(0), i64(1), i64(2), i64(3), B, G, V, accepted, nextToken, newLen, stream);
     return speccompile_sample_accept(
-        f32(0), f32(1), i64(2), f32(3), f32(4), i64(5), B, G, V, accepted, nextToken, newLen, stream);
+        f32(0), f32(1), i64(2), i64(3), f32(4), f32(5), i64(6), B, G, V, accepted, nextToken, newLen, stream);
 }
 
 nvinfer1::IPluginV3* SpecAcceptPlugin::attachToContext(nvinfer1::IPluginResourceContext* /*context*/) noexcept

@@ -5,10 +5,12 @@
  * plugin_version = "1" and mode = "greedy" | "sample"; TensorRT's ONNX parser serves it with the
  * creator whose (name, version, namespace) is ("SpecAccept", "1", "speccompile"), passing `mode`.
  *
- *   greedy: target_logits f32 [B, γ+1, V], draft_tokens i64 [B, γ], past_len i64 [B]
+ *   greedy: target_logits f32 [B, γ+1, V], draft_tokens i64 [B, γ], draft_len i64 [B], past_len i64 [B]
  *   sample: target_probs f32 [B, γ+1, V], draft_probs f32 [B, γ, V], draft_tokens i64 [B, γ],
- *           u_accept f32 [B, γ], u_sample f32 [B], past_len i64 [B]
+ *           draft_len i64 [B], u_accept f32 [B, γ], u_sample f32 [B], past_len i64 [B]
  *   outputs (both modes): accepted, next_token, new_len, i64 [B]
+ *
+ * draft_len[b] (0..γ): how many of row b's γ draft slots hold real drafts; the rest are padding.
  *
  * The work is done by the C ABI in plugins/kernels/spec_accept_kernels.h.
  */

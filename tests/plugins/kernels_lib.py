@@ -17,8 +17,8 @@ SYMBOLS = ("speccompile_greedy_accept", "speccompile_sample_accept", "speccompil
 
 P, I, S = ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p  # device pointer, int, cudaStream_t
 SIGNATURES = {
-    "speccompile_greedy_accept": [P, P, P, I, I, I, P, P, P, S],
-    "speccompile_sample_accept": [P, P, P, P, P, P, I, I, I, P, P, P, S],
+    "speccompile_greedy_accept": [P, P, P, P, I, I, I, P, P, P, S],
+    "speccompile_sample_accept": [P, P, P, P, P, P, P, I, I, I, P, P, P, S],
     "speccompile_sample": [P, P, I, I, P, S],
     "speccompile_transform": [P, P, P, P, I, I, I, P, S],
 }
@@ -168,19 +168,20 @@ def _outputs(device, batch: int, count: int) -> list[int]:
     return [device.put(np.zeros(batch, np.int64)) for _ in range(count)]
 
 
-def greedy_accept(lib, device, logits, draft_tokens, past_len):
+def greedy_accept(lib, device, logits, draft_tokens, draft_len, past_len):
     batch, positions, vocab = logits.shape
     outs = _outputs(device, batch, 3)
-    ins = [device.put(np.asarray(a, dt)) for a, dt in [(logits, np.float32), (draft_tokens, np.int64), (past_len, np.int64)]]
+    arrays = [(logits, np.float32), (draft_tokens, np.int64), (draft_len, np.int64), (past_len, np.int64)]
+    ins = [device.put(np.asarray(a, dt)) for a, dt in arrays]
     assert lib.speccompile_greedy_accept(*ins, batch, positions - 1, vocab, *outs, device.stream) == 0
     return tuple(device.get(p) for p in outs)
 
 
-def sample_accept(lib, device, target_probs, draft_probs, draft_tokens, u_accept, u_sample, past_len):
+def sample_accept(lib, device, target_probs, draft_probs, draft_tokens, draft_len, u_accept, u_sample, past_len):
     batch, positions, vocab = target_probs.shape
     outs = _outputs(device, batch, 3)
-    arrays = [(target_probs, np.float32), (draft_probs, np.float32), (draft_tokens, np.int64), (u_accept, np.float32),
-              (u_sample, np.float32), (past_len, np.int64)]
+    arrays = [(target_probs, np.float32), (draft_probs, np.float32), (draft_tokens, np.int64), (draft_len, np.int64),
+              (u_accept, np.float32), (u_sample, np.float32), (past_len, np.int64)]
     ins = [device.put(np.asarray(a, dt)) for a, dt in arrays]
     assert lib.speccompile_sample_accept(*ins, batch, positions - 1, vocab, *outs, device.stream) == 0
     return tuple(device.get(p) for p in outs)

@@ -18,8 +18,9 @@ NO_DEVICE = kernels_lib.no_cuda_device_reason()
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(NO_DEVICE is not None, reason=str(NO_DEVICE))]
 
 SHAPES = [(1, 1, 2), (2, 0, 16), (5, 3, 50), (4, 4, 1000), (3, 4, 8192)]  # (B, γ, V)
-SAMPLE_SHAPES = [shape for shape in SHAPES if shape[1] > 0]  # the sampling oracle needs γ >= 1
+SAMPLE_SHAPES = [shape for shape in SHAPES if shape[1] > 0]  # k = 0 is covered by rows with draft_len 0
 SAMPLE_KINDS = ["mixed", "all_accepted", "none_accepted", "one_hot", "p_equals_q"]
+DRAFT_LENS = ["gamma", "per_row"]  # every row proposes γ drafts (the rule before draft_len), or its own number
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +74,28 @@ def drafts_with_runs(rng, target_tokens, vocab):
     return drafts
 
 
+def draft_lengths(rng, kind, batch, gamma):
+    """draft_len [B]: γ everywhere, or per row in 0..γ with rows 0 and 1 at γ and (when B > 2) row 2 at 0."""
+    if kind == "gamma":
+        return np.full(batch, gamma, np.int64)
+    draft_len = rng.integers(0, gamma + 1, size=batch)
+    draft_len[: min(batch, 3)] = [gamma, gamma, 0][: min(batch, 3)]
+    return draft_len
+
+
+def padded(rng, draft_tokens, draft_probs, draft_len, vocab):
+    """The pad slots after each row's draft_len filled with what no kernel may read: ids that are no token
+    and, in odd rows, NaN draft probabilities (even rows keep the draft's own q, which a kernel that took
+    the slot for a proposal would subtract from p_k)."""
+    batch, gamma = draft_tokens.shape
+    pads = np.arange(gamma)[None, :] >= draft_len[:, None]
+    tokens = np.where(pads, np.where(rng.random(pads.shape) < 0.5, -1, vocab + 5), draft_tokens)
+    if draft_probs is None:
+        return tokens, None
+    odd = np.arange(batch)[:, None] % 2 == 1
+    return tokens, np.where((pads & odd)[..., None], np.float32(np.nan), draft_probs)
+
+
 def draw_drafts(rng, q):
     """d_j ~ q_j, the way the draft model proposes."""
     batch, gamma, _ = q.shape
@@ -114,16 +137,19 @@ def sample_case(rng, kind, batch, gamma, vocab):
 # ---- greedy ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("draft_lens", DRAFT_LENS)
 @pytest.mark.parametrize("batch,gamma,vocab", SHAPES)
-def test_greedy_accept_equals_reference(kernels, device, batch, gamma, vocab):
-    rng = np.random.default_rng(batch * 1000 + gamma * 10 + vocab)
+def test_greedy_accept_equals_reference(kernels, device, batch, gamma, vocab, draft_lens):
+    rng = np.random.default_rng([batch, gamma, vocab, DRAFT_LENS.index(draft_lens)])
     logits = rng.standard_normal((batch, gamma + 1, vocab)).astype(np.float32)
     if vocab <= 64:
         logits = np.round(logits)  # many ties: the first maximum must win
-    drafts = drafts_with_runs(rng, logits.argmax(-1), vocab)
+    draft_len = draft_lengths(rng, draft_lens, batch, gamma)
+    drafts, _ = padded(rng, drafts_with_runs(rng, logits.argmax(-1), vocab), None, draft_len, vocab)
     past_len = rng.integers(0, 100, size=batch)
-    got = kernels_lib.greedy_accept(kernels, device, logits, drafts, past_len)
-    assert_same(got, greedy_accept(logits.argmax(-1), drafts, past_len))
+    got = kernels_lib.greedy_accept(kernels, device, logits, drafts, draft_len, past_len)
+    assert_same(got, greedy_accept(logits.argmax(-1), drafts, past_len, draft_len))
+    assert got[0][0] == gamma  # row 0's drafts all agree with the target
 
 
 def test_greedy_argmax_takes_the_first_maximum(kernels, device):
@@ -132,9 +158,9 @@ def test_greedy_argmax_takes_the_first_maximum(kernels, device):
     logits[1, :, [7, 250]] = 5.0  # row 1: a tie at 7 and 250 -> 7
     logits[2] = -np.inf  # row 2: all -inf -> token 0
     drafts = np.array([[0, 0], [7, 250], [0, 1]])
-    past_len = np.array([3, 4, 5])
-    got = kernels_lib.greedy_accept(kernels, device, logits, drafts, past_len)
-    want = greedy_accept(logits.argmax(-1), drafts, past_len)
+    draft_len, past_len = np.full(3, 2), np.array([3, 4, 5])
+    got = kernels_lib.greedy_accept(kernels, device, logits, drafts, draft_len, past_len)
+    want = greedy_accept(logits.argmax(-1), drafts, past_len, draft_len)
     assert_same(got, want)
     assert got[0].tolist() == [2, 1, 1] and got[1].tolist() == [0, 7, 0]
 
@@ -142,17 +168,20 @@ def test_greedy_argmax_takes_the_first_maximum(kernels, device):
 # ---- speculative sampling ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("draft_lens", DRAFT_LENS)
 @pytest.mark.parametrize("kind", SAMPLE_KINDS)
 @pytest.mark.parametrize("batch,gamma,vocab", SAMPLE_SHAPES)
-def test_sample_accept_equals_reference(kernels, device, kind, batch, gamma, vocab):
-    rng = np.random.default_rng([batch, gamma, vocab, SAMPLE_KINDS.index(kind)])
+def test_sample_accept_equals_reference(kernels, device, kind, batch, gamma, vocab, draft_lens):
+    rng = np.random.default_rng([batch, gamma, vocab, SAMPLE_KINDS.index(kind), DRAFT_LENS.index(draft_lens)])
     p, q, drafts, u_accept = sample_case(rng, kind, batch, gamma, vocab)
+    draft_len = draft_lengths(rng, draft_lens, batch, gamma)
+    drafts, q = padded(rng, drafts, q, draft_len, vocab)
     u_sample, past_len = uniforms(rng, batch), rng.integers(0, 100, size=batch)
-    got = kernels_lib.sample_accept(kernels, device, p, q, drafts, u_accept, u_sample, past_len)
-    want = sample_accept(p, q, drafts, u_accept, u_sample, past_len)
+    got = kernels_lib.sample_accept(kernels, device, p, q, drafts, draft_len, u_accept, u_sample, past_len)
+    want = sample_accept(p, q, drafts, u_accept, u_sample, past_len, draft_len)
     assert_same(got, want)
     if kind == "all_accepted":
-        assert got[0].tolist() == [gamma] * batch
+        assert got[0].tolist() == draft_len.tolist()
     if kind == "none_accepted":
         assert got[0].tolist() == [0] * batch
 
