@@ -117,9 +117,12 @@ def test_prompt_longer_than_max_seq(bundles):
     assert_user_error(["generate", bundles("llama", "random"), "--prompt", "def f(x): return x " * 40], "max sequence length 96")
 
 
-def test_batch_over_max_batch(bundles):
-    args = ["generate", bundles("llama", "random")] + ["--prompt", "x"] * 5
-    assert_user_error(args, "max batch 4")
+def test_prompts_beyond_max_batch_wait_their_turn(bundles):
+    """More prompts than the bundle's max batch: the engine queues them, every one is answered."""
+    result = CliRunner().invoke(main, ["generate", bundles("llama", "random"), "--max-new-tokens", "3", "--json"]
+                                + ["--prompt", "x"] * 5)
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout)) == 5
 
 
 @pytest.mark.parametrize("n", [0, -3])

@@ -1,46 +1,60 @@
-"""The narrow interface a backend implements for the speculative loop.
+"""The narrow interface a backend implements for the scheduler (`scheduler.py`).
 
-A `DecoderEngine` owns one model's KV cache for a batch and the per-sequence cache lengths.
-The loop never touches the cache itself: it only reads and rewinds `cache_lengths` (rollback is a
-length update; stale entries past a length are never read and get overwritten).
+A `DecoderEngine` owns one model's KV cache for a number of *slots* (sequences) and the per-slot
+cache lengths. Every call runs on a contiguous range of slots, rows `first .. first+B-1` with B the
+batch of the tokens given: the scheduler keeps its active sequences packed at the front, so that a
+step costs what the active sequences need, not what the cache could hold. The scheduler never
+touches the cache itself: it reads and rewinds `cache_lengths` (rollback is a length update; stale
+entries past a length are never read and get overwritten) and moves a sequence to another slot.
 """
 
 from typing import Protocol
 
 import numpy as np
 
+from speccompile.bundle import GraphId
+
 
 class DecoderEngine(Protocol):
-    cache_lengths: np.ndarray  # int64 [B]: tokens cached per sequence; writable (rollback)
+    cache_lengths: np.ndarray  # int64 [slots]: tokens cached per slot; writable (rollback)
     vocab_size: int
 
-    def start(self, batch_size: int) -> None:
-        """Allocate (or reuse) the cache for `batch_size` sequences and set every length to 0."""
+    def start(self, slots: int) -> None:
+        """Have caches for at least `slots` sequences (allocated once, reused after) and set every
+        length to 0."""
 
-    def forward(self, tokens: np.ndarray, token_count: np.ndarray) -> np.ndarray:
-        """Append tokens [B, T] (first token_count[b] real, rest padding) at each sequence's length.
+    def forward(self, tokens: np.ndarray, token_count: np.ndarray, first: int = 0) -> np.ndarray:
+        """Append tokens [B, T] (first token_count[b] real, rest padding; 0 real is allowed) at the
+        lengths of slots first..first+B-1.
 
-        Returns the greedy next token [B] after each sequence's last real token, and advances
-        cache_lengths by token_count.
+        Returns the greedy next token [B] after each row's last real token (undefined for a row of
+        0 real tokens), and advances those slots' cache_lengths by token_count.
         """
 
-    def forward_sample(self, tokens: np.ndarray, token_count: np.ndarray, params: dict,
-                       uniform: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def forward_sample(self, tokens: np.ndarray, token_count: np.ndarray, params: dict, uniform: np.ndarray,
+                       first: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Like forward, but the next token is sampled from the distribution that `params`
-        (temperature, top_k, top_p per sequence) make of the logits, with one uniform per sequence.
+        (temperature, top_k, top_p per row) make of the logits, with one uniform per row.
         Returns (next_token [B], that distribution [B, V])."""
+
+    def move(self, source: int, destination: int) -> None:
+        """Copy slot `source`'s cached entries and length into slot `destination`."""
+
+    def load_graphs(self, graphs: list[GraphId], batch: int | None = None) -> None:
+        """Load what these graphs run on at this batch size now, so that no generation times a load."""
 
 
 class VerifierEngine(DecoderEngine, Protocol):
-    def verify(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Score tokens [B, γ+1] = [last, d_1..d_γ] in one pass and apply SpecAccept.
+    def verify(self, tokens: np.ndarray, draft_len: np.ndarray, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Score tokens [B, γ+1] = [last, d_1..d_γ] in one pass and apply SpecAccept; row b's drafts
+        are its first draft_len[b] (0..γ), the rest padding that is never accepted.
 
-        Returns (accepted [B], next_token [B]) and sets cache_lengths to the rolled-back lengths.
+        Returns (accepted [B], next_token [B]) and sets the slots' cache_lengths to the rolled-back
+        lengths.
         """
 
-    def verify_sample(self, tokens: np.ndarray, draft_probs: np.ndarray, params: dict, u_accept: np.ndarray,
-                      u_sample: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def verify_sample(self, tokens: np.ndarray, draft_len: np.ndarray, draft_probs: np.ndarray, params: dict,
+                      u_accept: np.ndarray, u_sample: np.ndarray, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """verify with rejection sampling: draft token d_k is accepted with probability
         min(1, p/q) (u_accept [B, γ]); the correction or bonus token is drawn with u_sample [B] from
         the residual or from p (draft_probs [B, γ, V] is q). Same returns and rollback as verify."""
-

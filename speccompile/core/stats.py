@@ -1,9 +1,10 @@
 """Per-sequence generation statistics, defined once for `generate`, `bench` and `profile`.
 
-Counts are each sequence's own. Times: a batch runs in lockstep, so its rows share every phase
-clock; a row's times are those clocks as they stood when the row emitted its last token (its
-latency, from the start of the generate call). A row that stops early at EOS thus reports its own,
-shorter time, and tokens_per_s is the rate at which that row received its tokens.
+Counts are each request's own. Times: the requests decoding together share each iteration, so
+every iteration's draft, verification or decode time is added to each of them; prefill time is a
+request's own. total_ms runs from submission (queueing included) to its last token, so a request
+that stops early at EOS reports its own latency, and tokens_per_s is the rate at which it received
+its tokens.
 """
 
 import time
@@ -28,7 +29,8 @@ class GenerationStats:
     draft_ms: float = 0.0  # speculative phases
     verify_ms: float = 0.0
     decode_ms: float = 0.0  # autoregressive phase: the target's decode steps
-    total_ms: float = 0.0
+    total_ms: float = 0.0  # from submission (queueing included) to the last token
+    ttft_ms: float = 0.0  # from submission to the first token
 
     def record_iteration(self, accepted: int, gamma: int) -> None:
         """One verification that checked `gamma` drafts and kept the first `accepted`."""
@@ -107,6 +109,7 @@ class GenerationStats:
             "acceptance_by_position": self.acceptance_by_position,
             **phases,
             "total_ms": self.total_ms,
+            "ttft_ms": self.ttft_ms,
             "tokens_per_s": self.tokens_per_s,
         }
 

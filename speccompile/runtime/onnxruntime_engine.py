@@ -15,6 +15,7 @@ import numpy as np
 
 from speccompile.bundle import Bundle, GraphId, kv_cache_shape
 from speccompile.errors import SpecCompileError
+from speccompile.runtime.model import CachedModel
 
 
 def _ort():
@@ -101,16 +102,14 @@ def _one_session(bundle: Bundle, info: dict, asked: bool | None) -> bool:
     return (bundle.path / info["weights_file"]).stat().st_size >= ONE_SESSION_MIN_BYTES
 
 
-class OrtModel:
-    """Sessions, KV cache and per-sequence cache lengths of one model of a bundle."""
+class OrtModel(CachedModel):
+    """Sessions and KV cache of one model of a bundle (the bookkeeping is CachedModel's)."""
 
     def __init__(self, bundle: Bundle, role: str, providers=("CPUExecutionProvider",), threads: int | None = None,
                  spinning: bool | None = None, single_sequence: bool = True, shared_pool: bool = False,
                  one_session: bool | None = None):
+        super().__init__(bundle, role)
         info = bundle.model(role)
-        self.bundle, self.role = bundle, role
-        self.num_layers, self.kv_heads, self.head_dim = info["num_layers"], info["num_kv_heads"], info["head_dim"]
-        self.max_seq, self.vocab_size = bundle.manifest["max_seq"], bundle.manifest["vocab_size"]
         self._threads, self._spinning, self._providers = threads, spinning, list(providers)
         self.single_sequence = single_sequence  # run the batch-1 variants where the bundle has them
         self.shared_pool = shared_pool  # sessions run on the process-wide pool (see shared_thread_pool)
@@ -120,47 +119,17 @@ class OrtModel:
         self._variant_files = {e["single_sequence"]["file"] for e in bundle.manifest["graphs"].values()
                                if "single_sequence" in e}
         self._sessions: dict = {}  # graph file -> session
-        self._calls: dict = {}  # (graph, batch) -> (session, binding, outputs, fed): resolved once, not per step
-        self.cache: list = []
-        self.cache_lengths = np.zeros(0, dtype=np.int64)
+        # (graph, first slot, batch) -> (session, binding, outputs, fed): resolved once, not per step
+        self._calls: dict = {}
+        self.cache: list[np.ndarray] = []  # each layer's K and V [slots, KV heads, max_seq, head dim], written in place
+        self._views: dict = {}  # (first slot, batch) -> the cache's OrtValues over those slots
         self._session(GraphId.step(role, sample=False), 1)  # fail early on a broken bundle; others load on first use
-
-    # -- engine interface ---------------------------------------------------------------------
-    def start(self, batch_size: int) -> None:
-        if len(self.cache_lengths) != batch_size:
-            self._allocate(batch_size)
-        self.cache_lengths = np.zeros(batch_size, dtype=np.int64)
-
-    def forward(self, tokens: np.ndarray, token_count: np.ndarray) -> np.ndarray:
-        out = self._run(GraphId.step(self.role, sample=False), input_ids=tokens, past_len=self.cache_lengths,
-                        token_count=token_count)
-        self.cache_lengths = self.cache_lengths + token_count
-        return out["next_token"].copy()
-
-    def forward_sample(self, tokens, token_count, params, uniform) -> tuple[np.ndarray, np.ndarray]:
-        """Like forward, but the next token is sampled; also returns the distribution it came from."""
-        out = self._run(GraphId.step(self.role, sample=True), input_ids=tokens, past_len=self.cache_lengths,
-                        token_count=token_count, uniform=uniform, **params)
-        self.cache_lengths = self.cache_lengths + token_count
-        return out["next_token"].copy(), out["probs"].copy()
-
-    def verify(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        out = self._run(GraphId.verification(tokens.shape[1] - 1, sample=False), input_ids=tokens,
-                        past_len=self.cache_lengths)
-        self.cache_lengths = out["new_len"].copy()
-        return out["accepted"].copy(), out["next_token"].copy()
-
-    def verify_sample(self, tokens, draft_probs, params, u_accept, u_sample) -> tuple[np.ndarray, np.ndarray]:
-        out = self._run(GraphId.verification(tokens.shape[1] - 1, sample=True), input_ids=tokens,
-                        past_len=self.cache_lengths, draft_probs=draft_probs, u_accept=u_accept, u_sample=u_sample, **params)
-        self.cache_lengths = out["new_len"].copy()
-        return out["accepted"].copy(), out["next_token"].copy()
 
     def load_graphs(self, graphs: list[GraphId], batch: int | None = None) -> None:
         """Create the sessions these graphs run on at this batch size now, so that no generation
         times a session load."""
         for graph in graphs:
-            self._session(graph, batch or len(self.cache_lengths))
+            self._session(graph, batch or self.slots)
 
     # -- sessions and buffers -----------------------------------------------------------------
     def _file(self, graph: GraphId, batch: int) -> str:
@@ -204,21 +173,22 @@ class OrtModel:
             return self.role != "target"
         return not graph.verifies
 
-    def _run(self, graph: GraphId, **inputs) -> dict[str, np.ndarray]:
-        key = graph, len(self.cache_lengths)
+    def _run(self, graph: GraphId, first: int, **inputs) -> dict[str, np.ndarray]:
+        key = graph, first, len(inputs["input_ids"])
         session, binding, outputs, fed = self._calls.get(key) or self._prepare(*key)
         if self._session_graph is not None and "token_count" not in inputs:  # verification: every token is real
-            inputs["token_count"] = np.full(key[1], inputs["input_ids"].shape[1], dtype=np.int64)
+            inputs["token_count"] = np.full(key[2], inputs["input_ids"].shape[1], dtype=np.int64)
         for name, value in inputs.items():
             self._feed(binding, fed, name, np.asarray(value))
         session.run_with_iobinding(binding)
         return outputs
 
-    def _prepare(self, graph: GraphId, batch: int) -> tuple:
-        """What a call of `graph` at this batch size runs on: its session and its binding."""
+    def _prepare(self, graph: GraphId, first: int, batch: int) -> tuple:
+        """What a call of `graph` on these slots runs on: its session and its binding."""
         session = self._session(graph, batch)
-        self._calls[graph, batch] = (session, *self._binding(session, graph, self._file(graph, batch), batch))
-        return self._calls[graph, batch]
+        binding = self._binding(session, graph, self._file(graph, batch), first, batch)
+        self._calls[graph, first, batch] = (session, *binding)
+        return self._calls[graph, first, batch]
 
     @staticmethod
     def _feed(binding, fed: dict, name: str, value: np.ndarray) -> None:
@@ -231,23 +201,35 @@ class OrtModel:
             binding.bind_ortvalue_input(name, buffer[1])
         np.copyto(buffer[0], value)
 
-    def _allocate(self, batch: int) -> None:
-        ort = _ort()
-        shape = tuple(kv_cache_shape(self.kv_heads, self.head_dim, self.max_seq, batch))
-        self._cache_arrays = [np.zeros(shape, dtype=np.float32) for _ in range(2 * self.num_layers)]
-        self.cache = [ort.OrtValue.ortvalue_from_numpy(a) for a in self._cache_arrays]
-        self._calls = {}
+    def _allocate(self, slots: int) -> None:
+        shape = tuple(kv_cache_shape(self.kv_heads, self.head_dim, self.max_seq, slots))
+        self.cache = [np.zeros(shape, dtype=np.float32) for _ in range(2 * self.num_layers)]
+        self._views, self._calls = {}, {}
 
-    def _binding(self, session, graph: GraphId, file: str, batch: int):
+    def _copy_slot(self, source: int, destination: int, length: int) -> None:
+        for array in self.cache:  # [slots, KV heads, max_seq, head dim]
+            array[destination, :, :length] = array[source, :, :length]
+
+    def _cache_view(self, first: int, batch: int) -> list:
+        """Each layer's K and V cache over slots first..first+batch-1, as OrtValues on the cache's own
+        memory (a slice of slots is contiguous: slots are the outermost axis)."""
+        if (first, batch) not in self._views:
+            ort = _ort()
+            self._views[first, batch] = [ort.OrtValue.ortvalue_from_numpy(a[first : first + batch])
+                                         for a in self.cache]
+        return self._views[first, batch]
+
+    def _binding(self, session, graph: GraphId, file: str, first: int, batch: int):
         """An IOBinding with the cache bound in place and the read-back outputs in reusable arrays:
-        (binding, outputs, fed inputs). One per graph and batch size: with a session graph, one
+        (binding, outputs, fed inputs). One per graph and slot range: with a session graph, one
         session runs several graphs' calls."""
         ort = _ort()
         binding = session.io_binding()
+        cache = self._cache_view(first, batch)
         for i in range(self.num_layers):
             for k, kind_name in enumerate(("key", "value")):
-                binding.bind_ortvalue_input(f"past_{kind_name}.{i}", self.cache[2 * i + k])
-                binding.bind_ortvalue_output(f"present_{kind_name}.{i}", self.cache[2 * i + k])
+                binding.bind_ortvalue_input(f"past_{kind_name}.{i}", cache[2 * i + k])
+                binding.bind_ortvalue_output(f"present_{kind_name}.{i}", cache[2 * i + k])
         arrays = {}
         for name in graph.outputs:
             shape = (batch, self.vocab_size) if name == "probs" else (batch,)

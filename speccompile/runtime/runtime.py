@@ -1,41 +1,58 @@
-"""`Runtime`: load a bundle, validate a request, run the speculative (or baseline) loop."""
+"""`Runtime`: load a bundle, validate requests, and serve them on the continuous-batching scheduler.
 
-import sys
+Requests are served by one engine thread that runs the scheduler (core/scheduler.py), started on
+first use: `submit` (thread-safe) returns a handle at once; `generate` is a client that submits a
+list of prompts and waits for them. Everything a request needs is checked before it is queued, so a
+bad request raises in its caller's thread and never disturbs the ones in flight.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from speccompile.bundle import Bundle, GraphId, open_bundle
 from speccompile.core.gamma_policy import GammaPolicy
-from speccompile.core.sampler import Sampler, SamplingParams
-from speccompile.core.speculative import autoregressive_generate, speculative_generate
+from speccompile.core.request import AUTO, Request
+from speccompile.core.sampler import SamplingParams
+from speccompile.core.scheduler import Scheduler
 from speccompile.core.stats import GenerationStats
 from speccompile.errors import SpecCompileError
 from speccompile.runtime.tokenizer import Tokenizer
 
 MODES = ("speculative", "autoregressive")
+log = logging.getLogger("speccompile")
 
 
 @dataclass
 class GenerationResult:
     prompt: str | list[int]
-    token_ids: list[int]  # generated tokens only (EOS included when generated)
-    text: str
+    token_ids: list[int]  # generated tokens only (EOS or a stop token included when generated)
+    text: str  # their text, ending before a stop string (as OpenAI's)
     stats: GenerationStats
+    finish_reason: str = "length"  # "stop" (EOS, stop token or string), "length", "cancelled"
 
     def to_dict(self) -> dict:
-        return {"prompt": self.prompt, "text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
+        return {"prompt": self.prompt, "text": self.text, "token_ids": self.token_ids,
+                "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
 
 
 class Runtime:
     def __init__(self, bundle: Bundle, backend: str = "onnxruntime", threads: int | None = None,
-                 shared_threads: bool = False, one_session: bool | None = None):
+                 shared_threads: bool = False, one_session: bool | None = None, prefill_chunk: int = 64):
         """shared_threads (ONNX Runtime): run both models on one process-wide thread pool, which is
         much faster for the speculative loop but binds every other ONNX Runtime session in the
         process (see onnxruntime_engine.shared_thread_pool). The CLI always asks for it; so should
         an application that creates no ONNX Runtime sessions of its own. A process that has the pool
-        uses it either way."""
+        uses it either way. prefill_chunk: prompt tokens prefilled per iteration while other
+        requests decode (see core/scheduler.py)."""
         self.bundle, self.backend = bundle, backend
-        self.log = lambda line: print(line, file=sys.stderr)
         if backend == "onnxruntime":
             from speccompile.runtime.onnxruntime_engine import OrtModel, shared_thread_pool
 
@@ -58,137 +75,400 @@ class Runtime:
         from speccompile.runtime.profile import find_profile
 
         self.profile = find_profile(bundle.path, fingerprint(backend))  # measured on this hardware and backend, if any
-        self._policies: dict[int, GammaPolicy] = {}  # batch size -> online policy when no profile matches
+        self._policies: dict[int, GammaPolicy] = {}  # decoding requests -> γ policy at that load
+        self._calibration: dict | None = None  # step costs measured here when no profile matches
+        self.scheduler = Scheduler(self.target, self.draft, self.max_batch, self.max_seq, self.gammas,
+                                   self.tokenizer.eos_token_ids, self._policy_for_load, self.profile is not None,
+                                   prefill_chunk)
+        self._engine: _EngineThread | None = None
+        self._loaded: set = set()
 
     @property
     def gammas(self) -> list[int]:
         return self.bundle.gammas
 
+    # -- requests ---------------------------------------------------------------------------------
+    def submit(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               seed=None, stop: list[str] | None = None, stop_token_ids=(), gamma: int | str | None = None,
+               mode: str | None = None, on_tokens=None) -> "RequestHandle":
+        """Queue one request (a string or token ids) and return its handle at once. Thread-safe.
+
+        gamma: a compiled γ (at most that many drafts per iteration), "auto" (the default when a γ
+        profile matches this hardware: the policy picks γ each iteration for the current load, down
+        to plain decoding where speculation does not pay), or None (auto with a profile, else the
+        bundle's default γ). mode "autoregressive" decodes with the target alone; "speculative"
+        never lets auto choose plain decoding. temperature 0 is greedy; otherwise tokens are sampled
+        exactly from the target's distribution after temperature, top-k (0: off) and top-p (1: off),
+        from the request's own random stream (`seed`). stop: strings that end the text (excluded from
+        it); stop_token_ids end it like EOS. on_tokens(token_ids) is called from the engine thread as
+        tokens are accepted."""
+        handle = RequestHandle(self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop,
+                                             stop_token_ids, gamma, mode, on_tokens), self, prompt)
+        self._queue(handle.request)
+        return handle
+
+    def submit_async(self, prompt, **kwargs) -> "AsyncRequestHandle":
+        """`submit` for asyncio code: call it in the event loop; await `.result()`, iterate
+        `async for tokens in handle.stream()`."""
+        handle = AsyncRequestHandle(asyncio.get_running_loop(), self, prompt)
+        user_sink = kwargs.pop("on_tokens", None)
+        handle.request = self._request(prompt, on_tokens=handle._push, **kwargs)
+        handle.request.on_finish = handle._finished
+        handle.user_sink = user_sink
+        self._queue(handle.request)
+        return handle
+
     def generate(self, prompts, max_new_tokens: int = 64, mode: str | None = None, gamma: int | str | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 on_tokens=None) -> list[GenerationResult]:
-        """Generate for a batch of prompts (strings or token-id lists); one result per prompt.
+                 on_tokens=None, stop: list[str] | None = None) -> list[GenerationResult]:
+        """Generate for a list of prompts (strings or token-id lists); one result per prompt, in order.
 
-        gamma: a compiled γ, or "auto" (the default when a γ profile matches this hardware): γ is
-        picked from the profile for this batch size and moved between compiled values as the running
-        acceptance estimate changes. Without a profile, step costs are calibrated quickly once and
-        acceptance is learned across this runtime's requests (the first one speculates, to have
-        something to learn from). mode: "speculative" or "autoregressive" run as asked; None (the
-        default) speculates too, except that gamma "auto" decodes plainly where it predicts that
-        speculation does not pay (γ* = 0), and the stats say so (`auto_chose_plain`). An explicit
-        mode or γ is never overridden. temperature 0 is greedy (top-k and top-p, which cannot change a
-        greedy choice, are then warned about); otherwise tokens are sampled from the target's
-        distribution after temperature, top-k (0: off) and top-p (1: off), exactly, in both modes.
-        Each sequence draws from its own random stream spawned from `seed`. on_tokens(row, token_ids)
-        is called as tokens are accepted, for streaming.
-
-        Each result's stats are its own sequence's (see core/stats.py): in a batch, a sequence's
-        times run until its last token, so one that stops early at EOS reports its own latency.
-        """
-        if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
+        Each prompt is one request (see `submit`); all are checked before any is queued. Prompt i
+        samples from its own random stream, spawned from `seed` by its index. on_tokens(i, token_ids)
+        is called as tokens are accepted, for streaming. Each result's stats are its own request's
+        (see core/stats.py)."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or (
+                prompts and isinstance(prompts[0], int)):
             raise SpecCompileError("prompts must be a list of strings or a list of token-id lists")
-        params = SamplingParams(float(temperature), int(top_k), float(top_p))
-        for name in params.without_effect():
-            self.log(f"warning: {name} has no effect at temperature 0 (greedy decoding); set a temperature to sample")
-        gamma = self._check_request(prompts, max_new_tokens, mode, gamma)
-        token_prompts = [self._tokens(p) for p in prompts]
-        longest_gamma = max(self.gammas) if gamma == "auto" else gamma
-        self._check_lengths(token_prompts, max_new_tokens, longest_gamma)
-        eos = self.tokenizer.eos_token_ids
-        sampler = None if params.greedy else Sampler(params, len(prompts), seed)
-        if gamma == "auto":
-            # costs at the context this request spends most of its time at: the prompt plus half its output
-            gamma = self._gamma_policy(len(prompts), max(map(len, token_prompts)) + max_new_tokens // 2)
-            if mode is None and self._plain_pays(gamma):
-                mode, gamma = "autoregressive", "auto"
-        mode = mode or "speculative"
-        self._load_graphs(mode, gamma, params.greedy, len(prompts))
-        if mode == "speculative":
-            tokens, stats = speculative_generate(self.target, self.draft, token_prompts, gamma, max_new_tokens, eos, on_tokens, sampler)
-        else:
-            tokens, stats = autoregressive_generate(self.target, token_prompts, max_new_tokens, eos, on_tokens, sampler)
-            for s in stats:
-                s.gamma = gamma  # "auto" when the policy chose plain decoding, else 0
-        texts = [self.tokenizer.decode_continuation(ids, t) for ids, t in zip(token_prompts, tokens)]
-        return [GenerationResult(p, t, text, s) for p, t, text, s in zip(prompts, tokens, texts, stats)]
-
-    def _load_graphs(self, mode: str, gamma, greedy: bool, batch: int) -> None:
-        """Load every graph this request can run before its clock starts (they load lazily otherwise)."""
-        target = [GraphId.step("target", sample=not greedy)]
-        if mode == "speculative":
-            gammas = self.gammas if isinstance(gamma, GammaPolicy) else [gamma]
-            target += [GraphId.verification(g, sample=not greedy) for g in gammas]
-            self.draft.load_graphs([GraphId.step("draft", sample=not greedy)], batch)
-        self.target.load_graphs(target, batch)
-
-    # -- γ selection ---------------------------------------------------------------------------
-    def _plain_pays(self, policy: GammaPolicy) -> bool:
-        """γ* = 0: speculation does not pay here. Without a profile that verdict needs observed
-        acceptance, so the first request speculates (see _gamma_policy)."""
-        return policy.choose() == 0 and (self.profile is not None or policy.iterations > 0)
-
-    def _gamma_policy(self, batch: int, context: int) -> GammaPolicy:
-        from speccompile.runtime.profile import measure_costs, timings_for_batch
-
-        if self.profile is not None:
-            return GammaPolicy(timings_for_batch(self.profile, batch, context), self.profile["acceptance_by_position"])
-        # No profile: step costs from a quick calibration, acceptance learned from this runtime's own
-        # requests. The policy is kept per batch size, so what one request observed steers the next.
-        if batch not in self._policies:
-            if not self._policies:
-                self.log("no γ profile for this hardware in the bundle (run `speccompile profile`): calibrating quickly")
-            costs = measure_costs(self, batch, context=min(64, self.max_seq // 4), repeats=3)
-            prior = [0.5**k for k in range(1, max(self.gammas) + 1)]  # neutral, worth 2 iterations
-            self._policies[batch] = GammaPolicy(costs, prior, prior_weight=2.0)
-        return self._policies[batch]
-
-    # -- validation ---------------------------------------------------------------------------
-    def _check_request(self, prompts, max_new_tokens, mode, gamma) -> int | str:
-        """The γ to run: a compiled γ, "auto", or 0 for plain decoding (which needs none)."""
-        if mode is not None and mode not in MODES:
-            raise SpecCompileError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         if not prompts:
             raise SpecCompileError("no prompts given")
-        if len(prompts) > self.max_batch:
-            raise SpecCompileError(f"batch of {len(prompts)} prompts exceeds the bundle's max batch {self.max_batch} (rebuild with --max-batch)")
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        seeds = np.random.SeedSequence(seed).spawn(len(prompts))
+        requests = [self._request(p, max_new_tokens, temperature, top_k, top_p, s, stop, (), gamma, mode,
+                                  (lambda ids, i=i: on_tokens(i, ids)) if on_tokens else None, warn=i == 0)
+                    for i, (p, s) in enumerate(zip(prompts, seeds))]
+        handles = [RequestHandle(r, self, p) for r, p in zip(requests, prompts)]
+        for request in requests:
+            self._queue(request, batched=len(requests) > 1)
+        return [h.result() for h in handles]
+
+    def close(self) -> None:
+        """Stop the engine thread; requests still in flight or waiting end as cancelled."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def result(self, request: Request, prompt) -> GenerationResult:
+        """A finished request's result; `prompt` as the caller gave it."""
+        text = self.tokenizer.decode_continuation(request.prompt, request.generated)
+        stops = request.stop_check.stops if isinstance(request.stop_check, _StopStrings) else []
+        cut = _before_stop(text, stops)
+        text = text if cut is None else cut
+        return GenerationResult(prompt, list(request.generated), text, request.stats, request.finish_reason)
+
+    # -- the engine thread ------------------------------------------------------------------------
+    def _queue(self, request: Request, batched: bool | None = None) -> None:
+        """Hand a checked request to the engine thread. batched: whether it will run alongside others
+        (default: whether others are in flight now)."""
+        self._load_graphs(request, not self.scheduler.idle if batched is None else batched)
+        request.submitted = time.perf_counter()  # its latency counts from here: loads are the runtime's
+        if self._engine is None:
+            self._engine = _EngineThread(self.scheduler, self._before_step)
+        self._engine.submit(request)
+
+    def _before_step(self) -> None:
+        """Runs on the engine thread between iterations: the quick calibration that a runtime
+        without a profile needs, while no request is in flight (it drives the models directly)."""
+        if self.profile is None and self._calibration is None and self.scheduler.active == 0:
+            if any(r.gamma == AUTO for r in self.scheduler.waiting):
+                self._calibrate()
+
+    def _load_graphs(self, request: Request, batched: bool) -> None:
+        """Load every graph a request can run before it is queued, so that no iteration times a
+        session load: the single-sequence variants, and the batched graphs when it will share the
+        engine (if the load grows later, those load on first use)."""
+        sample = not request.params.greedy
+        key = request.gamma, sample, batched
+        if key in self._loaded:
+            return
+        batches = (1, self.max_batch) if batched else (1,)
+        target = [GraphId.step("target", sample=sample)]
+        if request.gamma != 0:
+            gammas = self.gammas if request.gamma == AUTO else [request.gamma]
+            target += [GraphId.verification(g, sample=sample) for g in gammas]
+            for batch in batches:
+                self.draft.load_graphs([GraphId.step("draft", sample=sample), GraphId.step("draft", sample=False)],
+                                       batch)
+        for batch in batches:
+            self.target.load_graphs(target + [GraphId.step("target", sample=False)], batch)
+        self._loaded.add(key)
+
+    # -- γ selection ---------------------------------------------------------------------------
+    def _policy_for_load(self, decoding: int) -> GammaPolicy:
+        """The γ policy for `decoding` requests at once: the profile's costs measured at that batch
+        size; without a profile, the batch-1 calibration (run `speccompile profile` for γ under load).
+        Acceptance is learned from the requests served at that load."""
+        if decoding not in self._policies:
+            if self.profile is not None:
+                context = self.max_seq // 4
+                from speccompile.runtime.profile import timings_for_batch
+
+                timings = timings_for_batch(self.profile, decoding, context)
+                self._policies[decoding] = GammaPolicy(timings, self.profile["acceptance_by_position"])
+            else:
+                if self._calibration is None:  # a request with its own γ was in flight at calibration time
+                    self._calibrate()
+                prior = [0.5**k for k in range(1, max(self.gammas) + 1)]  # neutral, worth 2 iterations
+                self._policies[decoding] = GammaPolicy(self._calibration, prior, prior_weight=2.0)
+        return self._policies[decoding]
+
+    def _calibrate(self) -> None:
+        from speccompile.runtime.profile import measure_costs
+
+        log.warning("no γ profile for this hardware in the bundle (run `speccompile profile`): calibrating quickly")
+        self._calibration = measure_costs(self, 1, context=min(64, self.max_seq // 4), repeats=3)
+
+    # -- validation ---------------------------------------------------------------------------
+    def _request(self, prompt, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=None,
+                 stop_token_ids=(), gamma=None, mode=None, on_tokens=None, warn: bool = True) -> Request:
+        params = SamplingParams(float(temperature), int(top_k), float(top_p))
+        if warn:
+            for name in params.without_effect():
+                log.warning(f"warning: {name} has no effect at temperature 0 (greedy decoding); "
+                            "set a temperature to sample")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
             raise SpecCompileError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        gamma, allow_plain = self._request_gamma(mode, gamma, warn)
+        ids = self._tokens(prompt)
+        stop_strings = _stop_strings(stop)
+        request = Request(ids, max_new_tokens, params, seed, gamma, allow_plain,
+                          frozenset(self._token_ids(stop_token_ids)), on_tokens=on_tokens)
+        if stop_strings:
+            request.stop_check = _StopStrings(self.tokenizer, ids, stop_strings)
+        if not self.scheduler.fits(request):
+            cap = self.scheduler.gamma_cap(request)
+            raise SpecCompileError(
+                f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens + γ={cap} exceeds the bundle's "
+                f"max sequence length {self.max_seq} (rebuild with a larger --max-seq, or ask for fewer tokens)")
+        return request
+
+    def _request_gamma(self, mode, gamma, warn: bool) -> tuple[int | str, bool]:
+        """(γ: a compiled γ, AUTO or 0 for plain decoding; may AUTO choose plain decoding)."""
+        if mode is not None and mode not in MODES:
+            raise SpecCompileError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         if mode == "autoregressive":
-            if gamma is not None:
-                self.log(f"warning: gamma={gamma} has no effect in autoregressive mode (the target decodes alone)")
-            return 0
+            if gamma is not None and warn:
+                log.warning(f"warning: gamma={gamma} has no effect in autoregressive mode (the target decodes alone)")
+            return 0, False
         if gamma is None:
-            gamma = "auto" if self.profile is not None else self.default_gamma
-        if gamma == "auto":
-            return gamma
-        if gamma not in self.gammas:
-            raise SpecCompileError(f"γ={gamma} was not compiled into this bundle (compiled: {', '.join(map(str, self.gammas))})")
-        return gamma
+            gamma = AUTO if self.profile is not None else self.default_gamma
+        if gamma == AUTO:
+            return AUTO, mode is None  # an explicit mode is never overridden
+        if isinstance(gamma, bool) or gamma not in self.gammas:
+            raise SpecCompileError(f"γ={gamma} was not compiled into this bundle "
+                                   f"(compiled: {', '.join(map(str, self.gammas))}, or \"auto\")")
+        return int(gamma), False
 
     def _tokens(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
+        if not isinstance(prompt, (list, tuple)):
+            raise SpecCompileError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}")
+        ids = self._token_ids(prompt)
         if not ids:
             raise SpecCompileError("empty prompt")
+        return ids
+
+    def _token_ids(self, ids) -> list[int]:
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in ids):
+            raise SpecCompileError("token ids must be integers")
         bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
         if bad:
             raise SpecCompileError(f"token id {bad[0]} is outside the vocabulary (0..{self.target.vocab_size - 1})")
-        return ids
+        return [int(t) for t in ids]
 
-    def _check_lengths(self, token_prompts, max_new_tokens, gamma) -> None:
-        longest = max(len(p) for p in token_prompts)
-        if longest + max_new_tokens + gamma > self.max_seq:
-            raise SpecCompileError(
-                f"prompt of {longest} tokens + {max_new_tokens} new tokens + γ={gamma} exceeds the bundle's "
-                f"max sequence length {self.max_seq} (rebuild with a larger --max-seq, or ask for fewer tokens)"
-            )
+
+class RequestHandle:
+    """A queued request: `.result()` waits for it, `.stream()` yields its tokens as they are
+    accepted, `.cancel()` ends it (its slot is freed at the engine's next iteration)."""
+
+    def __init__(self, request: Request, runtime: Runtime, prompt):
+        self.request, self._runtime, self.prompt = request, runtime, prompt
+        self._done = threading.Event()
+        self._tokens: queue.Queue | None = None
+        self._user_sink = request.on_tokens
+        request.on_tokens, request.on_finish = self._push, self._finished
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request not finished after {timeout} s")
+        if self.request.error is not None:
+            raise self.request.error
+        return self._runtime.result(self.request, self.prompt)
+
+    def stream(self):
+        """Lists of newly accepted token ids, until the request ends. Tokens accepted before the first
+        call are yielded first. One consumer."""
+        if self._tokens is None:
+            self._tokens = queue.Queue()
+            self._tokens.put(list(self.request.generated))  # what came before (the engine may add more now)
+        while True:
+            tokens = self._tokens.get()
+            if tokens is None:
+                break
+            if tokens:
+                yield tokens
+        if self.request.error is not None:
+            raise self.request.error
+
+    def cancel(self) -> None:
+        self.request.cancelled = True
+        self._runtime._engine and self._runtime._engine.wake()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _push(self, tokens: list[int]) -> None:
+        if self._user_sink is not None:
+            self._user_sink(tokens)
+        if self._tokens is not None:
+            self._tokens.put(tokens)
+
+    def _finished(self, request: Request) -> None:
+        if self._tokens is not None:
+            self._tokens.put(None)
+        self._done.set()
+
+
+class AsyncRequestHandle:
+    """The asyncio counterpart of RequestHandle: results and tokens are handed to the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, runtime: Runtime, prompt):
+        self._loop, self._runtime, self.prompt = loop, runtime, prompt
+        self._tokens: asyncio.Queue = asyncio.Queue()
+        self._done = loop.create_future()
+        self.request: Request | None = None
+        self.user_sink = None
+
+    async def result(self) -> GenerationResult:
+        await asyncio.shield(self._done)
+        if self.request.error is not None:
+            raise self.request.error
+        return self._runtime.result(self.request, self.prompt)
+
+    async def stream(self):
+        while True:
+            tokens = await self._tokens.get()
+            if tokens is None:
+                break
+            yield tokens
+        if self.request.error is not None:
+            raise self.request.error
+
+    def cancel(self) -> None:
+        self.request.cancelled = True
+        self._runtime._engine and self._runtime._engine.wake()
+
+    def _push(self, tokens: list[int]) -> None:  # engine thread
+        if self.user_sink is not None:
+            self.user_sink(tokens)
+        self._loop.call_soon_threadsafe(self._tokens.put_nowait, list(tokens))
+
+    def _finished(self, request: Request) -> None:  # engine thread
+        self._loop.call_soon_threadsafe(self._tokens.put_nowait, None)
+        self._loop.call_soon_threadsafe(lambda: self._done.done() or self._done.set_result(None))
+
+
+class _EngineThread:
+    """Runs scheduler iterations on one thread while there is work; sleeps otherwise. Submissions
+    land in an inbox that the thread moves into the scheduler between iterations, so the scheduler
+    itself is only ever touched by this thread."""
+
+    def __init__(self, scheduler: Scheduler, before_step):
+        self.scheduler, self._before_step = scheduler, before_step
+        self._inbox: deque[Request] = deque()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="speccompile-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request) -> None:
+        with self._wake:
+            if self._closed:
+                raise SpecCompileError("this runtime is closed")
+            self._inbox.append(request)
+            self._wake.notify()
+
+    def wake(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    def close(self, timeout: float = 30.0) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._inbox and self.scheduler.idle and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    break
+                while self._inbox:
+                    self.scheduler.add(self._inbox.popleft())
+            try:
+                self._before_step()
+                self.scheduler.step()
+            except Exception as error:  # a backend failure ends the requests in flight, not the engine
+                log.exception("engine iteration failed")
+                self.scheduler.fail_all(error)
+        self.scheduler.cancel_all()
+        while self._inbox:
+            self._inbox.popleft().finish("cancelled")
+
+
+class _StopStrings:
+    """A request's stop check: the number of generated tokens to keep once the text after the prompt
+    contains a stop string (the token that completes it is kept; the text is cut before it)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt: list[int], stops: list[str]):
+        self.tokenizer, self.prompt, self.stops = tokenizer, prompt, stops
+        self.prompt_text = tokenizer.decode(prompt)
+        self.checked = 0  # tokens already known not to complete a stop string
+
+    def __call__(self, generated: list[int]) -> int | None:
+        if _before_stop(self._text(generated), self.stops) is None:
+            self.checked = len(generated)
+            return None
+        for keep in range(self.checked + 1, len(generated) + 1):  # the first token that completes one
+            if _before_stop(self._text(generated[:keep]), self.stops) is not None:
+                return keep
+        return len(generated)
+
+    def _text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode_continuation(self.prompt, tokens, self.prompt_text)
+
+
+def _before_stop(text: str, stops: list[str]) -> str | None:
+    """The text before the earliest stop string; None when there is none (for `_StopStrings`), and
+    the text itself when there are no stop strings at all."""
+    if not stops:
+        return text
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[: min(found)] if found else None
+
+
+def _stop_strings(stop) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if not all(isinstance(s, str) and s for s in stops):
+        raise SpecCompileError("stop must be a non-empty string or a list of non-empty strings")
+    return stops
 
 
 def load(bundle_dir, backend: str = "onnxruntime", threads: int | None = None, shared_threads: bool = False,
-         one_session: bool | None = None) -> Runtime:
+         one_session: bool | None = None, prefill_chunk: int = 64) -> Runtime:
     """one_session (ONNX Runtime): run each model's every call on its one session graph, holding one
     copy of its weights (True), or a session per graph, faster for small models (False). Default:
     per model, one session from 256 MiB of weights up (onnxruntime_engine.ONE_SESSION_MIN_BYTES)."""
     return Runtime(open_bundle(Path(bundle_dir)), backend=backend, threads=threads, shared_threads=shared_threads,
-                   one_session=one_session)
+                   one_session=one_session, prefill_chunk=prefill_chunk)

@@ -12,11 +12,14 @@ import numpy as np
 
 from speccompile.bundle import Bundle, GraphId, kv_cache_shape
 from speccompile.errors import SpecCompileError
+from speccompile.runtime.model import CachedModel
 
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1  # forward engines: tokens 1..max_seq, tokens 1..2
 
 
-class TrtModel:
+class TrtModel(CachedModel):
+    """Engines and KV cache of one model of a bundle (the bookkeeping is CachedModel's)."""
+
     def __init__(self, bundle: Bundle, role: str, plugin=None):
         from speccompile.tensorrt_setup import plugin_library, require_tensorrt
 
@@ -26,49 +29,29 @@ class TrtModel:
         if "engines" not in bundle.manifest:
             raise SpecCompileError(f"{bundle.path}: no TensorRT engines in this bundle (build with --backend tensorrt)")
         trt.get_plugin_registry().load_library(str(plugin_library(plugin)))
+        super().__init__(bundle, role)
         self._trt, self._cuda = trt, cuda
         self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-        info = bundle.model(role)
-        self.bundle, self.role = bundle, role
-        self.num_layers, self.kv_heads, self.head_dim = info["num_layers"], info["num_kv_heads"], info["head_dim"]
-        self.max_seq, self.vocab_size = bundle.manifest["max_seq"], bundle.manifest["vocab_size"]
         self.stream = cuda.Stream()
         self._contexts: dict = {}
         self.cache: list = []
-        self.cache_lengths = np.zeros(0, dtype=np.int64)
 
-    # -- engine interface ---------------------------------------------------------------------
-    def start(self, batch_size: int) -> None:
-        if len(self.cache_lengths) != batch_size:
-            shape = tuple(kv_cache_shape(self.kv_heads, self.head_dim, self.max_seq, batch_size))
-            self.cache = [self._cuda.DeviceArray(shape=shape, dtype=np.float32) for _ in range(2 * self.num_layers)]
-            for buffer in self.cache:
-                buffer.copy_from(np.zeros(shape, dtype=np.float32), self.stream)
-        self.cache_lengths = np.zeros(batch_size, dtype=np.int64)
+    def _allocate(self, slots: int) -> None:
+        shape = tuple(kv_cache_shape(self.kv_heads, self.head_dim, self.max_seq, slots))
+        self.cache = [self._cuda.DeviceArray(shape=shape, dtype=np.float32) for _ in range(2 * self.num_layers)]
+        for buffer in self.cache:
+            buffer.copy_from(np.zeros(shape, dtype=np.float32), self.stream)
 
-    def forward(self, tokens, token_count):
-        out = self._run(GraphId.step(self.role, sample=False), input_ids=tokens, past_len=self.cache_lengths,
-                        token_count=token_count)
-        self.cache_lengths = self.cache_lengths + token_count
-        return out["next_token"]
+    def _slot_bytes(self) -> int:
+        return self.kv_heads * self.max_seq * self.head_dim * 4
 
-    def forward_sample(self, tokens, token_count, params, uniform):
-        out = self._run(GraphId.step(self.role, sample=True), input_ids=tokens, past_len=self.cache_lengths,
-                        token_count=token_count, uniform=uniform, **params)
-        self.cache_lengths = self.cache_lengths + token_count
-        return out["next_token"], out["probs"]
-
-    def verify(self, tokens):
-        out = self._run(GraphId.verification(tokens.shape[1] - 1, sample=False), input_ids=tokens,
-                        past_len=self.cache_lengths)
-        self.cache_lengths = out["new_len"]
-        return out["accepted"], out["next_token"]
-
-    def verify_sample(self, tokens, draft_probs, params, u_accept, u_sample):
-        out = self._run(GraphId.verification(tokens.shape[1] - 1, sample=True), input_ids=tokens,
-                        past_len=self.cache_lengths, draft_probs=draft_probs, u_accept=u_accept, u_sample=u_sample, **params)
-        self.cache_lengths = out["new_len"]
-        return out["accepted"], out["next_token"]
+    def _copy_slot(self, source: int, destination: int, length: int) -> None:
+        """The whole slot, one contiguous copy per buffer (positions of a slot are strided by head)."""
+        size = self._slot_bytes()
+        for buffer in self.cache:
+            self._cuda.wrapper().memcpy(buffer.ptr + destination * size, buffer.ptr + source * size, size,
+                                        self._cuda.MemcpyKind.DeviceToDevice, self.stream.ptr)
+        self.stream.synchronize()
 
     # -- execution ----------------------------------------------------------------------------
     def load_graphs(self, graphs: list[GraphId], batch: int | None = None) -> None:
@@ -87,24 +70,26 @@ class TrtModel:
             self._contexts[graph] = (engine, engine.create_execution_context(), {})
         return self._contexts[graph]
 
-    def _run(self, graph: GraphId, **inputs) -> dict[str, np.ndarray]:
+    def _run(self, graph: GraphId, first: int, **inputs) -> dict[str, np.ndarray]:
         engine, context, scratch = self._context(graph.name)
+        batch = len(inputs["input_ids"])
         if not graph.verifies:
             profile = PREFILL_PROFILE if inputs["input_ids"].shape[1] > 2 else DECODE_PROFILE
             context.set_optimization_profile_async(profile, self.stream.ptr)
         for i in range(self.num_layers):
             for k, kind_name in enumerate(("key", "value")):
-                buffer = self.cache[2 * i + k]
-                context.set_input_shape(f"past_{kind_name}.{i}", buffer.shape)
-                context.set_tensor_address(f"past_{kind_name}.{i}", buffer.ptr)
-                context.set_tensor_address(f"present_{kind_name}.{i}", buffer.ptr)  # in place
+                # slots first..first+batch-1 of the cache: slots are its outermost axis, so contiguous
+                address = self.cache[2 * i + k].ptr + first * self._slot_bytes()
+                shape = tuple(kv_cache_shape(self.kv_heads, self.head_dim, self.max_seq, batch))
+                context.set_input_shape(f"past_{kind_name}.{i}", shape)
+                context.set_tensor_address(f"past_{kind_name}.{i}", address)
+                context.set_tensor_address(f"present_{kind_name}.{i}", address)  # in place
         for name, value in inputs.items():
             host = np.ascontiguousarray(value)
             device = self._scratch(scratch, name, host.shape, host.dtype)
             device.copy_from(host, self.stream)
             context.set_input_shape(name, host.shape)
             context.set_tensor_address(name, device.ptr)
-        batch = len(self.cache_lengths)
         outputs = {}
         for name in graph.outputs:
             shape, dtype = ((batch, self.vocab_size), np.float32) if name == "probs" else ((batch,), np.int64)

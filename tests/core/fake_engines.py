@@ -1,4 +1,4 @@
-"""Engines with real cache semantics but a hash for a model: the loop's logic, without ONNX."""
+"""Engines with real cache semantics but a hash for a model: the scheduler's logic, without ONNX."""
 
 import numpy as np
 
@@ -11,37 +11,55 @@ def next_token_of(prefix, vocab: int, salt: int) -> int:
 
 
 class FakeEngine:
-    """Caches tokens by position; reads past a sequence's length are bugs and raise."""
+    """Caches tokens by slot and position; reads of unwritten entries are bugs and raise, and so are
+    writes past the cache's end."""
 
     def __init__(self, vocab: int = 50, salt: int = 0, capacity: int = 256):
         self.vocab_size, self.salt, self.capacity = vocab, salt, capacity
         self.calls = 0
+        self.batches: list[int] = []  # rows of every call, in order
+        self.cache = np.zeros((0, capacity), dtype=np.int64)
+        self.cache_lengths = np.zeros(0, dtype=np.int64)
 
-    def start(self, batch_size):
-        self.cache = np.full((batch_size, self.capacity), -1, dtype=np.int64)
-        self.cache_lengths = np.zeros(batch_size, dtype=np.int64)
+    def start(self, slots):
+        if slots > len(self.cache):
+            self.cache = np.full((slots, self.capacity), -1, dtype=np.int64)
+        self.cache_lengths = np.zeros(len(self.cache), dtype=np.int64)
 
-    def _append(self, tokens):
+    def _append(self, tokens, first):
         """Write tokens at each row's length; return the model's choice after each position."""
+        self.calls += 1
+        self.batches.append(len(tokens))
         choices = np.zeros(tokens.shape, dtype=np.int64)
-        for row, length in enumerate(self.cache_lengths):
-            assert (self.cache[row, :length] >= 0).all(), "read of an unwritten cache entry"
-            self.cache[row, length : length + tokens.shape[1]] = tokens[row]
+        for row in range(len(tokens)):
+            slot, length = first + row, self.cache_lengths[first + row]
+            assert length + tokens.shape[1] <= self.capacity, "write past the end of the cache"
+            assert (self.cache[slot, :length] >= 0).all(), "read of an unwritten cache entry"
+            self.cache[slot, length : length + tokens.shape[1]] = tokens[row]
             for t in range(tokens.shape[1]):
-                choices[row, t] = next_token_of(self.cache[row, : length + t + 1], self.vocab_size, self.salt)
+                choices[row, t] = next_token_of(self.cache[slot, : length + t + 1], self.vocab_size, self.salt)
         return choices
 
-    def forward(self, tokens, token_count):
-        self.calls += 1
-        choices = self._append(tokens)
-        self.cache_lengths = self.cache_lengths + token_count
-        return choices[np.arange(len(tokens)), token_count - 1]
+    def forward(self, tokens, token_count, first=0):
+        choices = self._append(tokens, first)
+        self.cache_lengths[first : first + len(tokens)] += token_count
+        return choices[np.arange(len(tokens)), np.maximum(token_count - 1, 0)]
 
-    def verify(self, tokens):
-        self.calls += 1
-        choices = self._append(tokens)
-        accepted, next_token, self.cache_lengths = greedy_accept(choices, tokens[:, 1:], self.cache_lengths)
+    def verify(self, tokens, draft_len, first=0):
+        choices = self._append(tokens, first)
+        rows = slice(first, first + len(tokens))
+        accepted, next_token, self.cache_lengths[rows] = greedy_accept(choices, tokens[:, 1:], self.cache_lengths[rows],
+                                                                       draft_len)
         return accepted, next_token
+
+    def move(self, source, destination):
+        length = self.cache_lengths[source]
+        self.cache[destination, :length] = self.cache[source, :length]
+        self.cache[destination, length:] = -1
+        self.cache_lengths[destination] = length
+
+    def load_graphs(self, graphs, batch=None):
+        pass
 
 
 class AgreeingDraft(FakeEngine):
@@ -51,7 +69,7 @@ class AgreeingDraft(FakeEngine):
         super().__init__(**kwargs)
         self.disagree_every = disagree_every
 
-    def forward(self, tokens, token_count):
-        out = super().forward(tokens, token_count)
-        flip = (self.cache_lengths % self.disagree_every) == 0
+    def forward(self, tokens, token_count, first=0):
+        out = super().forward(tokens, token_count, first)
+        flip = (self.cache_lengths[first : first + len(tokens)] % self.disagree_every) == 0
         return np.where(flip, (out + 1) % self.vocab_size, out)

@@ -1,0 +1,337 @@
+"""Continuous batching: the request-level speculative engine, over the backend-free interface of
+`engine.py`.
+
+Requests arrive at any time (`add`) and wait in a queue. Each `step` is one iteration:
+  1. cancelled requests leave;
+  2. prefill: waiting requests join, a chunk of prompt at a time (below);
+  3. one decoding iteration over every decoding request at once:
+     a. γ for this iteration: the policy's choice for the current number of decoding requests (its
+        profile measured each batch size), capped per request by its own γ and by the tokens it
+        still needs: rows may carry different numbers of drafts, and the verification takes each
+        row's draft length;
+     b. the draft proposes, one batched step at a time; its first step feeds each row the tokens
+        it has not cached yet (normally [prev, last], more after plain iterations);
+     c. the target scores [last, d_1..d_γ] of every row in ONE verification pass whose SpecAccept
+        keeps each row's longest agreeing prefix (n drafts), returns the target's own next token
+        and rolls the target cache back (a length update); or, when γ is 0 for every row, one plain
+        decoding step;
+     d. d_1..d_n and the target's token are emitted; the draft cache is rolled back to match;
+  4. finished requests leave at once; their slots are refilled by moving the last decoding row.
+
+Slots. The caches have `max_batch` slots, allocated once. Decoding requests occupy slots
+0..n-1 and every call runs on that prefix, so a step costs what the active requests need; a single
+active request runs the single-sequence graphs. A request still being prefilled sits in slot n,
+right after them, and joins the decoding batch (becoming slot n) when its prompt is in.
+
+Prefill is chunked so that a joining request does not stall the running ones for long: while
+requests are decoding, an iteration prefills at most `prefill_chunk` prompt tokens (one call per
+joining request, at batch 1), so each iteration is delayed by at most one chunk's prefill; with no
+request decoding, whole prompts are prefilled at once. A long prompt thus joins over several
+iterations, each costing its decoding requests one chunk.
+
+Invariant between iterations, per decoding request with history h (prompt + generated, last = h[-1]):
+the target has cached h[:-1]; the draft has cached a prefix of h[:-1] (normally h[:-2]: its first
+step re-reads [prev, last], which costs nothing extra and removes the special case where every
+draft was accepted and the draft never saw d_γ).
+"""
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from speccompile.core.engine import DecoderEngine, VerifierEngine
+from speccompile.core.gamma_policy import GammaPolicy
+from speccompile.core.request import AUTO, Request
+
+PolicyFor = Callable[[int], GammaPolicy]  # number of decoding requests -> the γ policy for that load
+
+
+class Scheduler:
+    def __init__(self, target: VerifierEngine, draft: DecoderEngine, max_batch: int, max_seq: int,
+                 gammas: list[int], eos_ids: set[int], policy_for: PolicyFor | None = None,
+                 profiled: bool = False, prefill_chunk: int = 64):
+        """profiled: the policies' costs were measured by a profile of this hardware, so the policy may
+        choose plain decoding from the start; otherwise only once it has observed acceptance."""
+        self.target, self.draft = target, draft
+        self.max_batch, self.max_seq, self.gammas = max_batch, max_seq, sorted(gammas)
+        self.eos_ids, self.policy_for, self.prefill_chunk = eos_ids, policy_for, prefill_chunk
+        self.profiled = profiled
+        self.waiting: deque[Request] = deque()  # appended by any thread; popped here only
+        self.decoding: list[Request] = []  # slot i holds decoding[i]
+        self.joining: Request | None = None  # partly prefilled, in slot len(decoding)
+        self._started = False
+
+    # -- the queue --------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a request (thread-safe). Its γ and length must have been checked (see `fits`)."""
+        assert self.fits(request), "request does not fit the caches: check it before adding it"
+        self.waiting.append(request)
+
+    def fits(self, request: Request) -> bool:
+        """Every position a request can write, its longest verification included, is in the cache."""
+        return len(request.prompt) + request.max_new_tokens + self.gamma_cap(request) <= self.max_seq
+
+    def gamma_cap(self, request: Request) -> int:
+        """The most drafts one of this request's iterations may carry: its own γ, or under AUTO the
+        largest compiled γ that its length leaves room for (0 if none: it decodes plainly)."""
+        if request.gamma != AUTO:
+            return request.gamma
+        room = self.max_seq - len(request.prompt) - request.max_new_tokens
+        return max([g for g in self.gammas if g <= room], default=0)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.decoding or self.joining)
+
+    @property
+    def active(self) -> int:
+        return len(self.decoding) + (self.joining is not None)
+
+    # -- one iteration ------------------------------------------------------------------------------
+    def step(self) -> None:
+        if not self._started:  # caches for every slot, once
+            self.target.start(self.max_batch)
+            self.draft.start(self.max_batch)
+            self._started = True
+        self._retire_cancelled()
+        self._prefill()
+        if self.decoding:
+            self._decode()
+        self._retire_finished()
+
+    def cancel_all(self) -> None:
+        """Shutting down: every request in flight or waiting ends as cancelled."""
+        self._end_all("cancelled")
+
+    def fail_all(self, error: Exception) -> None:
+        """A backend failure: every request in flight or waiting ends with it."""
+        self._end_all("error", error)
+
+    def _end_all(self, reason: str, error: Exception | None = None) -> None:
+        for request in [*self.decoding, *([self.joining] if self.joining else []), *self.waiting]:
+            request.finish(reason, error)
+        self.decoding, self.joining = [], None
+        self.waiting.clear()
+
+    # -- prefill ----------------------------------------------------------------------------------
+    def _prefill(self) -> None:
+        budget = self.prefill_chunk if self.decoding else self.max_seq * self.max_batch
+        while budget > 0:
+            if self.joining is None:
+                if not self.waiting or len(self.decoding) >= self.max_batch:
+                    return
+                self._admit(self.waiting.popleft())
+                continue
+            budget -= self._prefill_chunk(self.joining, budget)
+            if self.joining.done:  # its first token ended it (EOS, a stop, or max_new_tokens 1)
+                self.joining.finish(self.joining.finish_reason)
+                self.joining = None
+            elif self.joining.prefilled == len(self.joining.prompt):
+                self.decoding.append(self.joining)
+                self.joining = None
+
+    def _admit(self, request: Request) -> None:
+        if request.cancelled:
+            request.finish("cancelled")
+            return
+        slot = len(self.decoding)
+        self.target.cache_lengths[slot] = 0
+        self.draft.cache_lengths[slot] = 0
+        self.joining = request
+
+    def _prefill_chunk(self, request: Request, budget: int) -> int:
+        """Prefill the next chunk of a joining request's prompt; its first token when complete."""
+        slot, start = len(self.decoding), request.prefilled
+        count = min(budget, len(request.prompt) - start)
+        tokens = np.array([request.prompt[start : start + count]], dtype=np.int64)
+        counts = np.array([count], dtype=np.int64)
+        began = time.perf_counter()
+        if request.gamma != 0:  # the draft reads the prompt too (a plain request never drafts)
+            self.draft.forward(tokens, counts, first=slot)
+        complete = start + count == len(request.prompt)
+        if complete and not request.params.greedy:
+            token, _ = self.target.forward_sample(tokens, counts, _params([request]), request.uniforms(1), first=slot)
+        else:
+            token = self.target.forward(tokens, counts, first=slot)
+        request.prefilled += count
+        if complete:
+            request.emit(token, self.eos_ids)
+            self.draft.cache_lengths[slot] = min(self.draft.cache_lengths[slot], len(request.tokens) - 2)
+        request.stats.prefill_ms += (time.perf_counter() - began) * 1e3
+        return count
+
+    # -- decoding ---------------------------------------------------------------------------------
+    def _decode(self) -> None:
+        rows = self.decoding
+        policy = self.policy_for(len(rows)) if self.policy_for and any(r.gamma == AUTO for r in rows) else None
+        wanted = self._wanted_gamma(rows, policy)
+        gamma = self._graph_gamma(rows, wanted)
+        # A request near its end drafts only what it still needs (the target adds one token of its
+        # own), but keeps the iteration's graph: switching graphs costs more than the padded slots.
+        drafts = np.minimum(wanted, gamma)
+        drafts = np.minimum(drafts, np.array([r.remaining - 1 for r in rows], dtype=np.int64))
+        gamma = gamma if drafts.max() > 0 else 0
+        began = time.perf_counter()
+        if gamma == 0:
+            self._plain_step(rows)
+            elapsed = (time.perf_counter() - began) * 1e3
+            for request in rows:
+                request.stats.decode_ms += elapsed
+                request.stats.record_iteration(0, 0)
+            return
+        proposed, probs = self._propose(rows, drafts)
+        drafted = time.perf_counter()
+        accepted, next_token = self._verify(rows, drafts, gamma, proposed, probs)
+        verified = time.perf_counter()
+        draft_ms, verify_ms = (drafted - began) * 1e3, (verified - drafted) * 1e3
+        if policy is not None and drafts.max() == gamma:
+            policy.observe_costs(gamma, draft_ms, verify_ms)
+        for row, request in enumerate(rows):
+            n = int(accepted[row])
+            request.stats.draft_ms += draft_ms
+            request.stats.verify_ms += verify_ms
+            request.stats.record_iteration(n, int(drafts[row]))
+            if policy is not None and request.gamma == AUTO and drafts[row]:
+                policy.observe(int(drafts[row]), n)
+            request.emit([*proposed[row, :n], next_token[row]], self.eos_ids)
+        # the draft keeps what it cached of the accepted tokens, re-reading the last two next time
+        lengths = np.array([len(r.tokens) for r in rows], dtype=np.int64)
+        self.draft.cache_lengths[: len(rows)] = np.minimum(self.draft.cache_lengths[: len(rows)], lengths - 2)
+
+    def _wanted_gamma(self, rows: list[Request], policy: GammaPolicy | None) -> np.ndarray:
+        """The drafts each row asks for this iteration: its own γ, or under AUTO the policy's choice
+        for the current load, capped by the room its length leaves."""
+        chosen = 0
+        if policy is not None:
+            allow_plain = all(r.allow_plain for r in rows if r.gamma == AUTO)
+            chosen = policy.choose(allow_zero=allow_plain and (self.profiled or policy.iterations > 0))
+        return np.array([min(chosen, self.gamma_cap(r)) if r.gamma == AUTO else r.gamma for r in rows],
+                        dtype=np.int64)
+
+    def _graph_gamma(self, rows: list[Request], wanted: np.ndarray) -> int:
+        """The compiled γ whose verification graph runs: the smallest that holds every row's wanted
+        drafts, and whose padded positions stay inside every row's cache."""
+        longest = int(wanted.max())
+        if longest == 0:
+            return 0
+        room = self.max_seq - max(len(r.tokens) for r in rows)  # writes reach position len + γ - 1
+        fitting = [g for g in self.gammas if g <= room]
+        covering = [g for g in fitting if g >= longest]
+        return min(covering) if covering else max(fitting, default=0)
+
+    def _plain_step(self, rows: list[Request]) -> None:
+        last = np.array([[r.tokens[-1]] for r in rows], dtype=np.int64)
+        one = np.ones(len(rows), dtype=np.int64)
+        if all(r.params.greedy for r in rows):
+            next_token = self.target.forward(last, one)
+        else:
+            next_token, _ = self.target.forward_sample(last, one, _params(rows), _uniforms(rows, 1)[:, 0])
+        for row, request in enumerate(rows):
+            request.emit([next_token[row]], self.eos_ids)
+
+    def _propose(self, rows: list[Request], drafts: np.ndarray):
+        """max(drafts) batched draft steps: tokens [B, max] (and, when sampling, the draft
+        distributions [B, max, V] they were drawn from). A row's proposals past its own count are
+        never verified, and never draw from its random stream."""
+        steps = int(drafts.max())
+        sampling = not all(r.params.greedy for r in rows)
+        params = _params(rows) if sampling else None
+        self._catch_up(rows)
+        lengths = self.draft.cache_lengths[: len(rows)]
+        unread = [r.tokens[length:] for r, length in zip(rows, lengths)]
+        tokens, counts = _pad(unread)
+        tokens_out, probs_out = [], []
+        for k in range(steps):
+            if sampling:
+                u = np.array([r.uniforms(1)[0] if r.rng is not None and k < d else 0.5
+                              for r, d in zip(rows, drafts)], dtype=np.float32)
+                token, probs = self.draft.forward_sample(tokens, counts, params, u)
+                probs_out.append(probs)
+            else:
+                token = self.draft.forward(tokens, counts)
+            tokens_out.append(token)
+            tokens, counts = token[:, None], np.ones(len(rows), dtype=np.int64)
+        return np.stack(tokens_out, axis=1), (np.stack(probs_out, axis=1) if sampling else None)
+
+    def _catch_up(self, rows: list[Request]) -> None:
+        """Feed the draft what it missed (after plain iterations) in chunks, until every row lacks
+        at most its last two tokens; chunks are sized so that no row's padded write leaves the cache."""
+        while True:
+            lengths = self.draft.cache_lengths[: len(rows)]
+            behind = [max(0, len(r.tokens) - 2 - int(length)) for r, length in zip(rows, lengths)]
+            if not any(behind):
+                return
+            size = min(max(behind), self.max_seq - int(lengths.max()))
+            self.draft.forward(*_pad([r.tokens[int(length) : int(length) + min(b, size)]
+                                      for r, length, b in zip(rows, lengths, behind)]))
+
+    def _verify(self, rows: list[Request], drafts: np.ndarray, gamma: int, proposed: np.ndarray, probs):
+        candidates = np.zeros((len(rows), gamma + 1), dtype=np.int64)
+        candidates[:, 0] = [r.tokens[-1] for r in rows]
+        width = min(gamma, proposed.shape[1])
+        candidates[:, 1 : width + 1] = proposed[:, :width]
+        if probs is None:
+            return self.target.verify(candidates, drafts)
+        q = np.zeros((len(rows), gamma, probs.shape[2]), dtype=np.float32)
+        q[:, :width] = probs[:, :width]
+        u_accept = np.full((len(rows), gamma), 0.5, dtype=np.float32)
+        for row, (request, d) in enumerate(zip(rows, drafts)):
+            if request.rng is not None:
+                u_accept[row, :d] = request.uniforms(int(d))
+        return self.target.verify_sample(candidates, drafts, q, _params(rows), u_accept, _uniforms(rows, 1)[:, 0])
+
+    # -- leaving ----------------------------------------------------------------------------------
+    def _retire_cancelled(self) -> None:
+        for request in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(request)
+            request.finish("cancelled")
+        if self.joining is not None and self.joining.cancelled:
+            self.joining.finish("cancelled")
+            self.joining = None
+        self._retire(lambda r: r.cancelled, "cancelled")
+
+    def _retire_finished(self) -> None:
+        self._retire(lambda r: r.done, "stop")
+
+    def _retire(self, leaves: Callable[[Request], bool], reason: str) -> None:
+        """Finished requests leave; the last decoding row moves into each freed slot (and the joining
+        request, if any, moves down behind it), keeping the decoding rows packed at the front."""
+        for slot in reversed(range(len(self.decoding))):
+            request = self.decoding[slot]
+            if not leaves(request):
+                continue
+            last = len(self.decoding) - 1
+            if slot != last:
+                self._move(last, slot)
+                self.decoding[slot] = self.decoding[last]
+            self.decoding.pop()
+            if self.joining is not None:
+                self._move(last + 1, last)
+            request.finish(reason)
+
+    def _move(self, source: int, destination: int) -> None:
+        self.target.move(source, destination)
+        self.draft.move(source, destination)
+
+
+def _pad(token_lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad token lists into [B, T_max] (T_max >= 1); returns (ids, counts)."""
+    counts = np.array([len(t) for t in token_lists], dtype=np.int64)
+    ids = np.zeros((len(token_lists), max(1, int(counts.max()))), dtype=np.int64)
+    for row, tokens in enumerate(token_lists):
+        ids[row, : len(tokens)] = tokens
+    return ids, counts
+
+
+def _params(rows: list[Request]) -> dict:
+    """The sampling graphs' per-row controls (greedy rows: temperature 0, i.e. one-hot)."""
+    return {"temperature": np.array([r.params.temperature for r in rows], dtype=np.float32),
+            "top_k": np.array([r.params.top_k for r in rows], dtype=np.int64),
+            "top_p": np.array([r.params.top_p for r in rows], dtype=np.float32)}
+
+
+def _uniforms(rows: list[Request], count: int) -> np.ndarray:
+    """[B, count]: each sampling row's next draws from its own stream; greedy rows draw nothing."""
+    return np.stack([r.uniforms(count) if r.rng is not None else np.full(count, 0.5, dtype=np.float32) for r in rows])

@@ -1,0 +1,85 @@
+"""What both backends share: the engine interface of `core/engine.py` as cache-length bookkeeping
+over one primitive, "run this graph on slots first..first+B-1 with these inputs".
+
+A backend (onnxruntime_engine.OrtModel, tensorrt_engine.TrtModel) supplies that primitive (`_run`),
+allocates the cache (`_allocate`) and copies a slot's entries (`_copy_slot`); the lengths, the
+rollback and the meaning of every call live here, once.
+"""
+
+import numpy as np
+
+from speccompile.bundle import Bundle, GraphId
+
+
+class CachedModel:
+    """One model of a bundle: its KV cache for a number of slots and their cache lengths."""
+
+    def __init__(self, bundle: Bundle, role: str):
+        info = bundle.model(role)
+        self.bundle, self.role = bundle, role
+        self.num_layers, self.kv_heads, self.head_dim = info["num_layers"], info["num_kv_heads"], info["head_dim"]
+        self.max_seq, self.vocab_size = bundle.manifest["max_seq"], bundle.manifest["vocab_size"]
+        self.slots = 0
+        self.cache_lengths = np.zeros(0, dtype=np.int64)
+
+    # -- the engine interface -------------------------------------------------------------------
+    def start(self, slots: int) -> None:
+        if slots > self.slots:
+            self._allocate(slots)
+            self.slots = slots
+        self.cache_lengths = np.zeros(self.slots, dtype=np.int64)
+
+    def forward(self, tokens: np.ndarray, token_count: np.ndarray, first: int = 0) -> np.ndarray:
+        rows = self._rows(first, len(tokens))
+        out = self._run(GraphId.step(self.role, sample=False), first, input_ids=tokens,
+                        past_len=self.cache_lengths[rows], token_count=token_count)
+        self.cache_lengths[rows] += token_count
+        return out["next_token"].copy()
+
+    def forward_sample(self, tokens, token_count, params, uniform, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        rows = self._rows(first, len(tokens))
+        out = self._run(GraphId.step(self.role, sample=True), first, input_ids=tokens,
+                        past_len=self.cache_lengths[rows], token_count=token_count, uniform=uniform, **params)
+        self.cache_lengths[rows] += token_count
+        return out["next_token"].copy(), out["probs"].copy()
+
+    def verify(self, tokens: np.ndarray, draft_len: np.ndarray, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        rows = self._rows(first, len(tokens))
+        out = self._run(GraphId.verification(tokens.shape[1] - 1, sample=False), first, input_ids=tokens,
+                        past_len=self.cache_lengths[rows], draft_len=draft_len)
+        self.cache_lengths[rows] = out["new_len"]
+        return out["accepted"].copy(), out["next_token"].copy()
+
+    def verify_sample(self, tokens, draft_len, draft_probs, params, u_accept, u_sample,
+                      first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        rows = self._rows(first, len(tokens))
+        out = self._run(GraphId.verification(tokens.shape[1] - 1, sample=True), first, input_ids=tokens,
+                        past_len=self.cache_lengths[rows], draft_len=draft_len, draft_probs=draft_probs,
+                        u_accept=u_accept, u_sample=u_sample, **params)
+        self.cache_lengths[rows] = out["new_len"]
+        return out["accepted"].copy(), out["next_token"].copy()
+
+    def move(self, source: int, destination: int) -> None:
+        length = int(self.cache_lengths[source])
+        self._copy_slot(source, destination, length)
+        self.cache_lengths[destination] = length
+
+    def load_graphs(self, graphs: list[GraphId], batch: int | None = None) -> None:
+        """Load what these graphs run on at this batch size now (default: every slot)."""
+
+    # -- what a backend supplies ------------------------------------------------------------------
+    def _run(self, graph: GraphId, first: int, **inputs) -> dict[str, np.ndarray]:
+        """Run `graph` on slots first..first+B-1 (B: the inputs' batch) with the cache bound in place;
+        returns the outputs the runtime reads back (bundle.GRAPH_OUTPUTS)."""
+        raise NotImplementedError
+
+    def _allocate(self, slots: int) -> None:
+        raise NotImplementedError
+
+    def _copy_slot(self, source: int, destination: int, length: int) -> None:
+        """Copy the first `length` cached positions of every layer's K and V."""
+        raise NotImplementedError
+
+    def _rows(self, first: int, batch: int) -> slice:
+        assert 0 <= first and first + batch <= self.slots, f"slots {first}..{first + batch - 1} of {self.slots}"
+        return slice(first, first + batch)

@@ -1,0 +1,243 @@
+"""The continuous-batching scheduler on fake engines with exact cache semantics: every request's
+tokens against a golden autoregressive reference, under churn, queueing, cancellation, mixed γ and
+chunked prefill."""
+
+import itertools
+import random
+
+import pytest
+
+from speccompile.core.gamma_policy import GammaPolicy
+from speccompile.core.request import AUTO, Request
+from speccompile.core.scheduler import Scheduler
+from tests.core.fake_engines import AgreeingDraft, FakeEngine, next_token_of
+
+VOCAB = 50
+PROMPTS = [[3, 1, 4, 1, 5], [9], [2, 6, 5, 3, 5, 8, 9, 7]]
+
+
+def reference(prompt, max_new, eos=frozenset()) -> list[int]:
+    """Autoregressive decoding of the fake target, straight from its definition."""
+    history, out = list(prompt), []
+    while len(out) < max_new:
+        token = next_token_of(history, VOCAB, 0)
+        history.append(token)
+        out.append(token)
+        if token in eos:
+            break
+    return out
+
+
+def scheduler(draft=None, max_batch=4, max_seq=256, gammas=(1, 2, 4, 6), eos=(), policy=None, target=None, **kw):
+    target = target or FakeEngine(capacity=max_seq)
+    draft = draft or FakeEngine(capacity=max_seq)
+    return Scheduler(target, draft, max_batch, max_seq, list(gammas), set(eos),
+                     policy_for=(lambda n: policy) if policy else None, **kw)
+
+
+def run(s: Scheduler, requests, limit=10_000) -> int:
+    for r in requests:
+        s.add(r)
+    for iteration in range(limit):
+        if s.idle:
+            return iteration
+        s.step()
+    raise AssertionError("scheduler did not finish")
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 4, 6])
+@pytest.mark.parametrize("draft", [lambda: FakeEngine(), lambda: FakeEngine(salt=99), lambda: AgreeingDraft(3)],
+                         ids=["copy", "unrelated", "sometimes"])
+def test_every_request_equals_autoregressive(gamma, draft):
+    requests = [Request(p, 17, gamma=gamma) for p in PROMPTS]
+    run(scheduler(draft()), requests)
+    for request, prompt in zip(requests, PROMPTS):
+        assert request.generated == reference(prompt, 17)
+        assert request.finish_reason == "length" and request.stats.new_tokens == 17
+        # drafts are capped by what a request still needs: never more than max_new - 1 - emitted
+        assert request.stats.draft_tokens <= gamma * request.stats.iterations
+
+
+def test_copy_draft_accepts_everything_and_saves_target_passes():
+    target = FakeEngine()
+    [request] = requests = [Request([1, 2, 3], 21, gamma=4)]
+    run(scheduler(target=target), requests)
+    stats = request.stats
+    assert (stats.acceptance_rate, stats.mean_accepted_drafts, stats.mean_acceptance_length) == (1.0, 4.0, 5.0)
+    assert stats.acceptance_by_position == [1.0] * 4
+    assert target.calls == 1 + 4  # prefill + (21 - 1) / 5 verifications
+
+
+def test_the_last_iteration_drafts_only_what_the_request_still_needs():
+    [request] = requests = [Request([1, 2, 3], 8, gamma=6)]  # 1 from prefill, then 7: one γ=6 iteration
+    run(scheduler(), requests)
+    assert request.generated == reference([1, 2, 3], 8)
+    assert request.stats.gammas_used == {6: 1}
+    [r2] = requests = [Request([1, 2, 3], 6, gamma=6)]  # 1 + 5: four drafts suffice (in γ=6's graph)
+    run(scheduler(), requests)
+    assert r2.stats.gammas_used == {4: 1} and r2.generated == reference([1, 2, 3], 6)
+
+
+def test_stops_at_eos_and_stop_tokens_and_keeps_them():
+    full = reference(PROMPTS[0], 30)
+    eos, stop_token = full[6], full[3]
+    a, b = Request(PROMPTS[0], 30, gamma=4), Request(PROMPTS[0], 30, gamma=4, stop_token_ids=frozenset({stop_token}))
+    run(scheduler(AgreeingDraft(4), eos={eos}), [a, b])
+    assert a.generated == reference(PROMPTS[0], 30, {eos}) and a.generated[-1] == eos
+    assert b.generated == full[: full.index(stop_token) + 1] and b.finish_reason == "stop"
+
+
+def test_a_stop_check_cuts_the_tokens_where_it_says():
+    request = Request(PROMPTS[1], 30, gamma=4, stop_check=lambda generated: 5 if len(generated) >= 5 else None)
+    run(scheduler(), [request])
+    assert request.generated == reference(PROMPTS[1], 30)[:5] and request.finish_reason == "stop"
+
+
+def test_requests_beyond_max_batch_wait_and_all_finish():
+    target = FakeEngine()
+    prompts = [[i, i + 1] for i in range(10)]
+    requests = [Request(p, 12, gamma=2) for p in prompts]
+    run(scheduler(max_batch=3, target=target), requests)
+    assert [r.generated for r in requests] == [reference(p, 12) for p in prompts]
+    assert max(target.batches) == 3
+
+
+def test_calls_run_on_the_active_requests_only():
+    """No wasted rows: with one request left, calls run at batch 1, and never wider than the active set."""
+    target, draft = FakeEngine(), FakeEngine()
+    short, long = Request([1], 4, gamma=2), Request([2], 30, gamma=2)
+    s = scheduler(target=target, draft=draft, max_batch=8)
+    run(s, [short, long])
+    assert max(target.batches) == 2 and target.batches[-1] == 1 and max(draft.batches) <= 2
+    assert long.generated == reference([2], 30)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_exact_under_churn(seed):
+    """Requests join at random iterations, some are cancelled, slots are reused and rows moved: every
+    surviving request's tokens are still its own autoregressive tokens."""
+    rng = random.Random(seed)
+    target, draft = FakeEngine(capacity=128), AgreeingDraft(3, capacity=128)
+    s = scheduler(draft=draft, target=target, max_batch=4, max_seq=128, prefill_chunk=4)
+    pending = [Request([rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))], rng.randint(1, 25),
+                       gamma=rng.choice([0, 1, 2, 4, 6]), stop_token_ids=frozenset({rng.randrange(VOCAB)}))
+               for _ in range(14)]
+    everyone = list(pending)
+    cancelled = set()
+    for _ in range(2000):
+        if pending and rng.random() < 0.4:
+            s.add(pending.pop())
+        if rng.random() < 0.05:
+            in_flight = [r for r in everyone if r not in pending and not r.done]
+            if in_flight:
+                victim = rng.choice(in_flight)
+                victim.cancelled = True
+                cancelled.add(id(victim))
+        if s.idle and not pending:
+            break
+        s.step()
+    assert s.idle and not pending
+    for r in everyone:
+        assert r.done
+        expected = reference(r.prompt, r.max_new_tokens, r.stop_token_ids)
+        if id(r) in cancelled and r.finish_reason == "cancelled":
+            assert r.generated == expected[: len(r.generated)]
+        else:
+            assert r.generated == expected
+
+
+def test_a_long_prompt_joins_in_chunks_without_stopping_the_others():
+    target = FakeEngine()
+    s = scheduler(target=target, prefill_chunk=8)
+    running = Request([1, 2], 40, gamma=2)
+    run(s, [])
+    s.add(running)
+    s.step()
+    s.step()
+    joining = Request(list(range(1, 50)), 5, gamma=2)
+    s.add(joining)
+    emitted_before = len(running.generated)
+    for _ in range(3):
+        s.step()
+        assert len(running.generated) > emitted_before  # every iteration still decodes the running request
+        emitted_before = len(running.generated)
+    assert joining.prefilled == 24 and not joining.generated  # 3 chunks of 8 so far
+    run(s, [])
+    assert joining.generated == reference(joining.prompt, 5) and running.generated == reference([1, 2], 40)
+
+
+def test_cancelling_frees_the_slot_for_a_waiting_request():
+    s = scheduler(max_batch=1)
+    first, second = Request([1], 100, gamma=2), Request([2], 5, gamma=2)
+    s.add(first)
+    s.add(second)
+    s.step()
+    assert s.decoding == [first] and list(s.waiting) == [second]
+    first.cancelled = True
+    s.step()
+    assert first.finish_reason == "cancelled" and s.decoding == [second]
+    run(s, [])
+    assert second.generated == reference([2], 5)
+
+
+def test_fits_counts_the_longest_verification():
+    s = scheduler(max_seq=32, gammas=(2, 4))
+    assert s.fits(Request([1] * 10, 18, gamma=4)) and not s.fits(Request([1] * 10, 19, gamma=4))
+    # under AUTO the cap is the largest compiled γ with room left, down to plain decoding
+    assert s.gamma_cap(Request([1] * 10, 19)) == 2 and s.gamma_cap(Request([1] * 10, 22)) == 0
+    assert not s.fits(Request([1] * 10, 23))
+
+
+class CyclingPolicy(GammaPolicy):
+    """A γ policy that moves γ on a fixed schedule (0: plain decoding), as "auto" does under load."""
+
+    def __init__(self, schedule):
+        gammas = {g for g in schedule if g}
+        super().__init__({"target_step_ms": 1.0, "draft_step_ms": 0.1, "verify_ms": {g: 1.0 for g in gammas}},
+                         [0.5] * max(schedule))
+        self.schedule = itertools.cycle(schedule)
+
+    def choose(self, allow_zero: bool = True) -> int:
+        return next(self.schedule)
+
+
+def test_plain_iterations_leave_the_draft_behind_and_it_catches_up():
+    draft = FakeEngine()
+    requests = [Request(p, 40) for p in PROMPTS]  # AUTO
+    run(scheduler(draft=draft, policy=CyclingPolicy([0, 0, 0, 4, 0, 2, 2])), requests)
+    for request, prompt in zip(requests, PROMPTS):
+        assert request.generated == reference(prompt, 40)
+        assert set(request.stats.gammas_used) == {0, 2, 4}
+        assert request.stats.acceptance_rate == 1.0  # the draft is the target: catching up kept it exact
+
+
+def test_auto_observes_acceptance_and_costs():
+    policy = GammaPolicy({"target_step_ms": 1.0, "draft_step_ms": 0.1, "verify_ms": {2: 1.2, 4: 1.5}},
+                         [0.5, 0.25, 0.12, 0.06])
+    [request] = requests = [Request([1, 2, 3], 20)]
+    run(scheduler(gammas=(2, 4), policy=policy), requests)
+    assert request.generated == reference([1, 2, 3], 20)
+    # every iteration that drafted (the last one needs a single token: the target's own, plainly)
+    assert request.stats.gammas_used[0] == 1
+    assert policy.iterations == request.stats.iterations - 1
+    assert policy.cost_scale("verify") != 1.0  # fake engines take microseconds, not the profiled 1.2-1.5 ms
+
+
+def test_each_request_reports_its_own_time_until_its_last_token():
+    prompts = [[1], [7, 8, 9]]
+    eos = reference(prompts[0], 40)[2]
+    assert eos not in reference(prompts[1], 40)
+    a, b = Request(prompts[0], 40, gamma=2), Request(prompts[1], 40, gamma=2)
+    run(scheduler(AgreeingDraft(3), eos={eos}), [a, b])
+    assert len(a.generated) == 3 and len(b.generated) == 40
+    assert a.stats.total_ms < b.stats.total_ms and a.stats.verify_ms < b.stats.verify_ms
+    assert 0 < a.stats.ttft_ms <= a.stats.total_ms and a.stats.prefill_ms > 0
+
+
+def test_plain_requests_report_their_decode_time():
+    prompts = [[1], [7, 8, 9]]
+    eos = reference(prompts[0], 30)[2]
+    a, b = Request(prompts[0], 30, gamma=0), Request(prompts[1], 30, gamma=0)
+    run(scheduler(eos={eos}), [a, b])
+    assert 0 < a.stats.decode_ms < b.stats.decode_ms
+    assert a.stats.mode == b.stats.mode == "autoregressive" and b.stats.draft_tokens == 0
