@@ -2,6 +2,7 @@
 
 import functools
 import json
+import logging
 import sys
 
 import click
@@ -22,10 +23,28 @@ def user_errors(command):
     return wrapper
 
 
+class _StderrLines(logging.Handler):
+    """What the library logs, one plain line each on stderr; warnings and errors say what they are.
+    Through click.echo, which writes to the stderr of the moment (a test runner swaps it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        level = f"{record.levelname.lower()}: " if record.levelno >= logging.WARNING else ""
+        click.echo(level + record.getMessage(), err=True)
+
+
+def _show_logs() -> None:
+    """The library's INFO lines (build phases, distillation steps) are the CLI's progress display."""
+    logger = logging.getLogger("speccompile")
+    logger.setLevel(logging.INFO)
+    if not any(isinstance(handler, _StderrLines) for handler in logger.handlers):  # once per process
+        logger.addHandler(_StderrLines())
+
+
 @click.group()
 @click.version_option(package_name="speccompile")
 def main():
     """Compile draft/target model pairs into speculative-decoding bundles, and run them."""
+    _show_logs()
 
 
 @main.command()
@@ -62,7 +81,6 @@ def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force, tar
     """Export a target/draft pair to a bundle of ONNX speculative graphs (and TensorRT engines)."""
     from speccompile.compiler.build import build_bundle
 
-    log = lambda line: click.echo(line, err=True)  # noqa: E731
     if backend == "tensorrt":  # fail before the ONNX export if the TensorRT side cannot run here
         from speccompile.tensorrt_setup import plugin_library, require_tensorrt
 
@@ -70,11 +88,11 @@ def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force, tar
         plugin_library(plugin_lib)
     build_bundle(target_dir, draft_dir, out_dir, gammas=list(gammas), max_seq=max_seq, max_batch=max_batch, force=force,
                  draft_weights=draft_weights, draft_vocab=draft_vocab, draft_vocab_corpus=draft_vocab_corpus,
-                 single_sequence=single_sequence, target_weights=target_weights, log=log)
+                 single_sequence=single_sequence, target_weights=target_weights)
     if backend == "tensorrt":
         from speccompile.compiler.tensorrt_build import build_tensorrt_engines
 
-        build_tensorrt_engines(out_dir, plugin_lib, timing_cache, hardware_compat, version_compat, log=log)
+        build_tensorrt_engines(out_dir, plugin_lib, timing_cache, hardware_compat, version_compat)
 
 
 @main.command()
@@ -100,7 +118,7 @@ def distill(target_dir, corpus, out_dir, **options):
     from speccompile.training.distill import DistillOptions
     from speccompile.training.distill import distill as run_distill
 
-    run_distill(target_dir, corpus, out_dir, DistillOptions(**options), log=lambda line: click.echo(line, err=True))
+    run_distill(target_dir, corpus, out_dir, DistillOptions(**options))
 
 
 def read_prompts(prompts_file) -> list[str]:
@@ -117,7 +135,7 @@ def resolve_bundle(bundle):
         return bundle
     from speccompile.demo import demo_bundle
 
-    return demo_bundle(log=lambda line: click.echo(line, err=True))
+    return demo_bundle()
 
 
 @main.command()

@@ -60,7 +60,7 @@ def bundles(tmp_path_factory, checkpoints):
             draft_dir = target if draft == "copy" else checkpoints(family, "draft")
             out = tmp_path_factory.mktemp(f"bundle-{family}-{draft}-{draft_weights}") / "bundle"
             made[key] = build_bundle(target, draft_dir, out, gammas=[1, 4], max_seq=96, max_batch=4,
-                                     draft_weights=draft_weights, log=lambda _: None)
+                                     draft_weights=draft_weights)
         return made[key]
 
     return get

@@ -50,7 +50,7 @@ def test_a_freshly_built_bundle_is_stamped(tmp_path, checkpoints, hashed, not_ra
     from speccompile.compiler.build import build_bundle
 
     out = build_bundle(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b", gammas=[2], max_seq=64,
-                       max_batch=1, single_sequence=False, log=lambda _: None)
+                       max_batch=1, single_sequence=False)
     hashed.clear()
     open_bundle(out)
     assert hashed == ["manifest.json"]

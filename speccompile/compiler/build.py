@@ -8,10 +8,10 @@ so a failed build leaves nothing behind.
 
 import collections
 import json
+import logging
 import os
 import shutil
 import tempfile
-import time
 from importlib.metadata import version
 from pathlib import Path
 
@@ -26,30 +26,16 @@ from speccompile.compiler.tokenizer import check_compatible, eos_token_ids, load
 from speccompile.compiler.transformer import build_forward_graph, build_verify_graph, fused_attention_supported
 from speccompile.compiler.trt_rules import check_tensorrt_compatible
 from speccompile.errors import SpecCompileError
+from speccompile.progress import Progress
 
 DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64", onnx.TensorProto.BOOL: "bool"}
-
-
-class Progress:
-    """Numbered phase log: '[3/6] export graphs ... 1.2 s'."""
-
-    def __init__(self, phases: list[str], log):
-        self.phases, self.log, self.index = phases, log, 0
-
-    def __call__(self, phase: str):
-        assert phase in self.phases, f"unknown phase {phase}"
-        self.index = self.phases.index(phase) + 1
-        self.log(f"[{self.index}/{len(self.phases)}] {phase}")
-        self.started = time.perf_counter()
-
-
 PHASES = ["load target", "load draft", "check compatibility", "export graphs", "check graphs", "write bundle"]
+logger = logging.getLogger(__name__)
 
 
 def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 1024, max_batch: int = 8,
                  force: bool = False, draft_weights: str = "int8", draft_vocab: int | None = None,
-                 draft_vocab_corpus=None, single_sequence: bool = True, target_weights: str = "float32",
-                 log=print) -> Path:
+                 draft_vocab_corpus=None, single_sequence: bool = True, target_weights: str = "float32") -> Path:
     """`target_weights` / `draft_weights`: how each model's projection and LM-head weights are stored:
     "float32", "float16", "bfloat16" (both computed in fp32) or "int8" (weight-only, per output
     column; see GraphBuilder.matmul). The target's precision is the compiled target's numerics:
@@ -64,39 +50,40 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     for option, value in (("--target-weights", target_weights), ("--draft-weights", draft_weights)):
         if value not in MATMUL_WEIGHTS:
             raise SpecCompileError(f"{option} must be one of {', '.join(MATMUL_WEIGHTS)}, got {value!r}")
-    progress = Progress(PHASES, log)
+    progress = Progress(len(PHASES), logger)
 
-    progress("load target")
+    progress.step("load target")
     target = load_checkpoint(target_dir)
     target_tok = load_tokenizer(target.path)
-    progress("load draft")
+    progress.step("load draft")
     draft = load_checkpoint(draft_dir)
     draft_tok = load_tokenizer(draft.path, required=False)
-    progress("check compatibility")
+    progress.step("check compatibility")
     if draft_tok is None:
-        log(f"  warning: {draft.path} has no tokenizer; assuming the target's")
+        logger.warning(f"{draft.path} has no tokenizer; assuming the target's")
     vocab_out = check_compatible(target, draft, target_tok, draft_tok)
-    _warn_draft_size(target, draft, log)
+    _warn_draft_size(target, draft)
     for spec in (target, draft):
         check_max_seq(spec, max_seq)
     vocab_ids = None
     if draft_vocab is not None:
-        vocab_ids = _draft_vocab_ids(draft, draft_vocab, draft_vocab_corpus, vocab_out, eos_token_ids(target, target_tok), target_tok, log)
+        vocab_ids = _draft_vocab_ids(draft, draft_vocab, draft_vocab_corpus, vocab_out, eos_token_ids(target, target_tok),
+                                     target_tok)
 
-    progress("export graphs")
+    progress.step("export graphs")
     weights = {"target": target_weights, "draft": draft_weights}
     graphs = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids)
     variants = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids, single_sequence=True) \
         if single_sequence else {}
     for name, (builder, _) in graphs.items():
         variant = f", batch-1 variant {len(variants[name][0].nodes)}" if name in variants else ""
-        log(f"  {name}: {len(builder.nodes)} nodes{variant}")
+        logger.info(f"  {name}: {len(builder.nodes)} nodes{variant}")
 
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     try:
         sessions = _session_graphs(target, draft, max_seq, vocab_out, weights, vocab_ids)
         weight_files = _write_graphs(staging, graphs, variants, sessions)
-        progress("check graphs")
+        progress.step("check graphs")
         for role, (builder, _) in sessions.items():
             _check_onnx(staging / f"{builder.name}.onnx", builder.name)
         needs_plugin = {name: _check_graph(staging / f"{name}.onnx", name) for name in graphs}
@@ -104,8 +91,9 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
             _check_onnx(staging / variant_file(name), name + SINGLE_SEQUENCE)
         for name, reasons in needs_plugin.items():
             if reasons:
-                log(f"  {name}: TensorRT parses it only with the speccompile plugin ({len(reasons)} body constraint(s))")
-        progress("write bundle")
+                logger.info(f"  {name}: TensorRT parses it only with the speccompile plugin "
+                            f"({len(reasons)} body constraint(s))")
+        progress.step("write bundle")
         save_tokenizer(target_tok, staging / "tokenizer")
         scored = {"target": vocab_out, "draft": vocab_out if vocab_ids is None else len(vocab_ids)}
         manifest = _manifest(staging, target, draft, graphs, weight_files, weights, gammas, max_seq, max_batch, vocab_out,
@@ -120,7 +108,7 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    log(f"bundle written to {out_dir} ({_size_mb(out_dir):.1f} MB)")
+    logger.info(f"bundle written to {out_dir} ({_size_mb(out_dir):.1f} MB)")
     return out_dir
 
 
@@ -144,19 +132,19 @@ def _check_options(out_dir: Path, gammas: list[int], max_seq: int, max_batch: in
     return list(dict.fromkeys(gammas))  # unique, in the order given
 
 
-def _warn_draft_size(target: ModelSpec, draft: ModelSpec, log) -> None:
+def _warn_draft_size(target: ModelSpec, draft: ModelSpec) -> None:
     """A warning, not an error: the bundle is still exact (the target decides every token), and a
     draft's steps can be cheaper than its size says (int8 weights, --draft-vocab), but a draft larger
     than its target is most often the two checkpoints swapped."""
     if draft.num_params > target.num_params:
-        log(f"  warning: the draft ({draft.num_params:,} parameters) is larger than the target "
+        logger.warning(f"the draft ({draft.num_params:,} parameters) is larger than the target "
             f"({target.num_params:,}): speculative decoding will likely be slower than the target alone "
             f"(were --target and --draft swapped?)")
 
 
-def _draft_vocab_ids(draft: ModelSpec, size: int, corpus, vocab_out: int, eos_ids: list[int], tokenizer, log):
+def _draft_vocab_ids(draft: ModelSpec, size: int, corpus, vocab_out: int, eos_ids: list[int], tokenizer):
     if corpus is not None:
-        log(f"  counting tokens of {corpus} for the draft vocabulary")
+        logger.info(f"  counting tokens of {corpus} for the draft vocabulary")
         counts = corpus_frequencies(corpus, tokenizer, vocab_out)
     else:
         counts = read_frequencies(draft.path)
@@ -164,7 +152,8 @@ def _draft_vocab_ids(draft: ModelSpec, size: int, corpus, vocab_out: int, eos_id
             raise SpecCompileError(f"--draft-vocab needs token frequencies: {draft.path} has no {FREQUENCIES_FILE} "
                                    f"(speccompile distill writes it); pass --draft-vocab-corpus PATH to count them")
     ids = select_vocab(counts, size, vocab_out, eos_ids)
-    log(f"  draft vocabulary: {len(ids)} of {vocab_out} tokens, {counts[ids].sum() / max(1, counts.sum()):.1%} of counted text")
+    logger.info(f"  draft vocabulary: {len(ids)} of {vocab_out} tokens, "
+                f"{counts[ids].sum() / max(1, counts.sum()):.1%} of counted text")
     return ids
 
 

@@ -8,14 +8,17 @@ precision is the ONNX's. Engines and their manifest entries are added to the bun
 """
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
 from speccompile.bundle import MANIFEST, open_bundle, sha256_file, write_stamp
+from speccompile.progress import Progress
 from speccompile.tensorrt_setup import gpu as gpu_info
 from speccompile.tensorrt_setup import plugin_library, require_tensorrt
 
 ENGINES_DIR = "engines"
+logger = logging.getLogger(__name__)
 
 
 def optimization_profiles(entry: dict, max_batch: int, max_seq: int) -> list[list[tuple]]:
@@ -60,7 +63,7 @@ def build_engine(trt, onnx_path: Path, profiles, plugin: Path, timing_cache: Pat
 
 
 def build_tensorrt_engines(bundle_dir, plugin=None, timing_cache=None, hardware_compat: bool = False,
-                           version_compat: bool = False, log=print) -> dict:
+                           version_compat: bool = False) -> dict:
     """Build one engine per graph of the bundle and record them in its manifest."""
     trt = require_tensorrt()
     plugin = plugin_library(plugin)
@@ -69,10 +72,10 @@ def build_tensorrt_engines(bundle_dir, plugin=None, timing_cache=None, hardware_
     staging = bundle.path / f".{ENGINES_DIR}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
-    engines, gpu = {}, gpu_info()
+    engines, gpu, progress = {}, gpu_info(), Progress(len(manifest["graphs"]), logger)
     try:
         for name, entry in manifest["graphs"].items():
-            log(f"  TensorRT engine for {name}")
+            progress.step(f"TensorRT engine for {name}")
             profiles = optimization_profiles(entry, manifest["max_batch"], manifest["max_seq"])
             data = build_engine(trt, bundle.graph_path(name), profiles, plugin, Path(timing_cache) if timing_cache else None,
                                 hardware_compat, version_compat)

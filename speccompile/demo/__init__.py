@@ -7,6 +7,7 @@ or format is rebuilt and an unchanged one never is.
 """
 
 import hashlib
+import logging
 import os
 from pathlib import Path
 
@@ -17,12 +18,12 @@ DEMO_ROOT = Path(__file__).resolve().parent
 DEMO_TARGET = DEMO_ROOT / "target"
 DEMO_DRAFT = DEMO_ROOT / "draft"
 DEMO_PROMPTS = DEMO_ROOT / "prompts.json"  # what `bench` and `profile` run when given no --prompts
-DEMO_PROMPTS = DEMO_ROOT / "prompts.json"  # what `bench` and `profile` run when given no --prompts
 COMPILER_ROOT = DEMO_ROOT.parent / "compiler"
 DEMO_GAMMAS = [4, 2, 6]  # the first is the default γ
 DEMO_MAX_SEQ = 1024
 DEMO_MAX_BATCH = 8
 DEMO_DRAFT_VOCAB = 3072  # greedy draft steps score the 3072 most frequent tokens (see compiler/draft_vocab.py)
+logger = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -46,7 +47,7 @@ def demo_key(target: Path | None = None, draft: Path | None = None) -> str:
     return digest.hexdigest()
 
 
-def demo_bundle(log=print, target: Path | None = None, draft: Path | None = None) -> Path:
+def demo_bundle(target: Path | None = None, draft: Path | None = None) -> Path:
     """The demo bundle's path, building it first if the cache has none for this pair."""
     target, draft = target or DEMO_TARGET, draft or DEMO_DRAFT
     if not (target / "config.json").is_file() or not (draft / "config.json").is_file():
@@ -57,12 +58,13 @@ def demo_bundle(log=print, target: Path | None = None, draft: Path | None = None
     try:
         from speccompile.compiler.build import build_bundle
     except ImportError as e:
-        raise SpecCompileError(f"building the demo bundle needs the build extras ({e.name} is missing): pip install 'speccompile[build]'") from None
-    log(f"building the demo bundle once into {bundle}")
+        raise SpecCompileError(f"building the demo bundle needs the build extras ({e.name} is missing): "
+                               "pip install 'speccompile[build]'") from None
+    logger.info(f"building the demo bundle once into {bundle}")
     bundle.parent.mkdir(parents=True, exist_ok=True)
     try:
         build_bundle(target, draft, bundle, gammas=DEMO_GAMMAS, max_seq=DEMO_MAX_SEQ, max_batch=DEMO_MAX_BATCH,
-                     draft_vocab=DEMO_DRAFT_VOCAB, log=log)
+                     draft_vocab=DEMO_DRAFT_VOCAB)
     except OSError:
         if not (bundle / "manifest.json").is_file():  # another process finished the same build first
             raise

@@ -8,6 +8,7 @@ are continued by the target itself, so the draft also learns the text it will fa
 """
 
 import json
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -19,9 +20,11 @@ from speccompile.compiler.architectures import ARCHITECTURES
 from speccompile.compiler.draft_vocab import count_tokens, write_frequencies
 from speccompile.corpus import corpus_tokens, sample_windows
 from speccompile.errors import SpecCompileError
+from speccompile.progress import Progress
 
 STATE = "distill_state.pt"
 LOG = "distill_log.jsonl"
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,27 +48,27 @@ class DistillOptions:
         return {k: getattr(self, k) for k in ("layers", "hidden", "heads", "intermediate", "seed", "init")}
 
 
-def distill(target_dir, corpus, out_dir, options: DistillOptions, log=print) -> Path:
+def distill(target_dir, corpus, out_dir, options: DistillOptions) -> Path:
     import torch
     import transformers
 
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     _check_options(options)
     model_type = _check_target(target_dir)
-    log(f"loading target {target_dir} ({model_type})")
+    logger.info(f"loading target {target_dir} ({model_type})")
     target = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(target_dir)
-    train_tokens, eval_tokens = _corpus_tokens(corpus, tokenizer, options.seq_len, log)
+    train_tokens, eval_tokens = _corpus_tokens(corpus, tokenizer, options.seq_len)
     draft = _new_draft(target, model_type, options)
     optimizer = torch.optim.AdamW(draft.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = np.random.default_rng(options.seed)
-    step = _resume(out_dir, draft, optimizer, rng, options, log)
+    step = _resume(out_dir, draft, optimizer, rng, options)
     if step == 0:
-        log(f"initial draft: agreement with target {_agreement(target, draft, eval_tokens, options):.3f}")
+        logger.info(f"initial draft: agreement with target {_agreement(target, draft, eval_tokens, options):.3f}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    _train(target, draft, tokenizer, optimizer, rng, train_tokens, step, out_dir, options, log)
+    _train(target, draft, tokenizer, optimizer, rng, train_tokens, step, out_dir, options)
     agreement = _agreement(target, draft, eval_tokens, options)
-    log(f"distilled draft: agreement with target {agreement:.3f} (top-1, teacher-forced, held-out windows)")
+    logger.info(f"distilled draft: agreement with target {agreement:.3f} (top-1, teacher-forced, held-out windows)")
     _save(out_dir, draft, tokenizer, options, {"agreement": agreement})
     # what `speccompile build --draft-vocab K` ranks tokens by: the text this draft was trained on
     write_frequencies(out_dir, count_tokens(train_tokens, target.config.vocab_size), str(corpus))
@@ -97,14 +100,14 @@ def _check_target(target_dir: Path) -> str:
     return model_type
 
 
-def _corpus_tokens(corpus, tokenizer, seq_len: int, log):
+def _corpus_tokens(corpus, tokenizer, seq_len: int):
     """Train and evaluation token arrays; evaluation is the corpus' last 5% (or held-out stdlib files)."""
     encode = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
     separator = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     train, heldout = corpus_tokens(corpus, encode, separator)
     if len(train) <= seq_len or len(heldout) <= seq_len:
         raise SpecCompileError(f"corpus {corpus} has {len(train) + len(heldout)} tokens: too little text for windows of {seq_len} (lower --seq-len)")
-    log(f"corpus: {len(train):,} train tokens, {len(heldout):,} held-out tokens")
+    logger.info(f"corpus: {len(train):,} train tokens, {len(heldout):,} held-out tokens")
     return train.astype(np.int64), heldout.astype(np.int64)
 
 
@@ -141,7 +144,7 @@ def _new_draft(target, model_type: str, o: DistillOptions):
     return draft.train()
 
 
-def _resume(out_dir: Path, draft, optimizer, rng, o: DistillOptions, log) -> int:
+def _resume(out_dir: Path, draft, optimizer, rng, o: DistillOptions) -> int:
     import torch
 
     state_file = out_dir / STATE
@@ -156,7 +159,7 @@ def _resume(out_dir: Path, draft, optimizer, rng, o: DistillOptions, log) -> int
     optimizer.load_state_dict(state["optimizer"])
     rng.bit_generator.state = state["rng"]
     _truncate_log(out_dir / LOG, state["step"])
-    log(f"resuming from the checkpoint at step {state['step']} in {out_dir}")
+    logger.info(f"resuming from the checkpoint at step {state['step']} in {out_dir}")
     return state["step"]
 
 
@@ -205,10 +208,11 @@ def _lr(step: int, o: DistillOptions) -> float:
     return 0.1 * o.lr + 0.45 * o.lr * (1 + math.cos(math.pi * (step - warmup) / max(1, o.steps - warmup)))
 
 
-def _train(target, draft, tokenizer, optimizer, rng, tokens, step, out_dir: Path, o: DistillOptions, log) -> None:
+def _train(target, draft, tokenizer, optimizer, rng, tokens, step, out_dir: Path, o: DistillOptions) -> None:
     import torch
 
     started, first_step, log_file = time.time(), step, open(out_dir / LOG, "a", buffering=1)
+    progress = Progress(o.steps, logger)
     while step < o.steps:
         batch = _batch(target, tokenizer, tokens, rng, o, step)
         with torch.no_grad():
@@ -224,7 +228,7 @@ def _train(target, draft, tokenizer, optimizer, rng, tokens, step, out_dir: Path
         log_file.write(json.dumps({"step": step, "kl": round(loss.item(), 4), "elapsed_s": round(time.time() - started, 1)}) + "\n")
         if step % max(1, o.steps // 20) == 0 or step == o.steps:
             rate = (step - first_step) * o.batch * o.seq_len / (time.time() - started)
-            log(f"step {step}/{o.steps}  kl {loss.item():.4f}  {rate:.0f} tok/s")
+            progress.step(f"kl {loss.item():.4f}, {rate:.0f} tok/s", done=step)
         if step % o.checkpoint_every == 0 or step == o.steps:
             _checkpoint(out_dir, draft, optimizer, rng, step, o)
     log_file.close()

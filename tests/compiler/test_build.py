@@ -1,6 +1,7 @@
 """The bundle: manifest contents, integrity data, graph checks, atomic writes, vocabulary gate."""
 
 import json
+import logging
 
 import numpy as np
 import onnx
@@ -110,14 +111,14 @@ def test_a_failure_late_in_the_build_leaves_nothing(tmp_path, checkpoints, monke
 
     monkeypatch.setattr(build_module, "check_tensorrt_compatible", reject)
     with pytest.raises(SpecCompileError, match="rejected"):
-        build_bundle(checkpoints("llama"), checkpoints("llama"), tmp_path / "out", max_seq=64, log=lambda _: None)
+        build_bundle(checkpoints("llama"), checkpoints("llama"), tmp_path / "out", max_seq=64)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_force_replaces_an_existing_bundle(tmp_path, checkpoints):
     out = tmp_path / "b"
-    build_bundle(checkpoints("gpt2"), checkpoints("gpt2"), out, gammas=[2], max_seq=64, log=lambda _: None)
-    build_bundle(checkpoints("gpt2"), checkpoints("gpt2"), out, gammas=[3], max_seq=64, force=True, log=lambda _: None)
+    build_bundle(checkpoints("gpt2"), checkpoints("gpt2"), out, gammas=[2], max_seq=64)
+    build_bundle(checkpoints("gpt2"), checkpoints("gpt2"), out, gammas=[3], max_seq=64, force=True)
     assert json.loads((out / "manifest.json").read_text())["gammas"] == [3]
     assert [p.name for p in tmp_path.iterdir()] == ["b"]
 
@@ -127,7 +128,7 @@ def test_embedding_padding_difference_is_accepted(tmp_path, tokenizer, checkpoin
     import speccompile
 
     padded = make_checkpoint(tmp_path / "padded", "llama", seed=5, size="draft", tokenizer=tokenizer, vocab_size=len(tokenizer) + 40)
-    out = build_bundle(checkpoints("llama"), padded, tmp_path / "b", gammas=[3], max_seq=64, log=lambda _: None)
+    out = build_bundle(checkpoints("llama"), padded, tmp_path / "b", gammas=[3], max_seq=64)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["vocab_size"] == len(tokenizer) + 8  # the target's (smaller) matrix
     runtime = speccompile.load(out)
@@ -138,7 +139,7 @@ def test_embedding_padding_difference_is_accepted(tmp_path, tokenizer, checkpoin
 def test_embedding_smaller_than_tokenizer_is_refused(tmp_path, tokenizer, checkpoints):
     small = make_checkpoint(tmp_path / "small", "llama", size="draft", tokenizer=tokenizer, vocab_size=len(tokenizer) - 10)
     with pytest.raises(SpecCompileError, match="embeds only"):
-        build_bundle(checkpoints("llama"), small, tmp_path / "b", log=lambda _: None)
+        build_bundle(checkpoints("llama"), small, tmp_path / "b")
 
 
 def test_single_sequence_variants_for_the_models_the_fused_kernel_takes(bundles):
@@ -161,28 +162,27 @@ def test_single_sequence_variants_for_the_models_the_fused_kernel_takes(bundles)
 
 def test_no_single_sequence_variants_on_request(tmp_path, checkpoints):
     bundle = open_bundle(build_bundle(checkpoints("llama"), checkpoints("llama"), tmp_path / "b", gammas=[2], max_seq=64,
-                                      single_sequence=False, log=lambda _: None))
+                                      single_sequence=False))
     assert not any("single_sequence" in entry for entry in bundle.manifest["graphs"].values())
     assert not list(bundle.path.glob("*_b1.onnx"))
 
 
-def test_a_draft_larger_than_the_target_builds_with_a_warning(tmp_path, checkpoints):
+def test_a_draft_larger_than_the_target_builds_with_a_warning(tmp_path, checkpoints, caplog):
     """Still exact (the target decides every token), so a warning, not an error: it is most often
     --target and --draft swapped."""
-    said = []
     build_bundle(checkpoints("llama", "draft"), checkpoints("llama"), tmp_path / "b", gammas=[2], max_seq=32,
-                 single_sequence=False, log=said.append)
-    warnings = [line for line in said if "warning" in line]
-    assert len(warnings) == 1 and "is larger than the target" in warnings[0] and "swapped" in warnings[0]
-    said.clear()
+                 single_sequence=False)
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "is larger than the target" in warning and "swapped" in warning
+    caplog.clear()
     build_bundle(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "c", gammas=[2], max_seq=32,
-                 single_sequence=False, log=said.append)
-    assert not [line for line in said if "warning" in line]
+                 single_sequence=False)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 def test_a_draft_vocab_corpus_without_draft_vocab_is_refused_before_any_work(tmp_path, checkpoints, monkeypatch):
     monkeypatch.setattr(build_module, "load_checkpoint", lambda path: pytest.fail("loaded a checkpoint"))
     with pytest.raises(SpecCompileError, match="pass --draft-vocab too"):
         build_bundle(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b",
-                     draft_vocab_corpus="corpus.txt", log=lambda _: None)
+                     draft_vocab_corpus="corpus.txt")
     assert list(tmp_path.iterdir()) == []

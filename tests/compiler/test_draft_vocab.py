@@ -68,7 +68,7 @@ def test_greedy_draft_graph_scores_only_the_kept_tokens(tmp_path, checkpoints, t
     keep = list(range(3, 40))
     draft = with_frequencies(tmp_path, checkpoints("llama", "draft"), keep, len(tokenizer))
     bundle = open_bundle(build_bundle(checkpoints("llama"), draft, tmp_path / "b", gammas=[2], max_seq=64, max_batch=2,
-                                      draft_vocab=len(keep) + 1, log=lambda _: None))
+                                      draft_vocab=len(keep) + 1))
     eos = bundle.manifest["tokenizer"]["eos_token_ids"]
     assert bundle.manifest["models"]["draft"]["scored_vocab"] == len(keep) + 1
     assert bundle.manifest["models"]["target"]["scored_vocab"] == bundle.manifest["vocab_size"]
@@ -83,8 +83,7 @@ def test_greedy_draft_graph_scores_only_the_kept_tokens(tmp_path, checkpoints, t
 
 def test_draft_vocab_without_frequencies_is_a_clear_error(tmp_path, checkpoints):
     with pytest.raises(SpecCompileError, match=f"no {FREQUENCIES_FILE}.*--draft-vocab-corpus"):
-        build_bundle(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b", draft_vocab=16, max_seq=64,
-                     log=lambda _: None)
+        build_bundle(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b", draft_vocab=16, max_seq=64)
     assert not (tmp_path / "b").exists()
 
 
@@ -94,7 +93,7 @@ def test_a_copy_draft_is_accepted_exactly_where_the_target_stays_inside_the_voca
     target = checkpoints("llama")
     prompt = [5, 17, 33, 2, 9, 100, 7]
     reference = speccompile.load(build_bundle(target, target, tmp_path / "full", gammas=[4], max_seq=64, max_batch=1,
-                                              draft_weights="float32", log=lambda _: None))
+                                              draft_weights="float32"))
     [expected] = reference.generate([prompt], max_new_tokens=16, mode="autoregressive")
     vocab, eos = reference.bundle.manifest["vocab_size"], set(reference.bundle.manifest["tokenizer"]["eos_token_ids"])
     produced = sorted(set(expected.token_ids))
@@ -103,7 +102,7 @@ def test_a_copy_draft_is_accepted_exactly_where_the_target_stays_inside_the_voca
     for keep, acceptance in ((produced, 1.0), (others, 0.0)):
         draft = with_frequencies(tmp_path / f"k{acceptance}", target, keep, vocab)
         runtime = speccompile.load(build_bundle(target, draft, tmp_path / f"b{acceptance}", gammas=[4], max_seq=64, max_batch=1,
-                                                draft_weights="float32", draft_vocab=len(keep) + len(eos), log=lambda _: None))
+                                                draft_weights="float32", draft_vocab=len(keep) + len(eos)))
         [result] = runtime.generate([prompt], max_new_tokens=16, gamma=4)
         assert result.token_ids == expected.token_ids
         assert result.stats.acceptance_rate == acceptance

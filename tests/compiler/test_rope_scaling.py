@@ -161,7 +161,7 @@ def scaled(tmp_path_factory, tokenizer):
             ckpt = make_checkpoint(tmp / "ckpt", family, tokenizer=tokenizer, rope_parameters=rope,
                                    max_position_embeddings=MAX_POSITIONS[rope_type])
             bundle = build_bundle(ckpt, ckpt, tmp / "bundle", gammas=[2], max_seq=MAX_SEQ, max_batch=2,
-                                  draft_weights="float32", log=lambda _: None)
+                                  draft_weights="float32")
             made[rope_type, family] = ckpt, bundle
         return made[rope_type, family]
 
@@ -233,7 +233,7 @@ def test_max_seq_beyond_plain_rope_positions_is_refused_by_build(tmp_path, check
     ckpt = checkpoints("llama")  # max_position_embeddings 512
     limit = r"--max-seq 513 exceeds the model's 512 positions \(max_position_embeddings\)"
     with pytest.raises(SpecCompileError, match=limit):
-        build_bundle(ckpt, ckpt, tmp_path / "b", max_seq=513, log=lambda _: None)
+        build_bundle(ckpt, ckpt, tmp_path / "b", max_seq=513)
     assert not (tmp_path / "b").exists()
 
 

@@ -124,7 +124,7 @@ def test_a_cut_vocabulary_draft_scores_its_subset_greedily_and_the_whole_head_wh
     shutil.copytree(checkpoints("llama"), draft)
     (draft / "token_frequencies.json").write_text(json.dumps({"counts": counts.tolist()}))
     bundle = open_bundle(build_bundle(checkpoints("llama"), draft, tmp_path / "b", gammas=[2], max_seq=64, max_batch=2,
-                                      draft_weights="float32", draft_vocab=64, log=lambda _: None))
+                                      draft_weights="float32", draft_vocab=64))
     sess = session(bundle, "draft")
     ids = np.array([[5, 17, 33, 2, 9]], np.int64)
     feeds = {"input_ids": ids, "past_len": np.zeros(1, np.int64), "token_count": np.array([5], np.int64)}
@@ -192,7 +192,7 @@ def test_one_copy_of_the_weights_however_many_graphs_a_process_runs(tmp_path):
 
     target = _checkpoint(tmp_path / "target")
     bundle = build_bundle(target, target, tmp_path / "b", gammas=[2, 4], max_seq=64, max_batch=2,
-                          draft_weights="int8", log=lambda _: None)
+                          draft_weights="int8")
     weights = (bundle / "target.weights").stat().st_size
     draft = (bundle / "draft.weights").stat().st_size
     result = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(bundle), "one"], capture_output=True, text=True,

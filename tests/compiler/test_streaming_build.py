@@ -34,7 +34,7 @@ def test_build_peak_memory_is_a_few_largest_tensors_not_the_model(tmp_path):
     tracemalloc.start()  # numpy reports its buffers to tracemalloc
     try:
         build_bundle(target, target, tmp_path / "bundle", gammas=[2, 4], max_seq=64, max_batch=2,
-                     draft_weights="int8", log=lambda _: None)
+                     draft_weights="int8")
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -69,7 +69,7 @@ def test_tensorrt_engines_generate_what_onnxruntime_generates(tmp_path, bundles)
     from speccompile.compiler.tensorrt_build import build_tensorrt_engines
 
     bundle = shutil.copytree(bundles("llama", "random"), tmp_path / "b")
-    build_tensorrt_engines(bundle, log=lambda _: None)
+    build_tensorrt_engines(bundle)
     prompts = [[5, 17, 33], [8, 9, 10, 11, 12]]
     ort = [r.token_ids for r in speccompile.load(bundle).generate(prompts, max_new_tokens=16, gamma=4)]
     trt = [r.token_ids for r in speccompile.load(bundle, backend="tensorrt").generate(prompts, max_new_tokens=16, gamma=4)]

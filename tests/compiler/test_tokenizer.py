@@ -37,8 +37,7 @@ def test_a_different_pad_token_is_not_a_mismatch(tmp_path, checkpoints, qwen2_dr
     target = checkpoints("llama")
     assert (target / "tokenizer.json").read_bytes() == (qwen2_draft / "tokenizer.json").read_bytes()
     assert load_tokenizer(target).pad_token_id != load_tokenizer(qwen2_draft).pad_token_id
-    out = build_bundle(target, qwen2_draft, tmp_path / "b", gammas=[2], max_seq=32, single_sequence=False,
-                       log=lambda _: None)
+    out = build_bundle(target, qwen2_draft, tmp_path / "b", gammas=[2], max_seq=32, single_sequence=False)
     assert json.loads((out / "manifest.json").read_text())["models"]["draft"]["model_type"] == "qwen2"
 
 

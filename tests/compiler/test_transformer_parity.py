@@ -106,7 +106,7 @@ def test_draft_vocabulary_logits_are_the_hf_logits_of_the_kept_tokens(family, ch
     keep = list(np.argsort(expected)[::3][:40])  # every third token by score, so the argmax differs from the full head's
     draft = with_frequencies(tmp_path, checkpoints(family, "draft"), keep, len(expected))
     bundle_dir = build_bundle(checkpoints(family), draft, tmp_path / "b", gammas=[2], max_seq=64, max_batch=1,
-                              draft_weights="float32", draft_vocab=41, log=lambda _: None)
+                              draft_weights="float32", draft_vocab=41)
     bundle = open_bundle(bundle_dir)
     session = ort.InferenceSession(str(bundle.graph_path("draft_forward")))
     out = run_forward(session, bundle.manifest, "draft", np.array([prompt], np.int64), np.zeros(1, np.int64),

@@ -1,6 +1,7 @@
 """The embedded-default path: no bundle given -> the demo bundle, built once into the cache."""
 
 import json
+import logging
 import shutil
 
 import numpy as np
@@ -31,14 +32,14 @@ def tiny_demo(tmp_path, monkeypatch, checkpoints):
     return tmp_path / "cache"
 
 
-def test_demo_bundle_is_built_once_and_reused(tiny_demo):
-    logs = []
-    first = demo.demo_bundle(log=logs.append)
+def test_demo_bundle_is_built_once_and_reused(tiny_demo, caplog):
+    caplog.set_level(logging.INFO, logger="speccompile")
+    first = demo.demo_bundle()
     assert first.parent == tiny_demo and first.name.startswith("demo-")
-    assert any("building the demo bundle" in line for line in logs)
-    logs.clear()
-    assert demo.demo_bundle(log=logs.append) == first
-    assert logs == []  # cached: no second build
+    assert any("building the demo bundle" in record.getMessage() for record in caplog.records)
+    caplog.clear()
+    assert demo.demo_bundle() == first
+    assert caplog.records == []  # cached: no second build
     manifest = json.loads((first / "manifest.json").read_text())
     assert manifest["gammas"] == demo.DEMO_GAMMAS
     assert manifest["models"]["draft"]["scored_vocab"] == TINY_DRAFT_VOCAB

@@ -36,7 +36,7 @@ def pair(tmp_path_factory):
 
 
 def build(pair, out):
-    return speccompile.build(*pair, out, gammas=[GAMMA], max_seq=16, max_batch=BATCH, log=lambda _: None)
+    return speccompile.build(*pair, out, gammas=[GAMMA], max_seq=16, max_batch=BATCH)
 
 
 def exact_joint(target_dir, temperature, top_k, top_p) -> np.ndarray:
