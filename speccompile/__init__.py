@@ -15,7 +15,7 @@ __all__ = ["SpecCompileError", "load", "build", "__version__"]
 
 
 def load(bundle_dir=None, backend: str = "onnxruntime", threads: int | None = None, shared_threads: bool = False,
-         one_session: bool | None = None):
+         one_session: bool | None = None, prefill_chunk: int = 64):
     """Open a bundle (default: the embedded demo pair's) and return a `Runtime` ready to `generate`.
 
     shared_threads=True runs ONNX Runtime on one process-wide thread pool: a much faster speculative
@@ -23,14 +23,19 @@ def load(bundle_dir=None, backend: str = "onnxruntime", threads: int | None = No
     `use_per_session_threads = False` (see runtime.onnxruntime_engine.shared_thread_pool).
     one_session: each model's calls all run on its one session graph, one copy of its weights in
     memory (True), or on a session per graph, faster for small models (False); default: one session
-    for models with 256 MiB of weights or more."""
+    for models with 256 MiB of weights or more. prefill_chunk: prompt tokens prefilled per engine
+    iteration while other requests decode (see core/scheduler.py).
+
+    The runtime serves requests on one engine thread, started on first use (`submit`, `generate`);
+    `close()` or a `with` block stops it."""
     from speccompile.runtime.runtime import load as _load
 
     if bundle_dir is None:
         from speccompile.demo import demo_bundle
 
         bundle_dir = demo_bundle()
-    return _load(bundle_dir, backend=backend, threads=threads, shared_threads=shared_threads, one_session=one_session)
+    return _load(bundle_dir, backend=backend, threads=threads, shared_threads=shared_threads, one_session=one_session,
+                 prefill_chunk=prefill_chunk)
 
 
 def build(target_dir, draft_dir, out_dir, **options):

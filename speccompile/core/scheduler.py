@@ -45,19 +45,22 @@ from speccompile.core.engine import DecoderEngine, VerifierEngine
 from speccompile.core.gamma_policy import GammaPolicy
 from speccompile.core.request import AUTO, Request
 
-PolicyFor = Callable[[int], GammaPolicy]  # number of decoding requests -> the γ policy for that load
+# number of decoding requests -> the γ policy for that load (None: no costs known yet)
+PolicyFor = Callable[[int], GammaPolicy | None]
 
 
 class Scheduler:
     def __init__(self, target: VerifierEngine, draft: DecoderEngine, max_batch: int, max_seq: int,
                  gammas: list[int], eos_ids: set[int], policy_for: PolicyFor | None = None,
-                 profiled: bool = False, prefill_chunk: int = 64):
+                 profiled: bool = False, prefill_chunk: int = 64, fallback_gamma: int | None = None):
         """profiled: the policies' costs were measured by a profile of this hardware, so the policy may
-        choose plain decoding from the start; otherwise only once it has observed acceptance."""
+        choose plain decoding from the start; otherwise only once it has observed acceptance.
+        fallback_gamma: what AUTO requests run while there is no policy (default: the largest γ)."""
         self.target, self.draft = target, draft
         self.max_batch, self.max_seq, self.gammas = max_batch, max_seq, sorted(gammas)
         self.eos_ids, self.policy_for, self.prefill_chunk = eos_ids, policy_for, prefill_chunk
         self.profiled = profiled
+        self.fallback_gamma = max(self.gammas) if fallback_gamma is None else fallback_gamma
         self.waiting: deque[Request] = deque()  # appended by any thread; popped here only
         self.decoding: list[Request] = []  # slot i holds decoding[i]
         self.joining: Request | None = None  # partly prefilled, in slot len(decoding)
@@ -203,7 +206,7 @@ class Scheduler:
     def _wanted_gamma(self, rows: list[Request], policy: GammaPolicy | None) -> np.ndarray:
         """The drafts each row asks for this iteration: its own γ, or under AUTO the policy's choice
         for the current load, capped by the room its length leaves."""
-        chosen = 0
+        chosen = self.fallback_gamma
         if policy is not None:
             allow_plain = all(r.allow_plain for r in rows if r.gamma == AUTO)
             chosen = policy.choose(allow_zero=allow_plain and (self.profiled or policy.iterations > 0))

@@ -79,7 +79,7 @@ class Runtime:
         self._calibration: dict | None = None  # step costs measured here when no profile matches
         self.scheduler = Scheduler(self.target, self.draft, self.max_batch, self.max_seq, self.gammas,
                                    self.tokenizer.eos_token_ids, self._policy_for_load, self.profile is not None,
-                                   prefill_chunk)
+                                   prefill_chunk, fallback_gamma=self.default_gamma)
         self._engine: _EngineThread | None = None
         self._loaded: set = set()
 
@@ -199,27 +199,30 @@ class Runtime:
         self._loaded.add(key)
 
     # -- γ selection ---------------------------------------------------------------------------
-    def _policy_for_load(self, decoding: int) -> GammaPolicy:
+    def _policy_for_load(self, decoding: int) -> GammaPolicy | None:
         """The γ policy for `decoding` requests at once: the profile's costs measured at that batch
-        size; without a profile, the batch-1 calibration (run `speccompile profile` for γ under load).
-        Acceptance is learned from the requests served at that load."""
+        size; without a profile, the batch-1 calibration (run `speccompile profile` for γ under load),
+        or None before there is one (the scheduler then runs the bundle's default γ). Acceptance is
+        learned from the requests served at that load."""
         if decoding not in self._policies:
             if self.profile is not None:
-                context = self.max_seq // 4
                 from speccompile.runtime.profile import timings_for_batch
 
-                timings = timings_for_batch(self.profile, decoding, context)
+                timings = timings_for_batch(self.profile, decoding, self.max_seq // 4)
                 self._policies[decoding] = GammaPolicy(timings, self.profile["acceptance_by_position"])
-            else:
-                if self._calibration is None:  # a request with its own γ was in flight at calibration time
-                    self._calibrate()
+            elif self._calibration is not None:
                 prior = [0.5**k for k in range(1, max(self.gammas) + 1)]  # neutral, worth 2 iterations
                 self._policies[decoding] = GammaPolicy(self._calibration, prior, prior_weight=2.0)
+            else:
+                return None
         return self._policies[decoding]
 
     def _calibrate(self) -> None:
+        """Time the steps quickly at batch 1. It drives the models directly, so only with no request
+        in flight (it would overwrite their caches)."""
         from speccompile.runtime.profile import measure_costs
 
+        assert self.scheduler.active == 0, "calibrating with requests in flight"
         log.warning("no γ profile for this hardware in the bundle (run `speccompile profile`): calibrating quickly")
         self._calibration = measure_costs(self, 1, context=min(64, self.max_seq // 4), repeats=3)
 
