@@ -4,15 +4,25 @@ Runs are interleaved (AR, speculative, AR, ...) so drift in machine load hits bo
 repeat covers every prompt at batch 1, and the reported rates are medians over repeats. The
 speculative runs always speculate (mode "speculative"): under γ = auto the policy moves between the
 compiled γ but never to plain decoding, which is what bench compares against.
+
+`bench_load` (`bench --concurrency`): serving under load, below its own divider.
 """
 
 import json
+import logging
 import statistics
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from speccompile.core.cost_model import predicted_speedup_mixed
 from speccompile.core.stats import pooled
 from speccompile.errors import SpecCompileError
+
+log = logging.getLogger(__name__)
 
 BENCH_KEYS = ["ar_tokens_per_s", "spec_tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_drafts",
               "mean_acceptance_length", "gamma", "gammas_used", "predicted_speedup", "efficiency"]
@@ -99,3 +109,267 @@ def _cost_details(ar, spec) -> dict:
         "predicted_speedup": predicted_speedup_mixed(spec.acceptance_by_position, spec.gammas_used, t_target, t_draft,
                                                      t_verify),
     }
+
+
+# ---- serving under load -----------------------------------------------------------------------
+# `bench_load` replays one stream of requests through `runtime.submit` at each concurrency, the
+# autoregressive and speculative runs interleaved (AR, spec, AR, spec, ...) on the same requests
+# and the same backend.
+#
+# The stream: prompts in shuffled cycles over the list, output lengths drawn uniformly from
+# [max_new_tokens / 2, 3 max_new_tokens / 2], both fixed by a seed, so that every run serves the
+# same requests. Clients are closed-loop by default: C client threads, each sending its next request
+# when its previous one has finished. With a rate, requests arrive as a Poisson process (open loop)
+# and C caps the requests in flight: C clients take the arrivals in order, and a request that
+# arrives while all C are busy waits for one. Its latency and time to first token count from its
+# arrival, as its user would see them, so an overloaded server shows in the latencies.
+#
+# Speculative serving is the engine's: under γ "auto" its policy picks γ each iteration for the
+# current load, plain decoding included where it predicts that speculation does not pay (pass
+# always_speculate to forbid that); a fixed γ drafts that many tokens on every iteration.
+#
+# Each row: tokens_per_s is all tokens generated in a run over the run's wall time (first request
+# sent to last one finished), the median over repeats; latency (sent to last token), TTFT (sent to
+# first token) and ITL are percentiles over every request of every repeat, timed by the client when
+# tokens reach it (on_tokens); acceptance_rate and mean_gamma pool the speculative requests' stats
+# (mean_gamma: drafts per request-iteration, 0 for plain iterations). ITL is per token: a delivery of
+# n tokens after a wait of t ms counts n gaps of t/n ms, so that a speculative iteration that brings
+# several tokens at once compares with plain decoding's one token per step.
+
+LOAD_KEYS = ["concurrency", "mode", "tokens_per_s", "p50_latency_ms", "p99_latency_ms", "p50_ttft_ms", "p99_ttft_ms",
+             "p50_itl_ms", "acceptance_rate", "mean_gamma"]
+LOAD_MODES = ("autoregressive", "speculative")  # the order in which each repeat runs them
+WARMUP_TOKENS = 8  # per warm-up request: enough for every graph and batch shape to run once
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    prompt: str
+    max_new_tokens: int
+    arrival_s: float | None = None  # open loop: seconds after the run starts; None: sent when a client is free
+    seed: int = 0  # its random stream, when sampling
+
+
+def request_stream(prompts: list[str], count: int, max_new_tokens: int, rate: float | None = None,
+                   seed: int = 0) -> list[LoadRequest]:
+    """`count` requests, the same for the same arguments (see the notes above)."""
+    rng = np.random.default_rng(seed)
+    cycles = -(-count // len(prompts))
+    order = np.concatenate([rng.permutation(len(prompts)) for _ in range(cycles)])[:count]
+    lengths = rng.integers(max(1, max_new_tokens // 2), max(1, max_new_tokens * 3 // 2) + 1, size=count)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, size=count)) if rate else [None] * count
+    seeds = rng.integers(2**31, size=count)
+    return [LoadRequest(prompts[p], int(n), None if a is None else float(a), int(s))
+            for p, n, a, s in zip(order, lengths, arrivals, seeds)]
+
+
+def bench_load(runtime, prompts: list[str], concurrencies=(1, 2, 4, 8), requests: int = 16, rate: float | None = None,
+               max_new_tokens: int = 64, repeats: int = 3, gamma: int | str | None = "auto",
+               always_speculate: bool = False, sampling: dict | None = None,
+               seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """Throughput and latency of serving at each concurrency, autoregressive and speculative.
+
+    Returns (rows with exactly LOAD_KEYS, one per concurrency and mode; details behind each row:
+    per-run tokens and wall times, the γ used per request-iteration, and the phase costs per
+    iteration). sampling: temperature, top_k, top_p (each request samples from its own seed)."""
+    _check_load(concurrencies, requests, rate, repeats)
+    stream = request_stream(prompts, requests, max_new_tokens, rate, seed)
+    gamma = "auto" if gamma is None else gamma
+    options = {mode: _mode_options(mode, gamma, always_speculate, sampling or {}) for mode in LOAD_MODES}
+    rows, details = [], []
+    for concurrency in concurrencies:
+        runs = _runs_at(runtime, stream, concurrency, repeats, options)
+        for mode in LOAD_MODES:
+            rows.append(_load_row(concurrency, mode, runs[mode]))
+            details.append(_load_details(concurrency, mode, runs[mode]))
+    return rows, details
+
+
+def _check_load(concurrencies, requests: int, rate: float | None, repeats: int) -> None:
+    if not concurrencies or any(c < 1 for c in concurrencies):
+        raise SpecCompileError(f"concurrencies must be positive, got {list(concurrencies)}")
+    if requests < 1 or repeats < 1:
+        raise SpecCompileError(f"requests and repeats must be positive, got {requests} and {repeats}")
+    if rate is not None and rate <= 0:
+        raise SpecCompileError(f"rate must be positive (requests/s), got {rate}")
+
+
+def _mode_options(mode: str, gamma, always_speculate: bool, sampling: dict) -> dict:
+    """submit's arguments for a mode. Under γ auto, mode None lets the policy choose plain decoding."""
+    if mode == "autoregressive":
+        return {"mode": mode, **sampling}
+    plain_allowed = gamma == "auto" and not always_speculate
+    return {"mode": None if plain_allowed else "speculative", "gamma": gamma, **sampling}
+
+
+def _runs_at(runtime, stream: list[LoadRequest], concurrency: int, repeats: int, options: dict) -> dict:
+    """One warm-up round per mode (short requests, one per client: sessions and first runs at this
+    load, and the γ policy's acceptance at it, are not timed), then the timed runs, modes
+    interleaved. {mode: [(wall seconds, [_Served])] per repeat}."""
+    warmup = [LoadRequest(r.prompt, min(WARMUP_TOKENS, r.max_new_tokens), None, r.seed)
+              for r in (stream[i % len(stream)] for i in range(concurrency))]
+    for mode in LOAD_MODES:
+        _serve(runtime, warmup, concurrency, options[mode])
+    runs = {mode: [] for mode in LOAD_MODES}
+    for repeat in range(repeats):
+        for mode in LOAD_MODES:
+            wall, served = _serve(runtime, stream, concurrency, options[mode])
+            runs[mode].append((wall, served))
+            log.info(f"concurrency {concurrency}, {mode} run {repeat + 1}/{repeats}: {_tokens(served)} tokens "
+                     f"in {wall:.2f} s ({_tokens(served) / wall:.1f} tokens/s)")
+    return runs
+
+
+@dataclass
+class _Served:
+    """What a client saw of one request: when it was sent (open loop: when it arrived), when each
+    list of tokens reached it and how many there were, and its result."""
+
+    sent: float
+    deliveries: list[tuple[float, int]] = field(default_factory=list)
+    result: object = None
+
+    def on_tokens(self, tokens: list[int]) -> None:  # called on the engine thread
+        self.deliveries.append((time.perf_counter(), len(tokens)))
+
+    @property
+    def latency_ms(self) -> float:
+        return (self.deliveries[-1][0] - self.sent) * 1e3
+
+    @property
+    def ttft_ms(self) -> float:
+        return (self.deliveries[0][0] - self.sent) * 1e3
+
+    def token_gaps_ms(self) -> list[float]:
+        """One inter-token gap per token after the first delivery (see the notes above)."""
+        gaps = []
+        for (before, _), (at, count) in zip(self.deliveries, self.deliveries[1:]):
+            gaps += [(at - before) * 1e3 / count] * count
+        return gaps
+
+
+def _serve(runtime, stream: list[LoadRequest], concurrency: int, options: dict) -> tuple[float, list[_Served]]:
+    """Replay the stream through `concurrency` client threads. Returns (seconds from the start until
+    the last client is done, what each request saw, in stream order). A failed request stops the
+    clients and is raised here."""
+    served: list[_Served | None] = [None] * len(stream)
+    pending, lock, errors = iter(range(len(stream))), threading.Lock(), []
+    start = time.perf_counter()
+
+    def client():
+        try:
+            while (index := _take(pending, lock)) is not None:
+                served[index] = _send(runtime, stream[index], start, options)
+        except Exception as error:  # noqa: BLE001 (raised again on the caller's thread, below)
+            with lock:
+                errors.append(error)
+                for _ in pending:  # the other clients stop after their current request
+                    pass
+
+    threads = [threading.Thread(target=client, name=f"bench-client-{n}") for n in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return wall, served
+
+
+def _take(pending, lock: threading.Lock) -> int | None:
+    with lock:
+        return next(pending, None)
+
+
+def _send(runtime, request: LoadRequest, start: float, options: dict) -> _Served:
+    """Send one request (open loop: not before it arrives) and wait for its result."""
+    if request.arrival_s is None:
+        sent = time.perf_counter()
+    else:
+        sent = start + request.arrival_s
+        time.sleep(max(0.0, sent - time.perf_counter()))
+    served = _Served(sent)
+    seed = {"seed": request.seed} if options.get("temperature") else {}
+    handle = runtime.submit(request.prompt, max_new_tokens=request.max_new_tokens, on_tokens=served.on_tokens,
+                            **options, **seed)
+    served.result = handle.result()
+    return served
+
+
+def _tokens(served: list[_Served]) -> int:
+    return sum(len(s.result.token_ids) for s in served)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else 0.0
+
+
+def _load_row(concurrency: int, mode: str, runs: list) -> dict:
+    served = [s for _, run in runs for s in run]
+    stats = pooled([s.result.stats for s in served])
+    latency, ttft = [s.latency_ms for s in served], [s.ttft_ms for s in served]
+    itl = [gap for s in served for gap in s.token_gaps_ms()]
+    row = {
+        "concurrency": concurrency,
+        "mode": mode,
+        "tokens_per_s": statistics.median(_tokens(run) / wall for wall, run in runs),
+        "p50_latency_ms": _percentile(latency, 50),
+        "p99_latency_ms": _percentile(latency, 99),
+        "p50_ttft_ms": _percentile(ttft, 50),
+        "p99_ttft_ms": _percentile(ttft, 99),
+        "p50_itl_ms": _percentile(itl, 50),
+        "acceptance_rate": stats.acceptance_rate,
+        "mean_gamma": stats.mean_gamma,
+    }
+    assert list(row) == LOAD_KEYS
+    return row
+
+
+def _load_details(concurrency: int, mode: str, runs: list) -> dict:
+    """Where a row's time went. Per-iteration costs are each request's share of the iterations it ran
+    in (requests decoding together share an iteration); other_ms is the rest of a request's time
+    between its first and last token: other requests' prefill chunks and the loop's own work."""
+    served = [s for _, run in runs for s in run]
+    stats = pooled([s.result.stats for s in served])
+    iterations = max(1, stats.iterations)
+    after_first = sum(s.result.stats.total_ms - s.result.stats.ttft_ms for s in served)
+    phases = stats.draft_ms + stats.verify_ms + stats.decode_ms
+    return {
+        "concurrency": concurrency,
+        "mode": mode,
+        "tokens": [_tokens(run) for _, run in runs],
+        "wall_s": [wall for wall, _ in runs],
+        "gammas_used": dict(sorted(stats.gammas_used.items())),  # drafts -> request-iterations
+        "tokens_per_iteration": stats.new_tokens / iterations,
+        "draft_ms_per_iteration": stats.draft_ms / iterations,
+        "verify_ms_per_iteration": stats.verify_ms / iterations,
+        "decode_ms_per_iteration": stats.decode_ms / iterations,
+        "other_ms_per_iteration": (after_first - phases) / iterations,
+        "prefill_ms_per_request": stats.prefill_ms / len(served),
+    }
+
+
+def save_load_plot(rows: list[dict], path) -> Path:
+    """tokens/s and p99 latency vs concurrency, one line per mode (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SpecCompileError("the plot needs matplotlib: pip install 'speccompile[profile]'") from None
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    panels = (("tokens_per_s", "tokens/s (all requests)"), ("p99_latency_ms", "p99 latency (ms)"))
+    for ax, (key, label) in zip(axes, panels):
+        for mode in LOAD_MODES:
+            mine = [r for r in rows if r["mode"] == mode]
+            ax.plot([r["concurrency"] for r in mine], [r[key] for r in mine], marker="o", label=mode)
+        ax.set(xlabel="concurrency (clients)", ylabel=label, xticks=sorted({r["concurrency"] for r in rows}))
+        ax.legend(fontsize="small")
+    fig.suptitle("serving under load: speculative vs autoregressive")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
