@@ -212,19 +212,31 @@ class Runtime:
                 self._policies[decoding] = GammaPolicy(timings, self.profile["acceptance_by_position"])
             elif self._calibration is not None:
                 prior = [0.5**k for k in range(1, max(self.gammas) + 1)]  # neutral, worth 2 iterations
-                self._policies[decoding] = GammaPolicy(self._calibration, prior, prior_weight=2.0)
+                self._policies[decoding] = GammaPolicy(self._calibrated_costs(decoding), prior, prior_weight=2.0)
             else:
                 return None
         return self._policies[decoding]
 
     def _calibrate(self) -> None:
-        """Time the steps quickly at batch 1. It drives the models directly, so only with no request
-        in flight (it would overwrite their caches)."""
+        """Time the steps quickly at batch 1 and at the bundle's max batch (costs in between are
+        interpolated). It drives the models directly, so only with no request in flight (it would
+        overwrite their caches)."""
         from speccompile.runtime.profile import measure_costs
 
         assert self.scheduler.active == 0, "calibrating with requests in flight"
         log.warning("no γ profile for this hardware in the bundle (run `speccompile profile`): calibrating quickly")
-        self._calibration = measure_costs(self, 1, context=min(64, self.max_seq // 4), repeats=3)
+        context = min(64, self.max_seq // 4)
+        self._calibration = {batch: measure_costs(self, batch, context=context, repeats=3)
+                             for batch in sorted({1, self.max_batch})}
+
+    def _calibrated_costs(self, batch: int) -> dict:
+        """Step costs at `batch`, linear between the two calibrated batch sizes."""
+        low, high = self._calibration[1], self._calibration[self.max_batch]
+        w = 0.0 if self.max_batch == 1 else (batch - 1) / (self.max_batch - 1)
+        mix = lambda a, b: (1 - w) * a + w * b  # noqa: E731
+        return {"target_step_ms": mix(low["target_step_ms"], high["target_step_ms"]),
+                "draft_step_ms": mix(low["draft_step_ms"], high["draft_step_ms"]),
+                "verify_ms": {g: mix(low["verify_ms"][g], high["verify_ms"][g]) for g in low["verify_ms"]}}
 
     # -- validation ---------------------------------------------------------------------------
     def _request(self, prompt, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=None,
