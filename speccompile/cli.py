@@ -317,20 +317,23 @@ class _Streamer:
 
     A batch runs in lockstep: while one prompt streams, the later ones are held back, and each
     prints what it has so far once the prompts before it are done (at EOS or max_new_tokens), then
-    streams on. Several prompts are headed `--- prompt i/n`. The continuation is decoded after the
-    prompt's own tokens, so a decoder that drops the leading space of a text's first word
-    (SentencePiece's) does not glue it to the prompt.
+    streams on. Several prompts are headed `--- prompt i/n`. Each continuation is decoded
+    incrementally after the prompt's own tokens (Tokenizer.stream), so a decoder that drops the
+    leading space of a text's first word (SentencePiece's) does not glue it to the prompt, and a
+    step costs its own tokens, not the whole text again.
     """
 
     def __init__(self, tokenizer, prompts: list[str], max_new_tokens: int):
         self.tokenizer, self.prompts, self.max_new_tokens = tokenizer, prompts, max_new_tokens
         self.prompt_ids = [tokenizer.encode(p) for p in prompts]
-        self.prompt_texts = [tokenizer.decode(ids) for ids in self.prompt_ids]
+        self.streams = [tokenizer.stream(ids) for ids in self.prompt_ids]
         self.tokens: list[list[int]] = [[] for _ in prompts]
-        self.current, self.printed = 0, None  # printed: the current prompt's text so far (None: not begun)
+        self.held: list[list[str]] = [[] for _ in prompts]  # decoded, not yet printed (a later prompt waits)
+        self.current, self.printed = 0, None  # printed: characters of the current prompt's text (None: not begun)
 
     def __call__(self, row: int, token_ids: list[int]) -> None:
         self.tokens[row].extend(token_ids)
+        self.held[row].append(self.streams[row].add(token_ids))
         while self.current < len(self.prompts):
             done = self._done(self.current)
             self._print_current(final=done)
@@ -346,7 +349,7 @@ class _Streamer:
 
     def _done(self, row: int) -> bool:
         tokens = self.tokens[row]
-        return len(tokens) >= self.max_new_tokens or bool(tokens) and tokens[-1] in self.tokenizer.eos_token_ids
+        return len(tokens) >= self.max_new_tokens or (bool(tokens) and tokens[-1] in self.tokenizer.eos_token_ids)
 
     def _next(self) -> None:
         sys.stdout.write("\n")
@@ -358,11 +361,13 @@ class _Streamer:
         if self.printed is None:  # begun only once tokens come: a refused request prints nothing
             header = f"--- prompt {row + 1}/{len(self.prompts)}\n" if len(self.prompts) > 1 else ""
             sys.stdout.write(header + self.prompts[row])
-            self.printed = ""
-        text = self.tokenizer.decode_continuation(self.prompt_ids[row], self.tokens[row], self.prompt_texts[row])
-        if not text.endswith("\ufffd") or final:  # else an incomplete UTF-8 sequence: wait for the next token
-            sys.stdout.write(text[len(self.printed):])
-            self.printed = text
+            self.printed = 0
+        text = "".join(self.held[row])
+        self.held[row].clear()
+        if final:  # what the stream still holds (an unfinished UTF-8 character) prints as the whole text has it
+            text = self.tokenizer.decode_continuation(self.prompt_ids[row], self.tokens[row])[self.printed:]
+        sys.stdout.write(text)
+        self.printed += len(text)
         sys.stdout.flush()
 
 

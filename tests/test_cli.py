@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -185,7 +186,8 @@ def test_several_prompts_each_print_their_text_and_a_labelled_stats_line(bundles
 
 
 class CharTokenizer(Tokenizer):
-    """One token per character; token 0 is EOS (decode_continuation is the runtime tokenizer's)."""
+    """One token per character; token 0 is EOS (decode_continuation is the runtime tokenizer's; its
+    stream is tested against whole decoding in tests/runtime/test_tokenizer.py)."""
 
     eos_token_ids = frozenset({0})
 
@@ -197,6 +199,9 @@ class CharTokenizer(Tokenizer):
 
     def decode(self, ids):
         return "".join(chr(i) for i in ids if i)
+
+    def stream(self, prompt_ids):
+        return SimpleNamespace(add=self.decode)
 
 
 def test_streaming_prints_prompts_one_after_another_as_they_finish(capsys):
@@ -212,6 +217,24 @@ def test_streaming_prints_prompts_one_after_another_as_they_finish(capsys):
     assert capsys.readouterr().out == "r\n"
     stream.finish()
     assert capsys.readouterr().out == ""
+
+
+def test_streaming_prints_what_decoding_the_whole_text_gives(tmp_path, capsys):
+    """Byte-level BPE splits characters across tokens; the last token here ends inside one, which
+    prints as the whole decode has it (U+FFFD) once the prompt is done."""
+    from speccompile.cli import _Streamer
+    from tests.runtime.test_tokenizer import byte_level_bpe
+
+    tokenizer = byte_level_bpe(tmp_path)
+    tokens = tokenizer.encode(" = 'héllo 世界'")
+    tokens = tokens[: max(k for k in range(len(tokens)) if tokenizer.decode(tokens[:k]).endswith("\ufffd"))]
+    whole = tokenizer.decode_continuation(tokenizer.encode("x"), tokens)
+    assert whole.endswith("\ufffd") and "é" in whole
+    stream = _Streamer(tokenizer, ["x"], max_new_tokens=len(tokens))
+    for token in tokens:
+        stream(0, [token])
+    stream.finish()
+    assert capsys.readouterr().out == "x" + whole + "\n"
 
 
 def test_stats_line_under_auto_shows_the_gammas_used_and_means():

@@ -27,3 +27,27 @@ class Tokenizer:
         here (HF pipelines cut the prompt's text off the whole decoded sequence the same way)."""
         prompt_text = self.decode(prompt_ids) if prompt_text is None else prompt_text
         return self.decode(prompt_ids + ids)[len(prompt_text):]
+
+    def stream(self, prompt_ids: list[int]) -> "TextStream":
+        """An incremental decode_continuation, for printing tokens as they come."""
+        return TextStream(self._tok, prompt_ids)
+
+
+class TextStream:
+    """The text that each next batch of a continuation's tokens adds, in time for those tokens alone
+    (tokenizers' DecodeStream re-decodes a few tokens of context, not the whole text each time).
+
+    A token that ends inside a UTF-8 character (byte-level BPE splits them) adds "" until the
+    character is whole. The pieces joined are decode_continuation's text, except that an
+    unfinished character at the very end is still held back."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int]):
+        from tokenizers.decoders import DecodeStream
+
+        self._tok = tokenizer
+        self._stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=True)
+
+    def add(self, ids: list[int]) -> str:
+        if not len(ids):
+            return ""
+        return self._stream.step(self._tok, [int(i) for i in ids]) or ""  # None: a character is unfinished

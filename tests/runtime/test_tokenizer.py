@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
@@ -34,3 +36,48 @@ def test_generation_results_carry_the_continuations_text(bundles, monkeypatch):
     [result] = runtime.generate([[5, 17, 33, 2, 9]], max_new_tokens=6, gamma=1)
     assert result.text == runtime.tokenizer.decode_continuation([5, 17, 33, 2, 9], result.token_ids)
     assert json.dumps(result.to_dict())  # plain data
+
+
+def byte_level_bpe(tmp_path):
+    """A byte-level BPE (GPT-2's and Llama 3's kind) that has learnt only ASCII words, so an accented
+    letter, a CJK character or an emoji is two to four byte tokens: single tokens split characters."""
+    from tokenizers import trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def parse_args(argv):\n    return argv[1:]\n"] * 20, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return Tokenizer(tmp_path, {"eos_token_ids": [0]})
+
+
+def streamed(tokenizer, prompt_ids, ids, step) -> list[str]:
+    stream = tokenizer.stream(prompt_ids)
+    return [stream.add(ids[i : i + step]) for i in range(0, len(ids), step)]
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_a_stream_adds_up_to_the_whole_continuation_with_characters_split_across_tokens(tmp_path, step):
+    tokenizer = byte_level_bpe(tmp_path)
+    ids = tokenizer.encode("def héllo():\n    return '世界 🎉'")
+    prompt, continuation = ids[:2], ids[2:]
+    whole = tokenizer.decode_continuation(prompt, continuation)
+    assert any(tokenizer.decode([i]).endswith("\ufffd") for i in continuation)  # characters are split
+    pieces = streamed(tokenizer, prompt, continuation, step)
+    assert "".join(pieces) == whole
+    assert not any("\ufffd" in piece for piece in pieces)  # a split character waits until it is whole
+
+
+def test_a_stream_holds_back_an_unfinished_character(tmp_path):
+    tokenizer = byte_level_bpe(tmp_path)
+    ids = tokenizer.encode("ab 世")
+    first_byte = next(k for k in range(len(ids)) if tokenizer.decode(ids[: k + 1]).endswith("\ufffd"))
+    assert "".join(streamed(tokenizer, ids[:1], ids[1 : first_byte + 1], 1)) == "b "
+    assert tokenizer.decode_continuation(ids[:1], ids[1 : first_byte + 1]) == "b \ufffd"
+
+
+def test_a_stream_keeps_the_space_before_its_first_word(tmp_path):
+    tokenizer = sentencepiece_style(tmp_path)
+    assert "".join(streamed(tokenizer, tokenizer.encode("Hello"), [2, 3], 1)) == " world!"
