@@ -197,7 +197,8 @@ class OrtModel(CachedModel):
         buffer = fed.get(name)
         if buffer is None or buffer[0].shape != value.shape or buffer[0].dtype != value.dtype:
             array = np.empty(value.shape, value.dtype)
-            buffer = fed[name] = (array, _ort().OrtValue.ortvalue_from_numpy(array))  # the OrtValue wraps array's memory
+            # the OrtValue wraps the array's own memory: a copy into the array is an input to the next run
+            buffer = fed[name] = (array, _ort().OrtValue.ortvalue_from_numpy(array))
             binding.bind_ortvalue_input(name, buffer[1])
         np.copyto(buffer[0], value)
 

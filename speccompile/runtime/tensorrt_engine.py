@@ -66,7 +66,8 @@ class TrtModel(CachedModel):
                 raise SpecCompileError(f"no TensorRT engine for graph {graph} in this bundle")
             engine = self._runtime.deserialize_cuda_engine((self.bundle.path / entry["file"]).read_bytes())
             if engine is None:
-                raise SpecCompileError(f"TensorRT could not deserialize {entry['file']} (built for {entry['gpu']}, TensorRT {entry['tensorrt_version']})")
+                raise SpecCompileError(f"TensorRT could not deserialize {entry['file']} (built for {entry['gpu']}, "
+                                       f"TensorRT {entry['tensorrt_version']})")
             self._contexts[graph] = (engine, engine.create_execution_context(), {})
         return self._contexts[graph]
 
@@ -97,7 +98,8 @@ class TrtModel(CachedModel):
             context.set_tensor_address(name, outputs[name].ptr)
         if not context.execute_async_v3(self.stream.ptr):
             raise SpecCompileError(f"TensorRT failed to execute {graph.name}")
-        result = {name: buffer.copy_to(np.empty(buffer.shape, dtype=buffer.dtype), self.stream) for name, buffer in outputs.items()}
+        result = {name: buffer.copy_to(np.empty(buffer.shape, dtype=buffer.dtype), self.stream)
+                  for name, buffer in outputs.items()}
         self.stream.synchronize()
         return result
 

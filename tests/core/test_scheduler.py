@@ -8,7 +8,7 @@ import random
 import pytest
 
 from speccompile.core.gamma_policy import GammaPolicy
-from speccompile.core.request import AUTO, Request
+from speccompile.core.request import Request
 from speccompile.core.scheduler import Scheduler
 from tests.core.fake_engines import AgreeingDraft, FakeEngine, next_token_of
 

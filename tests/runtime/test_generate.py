@@ -20,7 +20,8 @@ def hf_greedy(checkpoint, prompt, max_new) -> list[int]:
     with torch.no_grad():
         ids = torch.tensor([prompt])
         # attention_mask given explicitly: HF would otherwise mask prompt tokens equal to pad_token_id
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False, pad_token_id=2)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                             pad_token_id=2)
     return out[0, len(prompt):].tolist()
 
 
@@ -75,7 +76,8 @@ def test_text_prompts_use_the_bundled_tokenizer(bundles, tokenizer):
     assert runtime.tokenizer.encode(text) == tokenizer(text)["input_ids"]
     [result] = runtime.generate([text], max_new_tokens=8)
     assert result.text == tokenizer.decode(result.token_ids, skip_special_tokens=True)
-    assert result.prompt == text and len(result.token_ids) == 8 or result.token_ids[-1] in runtime.tokenizer.eos_token_ids
+    assert result.prompt == text
+    assert len(result.token_ids) == 8 or result.token_ids[-1] in runtime.tokenizer.eos_token_ids
 
 
 def test_kv_cache_is_updated_in_place(bundles):
@@ -122,7 +124,8 @@ def test_graphs_are_loaded_before_the_clock_starts(bundles, temperature, graphs)
 def test_one_sequence_runs_the_fused_variants_and_a_batch_the_standard_graphs(bundles, hf_reference):
     runtime = speccompile.load(bundles("llama", "copy"))
     [single] = runtime.generate([PROMPTS[0]], max_new_tokens=MAX_NEW, gamma=4)
-    assert {"target_forward_b1.onnx", "target_verify_g4_b1.onnx", "draft_forward_b1.onnx"} <= set(runtime.target._sessions) | set(runtime.draft._sessions)
+    loaded = set(runtime.target._sessions) | set(runtime.draft._sessions)
+    assert {"target_forward_b1.onnx", "target_verify_g4_b1.onnx", "draft_forward_b1.onnx"} <= loaded
     assert "target_verify_g4.onnx" not in runtime.target._sessions
     batch = runtime.generate(PROMPTS[:2], max_new_tokens=MAX_NEW, gamma=4)
     assert "target_verify_g4.onnx" in runtime.target._sessions
