@@ -1,6 +1,8 @@
 """`bench`: the summary keys, and numbers that follow from the runs they summarise."""
 
 import json
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -9,10 +11,10 @@ from click.testing import CliRunner
 import speccompile
 from speccompile.cli import main
 from speccompile.cli import read_prompts as cli_prompts
+from speccompile.core.stats import GenerationStats
 from speccompile.demo import DEMO_PROMPTS
 from speccompile.errors import SpecCompileError
-from speccompile.core.stats import GenerationStats
-from speccompile.runtime.bench import BENCH_KEYS, bench, read_prompts
+from speccompile.runtime.bench import BENCH_KEYS, LOAD_KEYS, bench, bench_load, read_prompts, request_stream
 
 
 class ScriptedRuntime:
@@ -46,7 +48,8 @@ def test_bench_reports_medians_of_the_timed_runs_and_the_costs_behind_them():
     assert summary["ar_tokens_per_s"] == pytest.approx(10 / 0.060)  # the 600 ms repeat is not the median
     assert summary["spec_tokens_per_s"] == pytest.approx(10 / 0.025)
     assert summary["speedup"] == pytest.approx(2.4)
-    assert (summary["acceptance_rate"], summary["mean_accepted_drafts"], summary["mean_acceptance_length"]) == (0.75, 1.5, 2.5)
+    acceptance = (summary["acceptance_rate"], summary["mean_accepted_drafts"], summary["mean_acceptance_length"])
+    assert acceptance == (0.75, 1.5, 2.5)
     assert summary["gamma"] == 2 and summary["gammas_used"] == {2: 12}
     assert details["acceptance_by_position"] == [1.0, 0.5]
     assert details["target_step_ms"] == pytest.approx(5.0) and details["draft_step_ms"] == pytest.approx(1.0)
@@ -78,9 +81,10 @@ def test_auto_gamma_bench_reports_the_gammas_it_used_and_acceptance_per_drafted_
     monkeypatch.setattr(GammaPolicy, "choose", lambda self, allow_zero=True: next(schedule))
     runtime = speccompile.load(bundles("llama", "copy"))
     summary, details = bench(runtime, ["import os", "def f(x):"], max_new_tokens=16, repeats=1, gamma="auto")
-    assert summary["gamma"] == "auto" and set(summary["gammas_used"]) == {1, 4}
     used = summary["gammas_used"]
-    mean_gamma = (used[1] + 4 * used[4]) / (used[1] + used[4])
+    # γ=0: a request's last iteration, when the one token it still needs is the target's own
+    assert summary["gamma"] == "auto" and set(used) - {0} == {1, 4} and used.get(0, 0) <= 2
+    mean_gamma = (used[1] + 4 * used[4]) / sum(used.values())
     assert details["acceptance_by_position"] == [1.0] * 4
     assert summary["mean_acceptance_length"] == pytest.approx(1 + mean_gamma)
     t_target, t_draft, t_verify = (details[k] for k in ("target_step_ms", "draft_step_ms", "verify_ms"))
@@ -106,3 +110,167 @@ def test_prompt_files(tmp_path):
         read_prompts(tmp_path / "bad.json")
     assert len(read_prompts(DEMO_PROMPTS)) >= 4
     assert cli_prompts(None) == read_prompts(DEMO_PROMPTS)  # what bench and profile run when given no --prompts
+
+
+# ---- bench_load: serving under load ------------------------------------------------------------
+
+class PacedRuntime:
+    """Serves every request on a thread of its own (nothing shared, so N clients get N times the
+    tokens): its first token 20 ms after submission, then two deliveries of 4 tokens, 40 ms apart:
+    9 tokens in 100 ms. A speculative request's stats: 2 iterations keeping 3 of their 4 drafts."""
+
+    def __init__(self):
+        self.sent = []  # (perf_counter, max_new_tokens, mode) per submission
+
+    def submit(self, prompt, max_new_tokens, on_tokens, mode=None, gamma=None, **sampling):
+        self.sent.append((time.perf_counter(), max_new_tokens, mode))
+        return PacedHandle(mode, on_tokens)
+
+
+class PacedHandle:
+    def __init__(self, mode, on_tokens):
+        self.mode = mode
+        self.thread = threading.Thread(target=self._serve, args=(on_tokens,))
+        self.thread.start()
+
+    @staticmethod
+    def _serve(on_tokens):
+        time.sleep(0.020)
+        on_tokens([7])
+        for _ in range(2):
+            time.sleep(0.040)
+            on_tokens([7] * 4)
+
+    def result(self):
+        self.thread.join()
+        speculative = self.mode != "autoregressive"
+        stats = GenerationStats("speculative" if speculative else "autoregressive", 4 if speculative else 0,
+                                new_tokens=9)
+        for _ in range(2 if speculative else 0):
+            stats.record_iteration(3, 4)
+        return SimpleNamespace(token_ids=[7] * 9, stats=stats)
+
+
+def _row(rows, concurrency, mode):
+    (row,) = [r for r in rows if (r["concurrency"], r["mode"]) == (concurrency, mode)]
+    return row
+
+
+def test_load_rows_report_what_the_clients_saw():
+    rows, details = bench_load(PacedRuntime(), ["a", "b"], concurrencies=[1, 2], requests=4, max_new_tokens=8,
+                               repeats=1)
+    assert [(r["concurrency"], r["mode"]) for r in rows] == [
+        (1, "autoregressive"), (1, "speculative"), (2, "autoregressive"), (2, "speculative")]
+    for row in rows:
+        assert list(row) == LOAD_KEYS
+        assert 20 <= row["p50_ttft_ms"] < 35  # sleeps never end early; a loaded machine makes them late
+        assert 10 <= row["p50_itl_ms"] < 15  # 40 ms for 4 tokens: per token, not per delivery
+        assert 100 <= row["p50_latency_ms"] < 125
+        assert row["p99_latency_ms"] >= row["p50_latency_ms"] and row["p99_ttft_ms"] >= row["p50_ttft_ms"]
+    # 4 requests of 9 tokens: one after another at 1 client, two at a time at 2
+    assert 60 < _row(rows, 1, "autoregressive")["tokens_per_s"] <= 90
+    assert 120 < _row(rows, 2, "autoregressive")["tokens_per_s"] <= 180
+    spec, ar = _row(rows, 2, "speculative"), _row(rows, 2, "autoregressive")
+    assert (spec["acceptance_rate"], spec["mean_gamma"]) == (0.75, 4.0)
+    assert (ar["acceptance_rate"], ar["mean_gamma"]) == (0.0, 0.0)
+    assert [d["tokens"] for d in details] == [[36]] * 4  # the warm-up's tokens are not counted
+
+
+def test_open_loop_latency_counts_from_arrival():
+    """All 4 requests arrive within a few ms; one client serves them one after another, so the last
+    one waits about 300 ms before it is even sent, and its user sees that."""
+    rows, _ = bench_load(PacedRuntime(), ["a"], concurrencies=[1], requests=4, rate=1000.0, max_new_tokens=8,
+                         repeats=1)
+    row = _row(rows, 1, "autoregressive")
+    assert row["p99_latency_ms"] > 350 and row["p99_ttft_ms"] > 250
+    assert row["p50_itl_ms"] < 15  # waiting is not inter-token time
+
+
+def test_open_loop_sends_each_request_when_it_arrives():
+    """4 clients, so none is busy when a request arrives: the sends follow the arrivals (100 ms apart on
+    average), up to the lateness of a thread on a loaded machine."""
+    runtime = PacedRuntime()
+    bench_load(runtime, ["a", "b"], concurrencies=[4], requests=4, rate=10.0, max_new_tokens=40, repeats=1)
+    arrivals = [r.arrival_s for r in request_stream(["a", "b"], 4, 40, rate=10.0)]
+    timed = [t for t, tokens, mode in runtime.sent if tokens > 8 and mode == "autoregressive"]  # warm-up: 8 tokens
+    assert len(timed) == 4
+    for sent, arrival in zip(timed, arrivals):
+        assert sent - timed[0] == pytest.approx(arrival - arrivals[0], abs=0.025)
+
+
+def test_request_stream_is_seeded_and_varied():
+    prompts = ["a", "bb", "ccc"]
+    stream = request_stream(prompts, 7, 10, seed=3)
+    assert stream == request_stream(prompts, 7, 10, seed=3) != request_stream(prompts, 7, 10, seed=4)
+    assert {r.prompt for r in stream[:3]} == set(prompts)  # every prompt once per cycle
+    assert all(5 <= r.max_new_tokens <= 15 for r in stream) and len({r.max_new_tokens for r in stream}) > 1
+    assert all(r.arrival_s is None for r in stream)  # closed loop
+    arrivals = [r.arrival_s for r in request_stream(prompts, 4000, 10, rate=50.0)]
+    assert arrivals == sorted(arrivals) and arrivals[-1] / 4000 == pytest.approx(1 / 50, rel=0.1)
+
+
+class Recording:
+    """A runtime that notes each timed request's handle, when it was sent and when its last tokens came."""
+
+    def __init__(self, runtime):
+        self.runtime, self.requests = runtime, []
+
+    def submit(self, prompt, on_tokens, **kwargs):
+        record = {"mode": kwargs["mode"], "max_new_tokens": kwargs["max_new_tokens"], "sent": time.perf_counter()}
+
+        def tokens(ids):
+            on_tokens(ids)
+            record["last"] = time.perf_counter()
+
+        record["handle"] = self.runtime.submit(prompt, on_tokens=tokens, **kwargs)
+        self.requests.append(record)
+        return record["handle"]
+
+
+def test_load_on_the_engine_counts_every_request_and_the_copy_draft_accepts_all(bundles):
+    runtime = Recording(speccompile.load(bundles("llama", "copy")))
+    rows, details = bench_load(runtime, ["import os", "def f(x):", "class A:"], concurrencies=[1, 3], requests=3,
+                               max_new_tokens=24, repeats=1, gamma=4)
+    runtime.runtime.close()
+    for (row, detail), concurrency in zip(zip(rows[::2], details[::2]), [1, 3]):
+        assert (row["concurrency"], row["mode"], detail["mode"]) == (concurrency, "autoregressive", "autoregressive")
+    for row, detail in zip(rows, details):
+        mine = [r for r in runtime.requests if r["max_new_tokens"] > 8  # the warm-up asks for 8
+                and (r["mode"] == "autoregressive") == (row["mode"] == "autoregressive")]
+        run = mine[:3] if row["concurrency"] == 1 else mine[3:]
+        assert detail["tokens"] == [sum(len(r["handle"].result().token_ids) for r in run)]
+        window = max(r["last"] for r in run) - min(r["sent"] for r in run)
+        assert row["tokens_per_s"] <= detail["tokens"][0] / window
+        assert 0 < row["p50_ttft_ms"] <= row["p50_latency_ms"] <= row["p99_latency_ms"] <= window * 1e3 + 50
+        assert row["p99_ttft_ms"] <= row["p99_latency_ms"] and row["p50_itl_ms"] > 0
+        if row["mode"] == "speculative":
+            assert row["acceptance_rate"] == 1.0 and 1 <= row["mean_gamma"] <= 4
+            assert set(detail["gammas_used"]) <= {0, 1, 2, 3, 4}
+        else:
+            assert (row["acceptance_rate"], row["mean_gamma"]) == (0.0, 0.0)
+
+
+def test_load_request_that_cannot_fit_is_raised_not_hung(bundles):
+    runtime = speccompile.load(bundles("llama", "random"))
+    with pytest.raises(SpecCompileError, match="max sequence length"):
+        bench_load(runtime, ["import os"], concurrencies=[2], requests=4, max_new_tokens=200, repeats=1)
+    runtime.close()
+
+
+def test_cli_bench_under_load(bundles, tmp_path):
+    bundle = str(bundles("llama", "random"))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("import os\ndef main():\n")
+    common = ["bench", bundle, "--prompts", str(prompts), "--concurrency", "1,2", "--requests", "2",
+              "--max-new-tokens", "4", "--repeats", "1"]
+    result = CliRunner().invoke(main, [*common, "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert [(r["concurrency"], r["mode"]) for r in rows] == [
+        (1, "autoregressive"), (1, "speculative"), (2, "autoregressive"), (2, "speculative")]
+    assert all(list(r) == LOAD_KEYS for r in rows)
+    png = tmp_path / "load.png"
+    result = CliRunner().invoke(main, [*common, "--rate", "100", "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    assert "speculative" in result.stdout and f"plot: {png}" in result.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
