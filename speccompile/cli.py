@@ -180,14 +180,37 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
 @click.option("--repeats", type=int, default=3, show_default=True)
 @click.option("--gamma", default=None, help="Draft tokens per iteration, or 'auto' (default: the bundle's).")
 @click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the summary keys.")
+@click.option("--concurrency", default=None,
+              help="Serve a stream of requests under load at each of these client counts (e.g. 1,2,4,8), "
+              "speculative and autoregressive, instead of the batch-1 comparison.")
+@click.option("--requests", type=int, default=16, show_default=True,
+              help="With --concurrency: requests per run; their lengths vary around --max-new-tokens (±50%).")
+@click.option("--rate", type=float, default=None,
+              help="With --concurrency: Poisson arrivals at this many requests/s, at most CONCURRENCY in flight "
+              "(default: closed-loop clients, each sending its next request when the last one finished).")
+@click.option("--always-speculate", is_flag=True,
+              help="With --concurrency and γ auto: never let the policy choose plain decoding.")
+@click.option("--plot", "plot_path", type=click.Path(), default=None,
+              help="With --concurrency: PNG of tokens/s and p99 latency vs concurrency "
+              "(default: BUNDLE/profiles/load.png; with --json, only when given).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object with the summary keys (with --concurrency: a JSON list, one object per "
+              "concurrency and mode).")
 @user_errors
-def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, as_json):
-    """Speculative vs autoregressive tokens/s on the same prompts (medians over repeats)."""
+def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, concurrency, requests, rate,
+          always_speculate, plot_path, as_json):
+    """Speculative vs autoregressive tokens/s on the same prompts (medians over repeats): at batch 1,
+    or with --concurrency, serving many requests at once (γ auto by default)."""
     import speccompile
     from speccompile.runtime.bench import bench as run_bench
 
     runtime = speccompile.load(resolve_bundle(bundle), shared_threads=True)  # the process is ours
+    if concurrency is not None:
+        load = {"concurrencies": _int_list(concurrency), "requests": requests, "rate": rate,
+                "max_new_tokens": max_new_tokens, "repeats": repeats, "gamma": _gamma_option(gamma),
+                "always_speculate": always_speculate, "sampling": {"temperature": temperature} if temperature else {}}
+        _bench_load(runtime, read_prompts(prompts_file), load, as_json, plot_path)
+        return
     sampling = {"temperature": temperature, "seed": 0} if temperature else {}
     summary, details = run_bench(runtime, read_prompts(prompts_file), max_new_tokens, repeats, _gamma_option(gamma),
                                  sampling)
@@ -199,6 +222,39 @@ def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, as_
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         click.echo(f"{key:<{width}}  {_bench_value(value)}")
+
+
+def _bench_load(runtime, prompts: list[str], options: dict, as_json: bool, plot_path) -> None:
+    """bench --concurrency: a JSON list of the rows, or their table; and the plot."""
+    from speccompile.runtime.bench import bench_load, save_load_plot
+
+    rows, details = bench_load(runtime, prompts, **options)
+    click.echo(json.dumps(rows) if as_json else _load_table(rows, details))
+    if as_json and plot_path is None:
+        return
+    try:
+        path = save_load_plot(rows, plot_path or runtime.bundle.path / "profiles" / "load.png")
+        click.echo(f"plot: {path}", err=as_json)  # stdout stays one JSON document
+    except SpecCompileError as e:
+        click.echo(f"no plot: {e}", err=True)
+
+
+def _load_table(rows: list[dict], details: list[dict]) -> str:
+    """One line per concurrency and mode; a speculative line also shows its rate over autoregressive's
+    at the same concurrency, and the drafts per request-iteration that it used."""
+    ar_rate = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["mode"] == "autoregressive"}
+    times = ("p50_latency_ms", "p99_latency_ms", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms")
+    head = (f"{'conc':>4} {'mode':<14} {'tok/s':>7} {'vs AR':>6} {'lat p50':>8} {'lat p99':>8} {'ttft p50':>8} "
+            f"{'ttft p99':>8} {'itl p50':>7} {'accept':>6} {'mean γ':>6}  (times in ms)")
+    lines = [head]
+    for row, detail in zip(rows, details):
+        spec = row["mode"] == "speculative"
+        ratio = f"{row['tokens_per_s'] / ar_rate[row['concurrency']]:.2f}x" if spec else ""
+        lat = " ".join(f"{row[k]:>{7 if k == 'p50_itl_ms' else 8}.1f}" for k in times)
+        used = f"  {_gamma_counts(detail['gammas_used'])}" if spec else ""
+        lines.append(f"{row['concurrency']:>4} {row['mode']:<14} {row['tokens_per_s']:>7.1f} {ratio:>6} {lat} "
+                     f"{row['acceptance_rate']:>6.2f} {row['mean_gamma']:>6.2f}{used}")
+    return "\n".join(lines)
 
 
 def _bench_value(value) -> str:
