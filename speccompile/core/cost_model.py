@@ -1,16 +1,21 @@
-"""The speculative speedup model (Leviathan et al. 2023, §3), with measured costs.
+"""The speculative speedup model (Leviathan et al. 2023, §3), with costs as the loop incurs them.
 
 Per iteration the draft runs γ steps and the target one verification of γ+1 tokens; the iteration
 emits the accepted drafts plus one target token. With P_k the probability that draft k is accepted
 (k = 1..γ; unconditional, so P_1 >= P_2 >= ...):
 
     E[tokens per iteration] = 1 + sum_k P_k                    (= (1 - α^(γ+1)) / (1 - α) for i.i.d. α)
-    time per iteration      = γ · t_draft + t_verify(γ) + t_overhead
+    time per iteration      = t_draft(γ) + t_verify(γ) + t_overhead
     speedup                 = E · t_target / time per iteration
 
-where t_target is one autoregressive target step. The paper assumes t_verify(γ) = t_target ("free
-parallel verification"); here t_verify is measured, which is what makes γ hardware-specific.
+where t_target is one iteration of plain decoding (a target step). The paper assumes t_verify(γ) =
+t_target ("free parallel verification") and t_draft(γ) = γ · one draft step; here both are measured
+per γ, which is what makes γ hardware-specific. The draft's time is not quite proportional to γ:
+its first step of an iteration reads two tokens (the loop's draft re-reads the token before the
+last one), so a short γ pays more per draft token (demo pair, batch 1: 0.70 ms per draft token at γ=2, 0.50 at γ=6).
 """
+
+from dataclasses import dataclass
 
 
 def expected_tokens(acceptance_by_position: list[float]) -> float:
@@ -25,6 +30,7 @@ def iid_acceptance_by_position(alpha: float, gamma: int) -> list[float]:
 
 def predicted_speedup(acceptance_by_position: list[float], t_target: float, t_draft: float, t_verify: float,
                       t_overhead: float = 0.0) -> float:
+    """The speedup of γ = len(acceptance_by_position), t_draft one draft step (γ·t_draft per iteration)."""
     gamma = len(acceptance_by_position)
     if gamma == 0:
         return 1.0
@@ -49,3 +55,46 @@ def predicted_speedup_mixed(acceptance_by_position: list[float], gammas_used: di
     iteration = mean_gamma * t_draft + t_verify + t_overhead
     assert iteration > 0, "iteration time must be positive"
     return tokens * t_target / iteration
+
+
+# ---------------------------------------------------------------------------------------------
+# one batch size's costs, as a profile or a quick calibration gives them
+
+
+@dataclass
+class LoopCosts:
+    """Milliseconds per iteration at one batch size (runtime/profile.py measures them).
+
+    target_step: one plain-decoding iteration. draft[γ]: an iteration's γ draft steps. verify[γ]:
+    its verification. overhead: the rest of a speculative iteration (emitting, rollback, choosing γ).
+    """
+
+    target_step: float
+    draft: dict[int, float]
+    verify: dict[int, float]
+    overhead: float = 0.0
+
+    @classmethod
+    def from_timings(cls, timings: dict) -> "LoopCosts":
+        """From the timings dict of profile.timings_for_batch or measure_costs. Without a per-γ
+        "draft_ms", drafting costs γ · draft_step_ms; without "overhead_ms", nothing."""
+        verify = {int(g): ms for g, ms in timings["verify_ms"].items()}
+        per_gamma = {int(g): ms for g, ms in timings.get("draft_ms", {}).items()}
+        draft = {g: per_gamma.get(g, g * timings["draft_step_ms"]) for g in verify}
+        return cls(timings["target_step_ms"], draft, verify, timings.get("overhead_ms", 0.0))
+
+    @property
+    def gammas(self) -> list[int]:
+        return sorted(self.verify)
+
+    def iteration_ms(self, gamma: int, draft_scale: float = 1.0, verify_scale: float = 1.0) -> float:
+        """One speculative iteration at γ, its draft and verification times scaled (see GammaPolicy)."""
+        return self.draft[gamma] * draft_scale + self.verify[gamma] * verify_scale + self.overhead
+
+    def speedup(self, acceptance_by_position: list[float], gamma: int, draft_scale: float = 1.0,
+                verify_scale: float = 1.0) -> float:
+        """Predicted speedup of γ over plain decoding (γ = 0 is plain decoding: 1)."""
+        if gamma == 0:
+            return 1.0
+        tokens = expected_tokens(acceptance_by_position[:gamma])
+        return tokens * self.target_step / self.iteration_ms(gamma, draft_scale, verify_scale)

@@ -6,9 +6,11 @@ the cost model needs. The profile's calibration enters as pseudo-counts (a prior
 `prior_weight` iterations), so the first iterations follow the profile and later ones the text at
 hand. Positions beyond the γ in use are not observed and keep their prior.
 
-Costs are learned too. A profile times each step alone, back to back; in the loop, steps of the two
-models alternate and each finds the caches as the other left them, and every call pays the loop's
-own work. So every iteration's measured draft and verification times update one correction factor
+Costs come from the profile: draft, verification and the loop's own work per iteration, measured
+in loop runs at this batch size (runtime/profile.py), so the profile's table prints this policy's
+own predictions and its γ* is this policy's first choice. They are learned too: the machine may be
+busier than when it was profiled, and a quick calibration without a profile times steps outside the
+loop. So every iteration's measured draft and verification times update one correction factor
 each (the mean ratio of measured to profiled, with a prior of `COST_PRIOR_WEIGHT` iterations at 1),
 applied to every γ's costs alike: the γ in use teaches the policy about the others.
 
@@ -19,7 +21,7 @@ the target's weights: a verification right after another γ's finds its weights 
 the margin, estimates hovering near a tie flip γ every few iterations and pay that each time.
 """
 
-from speccompile.core.cost_model import predicted_speedup
+from speccompile.core.cost_model import LoopCosts
 
 SWITCH_MARGIN = 0.05
 COST_PRIOR_WEIGHT = 4.0
@@ -27,10 +29,10 @@ COST_PRIOR_WEIGHT = 4.0
 
 class GammaPolicy:
     def __init__(self, timings: dict, prior_by_position: list[float], prior_weight: float = 8.0):
-        """timings: {"target_step_ms", "draft_step_ms", "verify_ms": {γ: ms}} at this batch size."""
-        self.t_target, self.t_draft = timings["target_step_ms"], timings["draft_step_ms"]
-        self.t_verify = {int(g): ms for g, ms in timings["verify_ms"].items()}
-        self.gammas = sorted(self.t_verify)
+        """timings at this batch size: {"target_step_ms", "draft_step_ms", "verify_ms": {γ: ms}}, and
+        optionally "draft_ms": {γ: ms} and "overhead_ms" (see LoopCosts.from_timings)."""
+        self.costs = LoopCosts.from_timings(timings)
+        self.gammas = self.costs.gammas
         conditional = _conditional(prior_by_position, max(self.gammas))
         self.reached = [prior_weight] * len(conditional)
         self.accepted = [prior_weight * c for c in conditional]
@@ -38,7 +40,7 @@ class GammaPolicy:
         self.observed = [0] * len(conditional)  # iterations that reached each position
         self.prior = conditional
         self.current: int | None = None  # the γ chosen last
-        self._ratios = {"draft": [COST_PRIOR_WEIGHT, COST_PRIOR_WEIGHT], "verify": [COST_PRIOR_WEIGHT, COST_PRIOR_WEIGHT]}  # [sum, count]
+        self._ratios = {kind: [COST_PRIOR_WEIGHT, COST_PRIOR_WEIGHT] for kind in ("draft", "verify")}  # [sum, count]
 
     def cost_scale(self, kind: str) -> float:
         """Measured over profiled cost, for "draft" or "verify" (1 before any observation)."""
@@ -62,10 +64,11 @@ class GammaPolicy:
         return by_position
 
     def speedup(self, gamma: int) -> float:
+        """Predicted speedup of γ over plain decoding, with acceptance and costs as learned so far."""
         if gamma == 0:
             return 1.0
-        return predicted_speedup(self.acceptance_by_position(gamma), self.t_target, self.t_draft * self.cost_scale("draft"),
-                                 self.t_verify[gamma] * self.cost_scale("verify"))
+        return self.costs.speedup(self.acceptance_by_position(gamma), gamma, self.cost_scale("draft"),
+                                  self.cost_scale("verify"))
 
     def choose(self, allow_zero: bool = True) -> int:
         """The γ with the best predicted speedup (0: plain decoding, when speculation does not pay),
@@ -79,9 +82,10 @@ class GammaPolicy:
 
     def observe_costs(self, gamma: int, draft_ms: float, verify_ms: float) -> None:
         """One iteration's measured time in its γ draft steps and in its verification."""
-        for kind, measured, profiled in (("draft", draft_ms, gamma * self.t_draft), ("verify", verify_ms, self.t_verify[gamma])):
-            if profiled > 0:
-                self._ratios[kind][0] += measured / profiled
+        profiled = {"draft": self.costs.draft[gamma], "verify": self.costs.verify[gamma]}
+        for kind, measured in (("draft", draft_ms), ("verify", verify_ms)):
+            if profiled[kind] > 0:
+                self._ratios[kind][0] += measured / profiled[kind]
                 self._ratios[kind][1] += 1
 
     def observe(self, gamma: int, accepted: int) -> None:

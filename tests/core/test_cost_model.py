@@ -3,6 +3,7 @@
 import pytest
 
 from speccompile.core.cost_model import (
+    LoopCosts,
     expected_tokens,
     iid_acceptance_by_position,
     predicted_speedup,
@@ -13,7 +14,8 @@ from speccompile.core.stats import GenerationStats
 
 def test_expected_tokens_iid_matches_closed_form():
     alpha, gamma = 0.8, 4
-    assert expected_tokens(iid_acceptance_by_position(alpha, gamma)) == pytest.approx((1 - alpha ** (gamma + 1)) / (1 - alpha))
+    closed_form = (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    assert expected_tokens(iid_acceptance_by_position(alpha, gamma)) == pytest.approx(closed_form)
     # 1 + .8 + .64 + .512 + .4096 = 3.3616
     assert expected_tokens(iid_acceptance_by_position(0.8, 4)) == pytest.approx(3.3616)
 
@@ -60,3 +62,32 @@ def test_measured_per_position_acceptance_predicts_the_measured_tokens_per_verif
     predicted = predicted_speedup_mixed(stats.acceptance_by_position, stats.gammas_used, t_target=1.0, t_draft=0.0,
                                         t_verify=1.0)
     assert predicted == pytest.approx(stats.mean_acceptance_length)
+
+
+# ---------------------------------------------------------------------------------------------
+# LoopCosts: one batch size's costs per iteration, as profiles and calibrations give them
+
+
+def test_loop_costs_speedup_hand_computed():
+    costs = LoopCosts(target_step=10.0, draft={2: 3.0, 4: 5.0}, verify={2: 12.0, 4: 14.0}, overhead=1.0)
+    # γ=2: E = 1 + .9 + .7 = 2.6; iteration 3 + 12 + 1 = 16 ms -> 26/16
+    assert costs.speedup([0.9, 0.7, 0.5, 0.3], 2) == pytest.approx(26 / 16)
+    # γ=4: E = 3.4; iteration 5 + 14 + 1 = 20 ms -> 34/20; drafts at twice their cost: 5*2 + 14 + 1 = 25
+    assert costs.speedup([0.9, 0.7, 0.5, 0.3], 4) == pytest.approx(34 / 20)
+    assert costs.speedup([0.9, 0.7, 0.5, 0.3], 4, draft_scale=2.0) == pytest.approx(34 / 25)
+    assert costs.speedup([0.9, 0.7], 0) == 1.0
+
+
+def test_loop_costs_from_timings_with_and_without_per_gamma_draft_costs():
+    quick = LoopCosts.from_timings({"target_step_ms": 10.0, "draft_step_ms": 1.5, "verify_ms": {"2": 12.0, 4: 14.0}})
+    assert quick == LoopCosts(10.0, {2: 3.0, 4: 6.0}, {2: 12.0, 4: 14.0}, 0.0)  # γ · one step, no loop work
+    profiled = LoopCosts.from_timings({"target_step_ms": 10.0, "draft_step_ms": 1.5, "draft_ms": {"2": 4.0, "4": 7.0},
+                                       "verify_ms": {"2": 12.0, "4": 14.0}, "overhead_ms": 0.5})
+    assert profiled == LoopCosts(10.0, {2: 4.0, 4: 7.0}, {2: 12.0, 4: 14.0}, 0.5)  # JSON's string keys as ints
+    assert profiled.gammas == [2, 4] and profiled.iteration_ms(4) == pytest.approx(21.5)
+
+
+def test_loop_costs_agree_with_predicted_speedup_when_drafting_is_proportional():
+    costs = LoopCosts(target_step=10.0, draft={3: 3.0}, verify={3: 13.0}, overhead=0.7)
+    assert costs.speedup([0.8, 0.6, 0.4], 3) == pytest.approx(
+        predicted_speedup([0.8, 0.6, 0.4], t_target=10.0, t_draft=1.0, t_verify=13.0, t_overhead=0.7))

@@ -50,10 +50,10 @@ def test_the_gamma_in_use_stays_unless_another_is_clearly_better():
     other = 2 if first == 4 else 4
     assert policy.speedup(other) < policy.speedup(first)
     while policy.speedup(other) <= policy.speedup(first):  # make it slightly better, within the margin
-        policy.t_verify[other] *= 0.995
+        policy.costs.verify[other] *= 0.995
     assert policy.speedup(other) < policy.speedup(first) * (1 + SWITCH_MARGIN)
     assert policy.choose() == first
-    policy.t_verify[other] = policy.t_verify[other] * 0.7  # clearly better
+    policy.costs.verify[other] *= 0.7  # clearly better
     assert policy.choose() == other
 
 
@@ -80,3 +80,29 @@ def test_positions_beyond_the_gamma_in_use_follow_the_observed_level():
         policy.observe(2, 2)
     assert policy.acceptance_by_position(4)[2] > 0.8  # P_3 was 0.125 in the prior
     assert policy.choose() == 4
+
+
+def test_the_loop_s_own_work_counts_in_every_choice():
+    """Per-iteration work that does not grow with γ favours longer γ: it is paid once per iteration,
+    and a longer γ needs fewer iterations. The profile's table prints these speedups, and its γ* is
+    this choice (runtime/profile.py)."""
+    timings = {"target_step_ms": 10.0, "draft_step_ms": 1.0, "verify_ms": {1: 11.0, 4: 14.0}}
+    acceptance = [0.6, 0.36, 0.216, 0.13]
+    # no loop work: γ=1 1.6*10/12 = 1.333; γ=4 2.306*10/18 = 1.281
+    assert GammaPolicy(timings, acceptance).choose() == 1
+    # 6 ms per iteration: γ=1 16/18 = 0.889; γ=4 23.06/24 = 0.961; and plain decoding beats both
+    loaded = GammaPolicy({**timings, "overhead_ms": 6.0}, acceptance)
+    assert loaded.speedup(4) == pytest.approx((1 + sum(acceptance)) * 10 / 24)
+    assert loaded.choose() == 0 and loaded.choose(allow_zero=False) == 4
+
+
+def test_per_gamma_draft_costs_are_what_each_gamma_pays_and_what_observations_compare_with():
+    """The draft's first step of an iteration reads two tokens: γ=1 pays more per draft than γ=4."""
+    timings = {"target_step_ms": 10.0, "draft_step_ms": 1.0, "draft_ms": {1: 2.0, 4: 5.0},
+               "verify_ms": {1: 11.0, 4: 14.0}}
+    policy = GammaPolicy(timings, [0.5, 0.25, 0.125, 0.0625])
+    assert policy.speedup(1) == pytest.approx(1.5 * 10 / 13)
+    assert policy.speedup(4) == pytest.approx(1.9375 * 10 / 19)
+    for _ in range(4):
+        policy.observe_costs(1, draft_ms=2.0, verify_ms=11.0)  # as profiled: nothing to correct
+    assert policy.cost_scale("draft") == pytest.approx(1.0) and policy.cost_scale("verify") == pytest.approx(1.0)
