@@ -313,29 +313,32 @@ def _int_list(text: str) -> list[int]:
 
 @main.command()
 @click.argument("bundle", type=click.Path(), required=False)
-@click.option("--prompts", "prompts_file", type=click.Path(), default=None, help="Calibration prompts (JSON list or one per line).")
-@click.option("--batch-sizes", default="1,2,4,8", show_default=True)
-@click.option("--context-lengths", default="64,256", show_default=True)
-@click.option("--repeats", type=int, default=5, show_default=True, help="Timed calls per step, per round (median).")
+@click.option("--prompts", "prompts_file", type=click.Path(), default=None,
+              help="Prompts the runs continue (JSON list or one per line).")
+@click.option("--batch-sizes", default=None,
+              help="Comma-separated batch sizes (default: every one from 1 to the bundle's max batch).")
+@click.option("--context-lengths", default="64,256", show_default=True,
+              help="Mean context of the runs at each point: prompts of this length minus half the new tokens.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True, help="Tokens per request in each run.")
+@click.option("--repeats", type=int, default=1, show_default=True,
+              help="Runs per mode at each batch size and context, per round (each on the next prompts).")
 @click.option("--rounds", type=int, default=3, show_default=True,
-              help="Sweeps over all batch sizes and contexts; each cost is the median over sweeps.")
+              help="Sweeps over all batch sizes, contexts and modes; each number is the median over them.")
 @click.option("--ops", is_flag=True, help="Also print ONNX Runtime's per-op time breakdown of each graph.")
-@click.option("--plots", "plots_dir", type=click.Path(), default=None, help="Where to save PNG plots (default: BUNDLE/profiles).")
+@click.option("--plots", "plots_dir", type=click.Path(), default=None,
+              help="Where to save PNG plots (default: BUNDLE/profiles).")
 @user_errors
-def profile(bundle, prompts_file, batch_sizes, context_lengths, repeats, rounds, ops, plots_dir):
-    """Measure γ costs and acceptance on this hardware; store a γ profile in the bundle."""
+def profile(bundle, prompts_file, batch_sizes, context_lengths, max_new_tokens, repeats, rounds, ops, plots_dir):
+    """Measure γ costs and speedups in loop runs on this hardware; store a γ profile in the bundle."""
     from pathlib import Path
 
     import speccompile
     from speccompile.runtime import profile as prof
 
     runtime = speccompile.load(resolve_bundle(bundle), shared_threads=True)  # the process is ours
-    log = lambda line: click.echo(line, err=True)
-    prompts = read_prompts(prompts_file)
-    batches = [b for b in _int_list(batch_sizes) if b <= runtime.max_batch] or [1]
-    result = prof.build_profile(runtime, prompts, batches, _int_list(context_lengths), repeats, rounds, log=log)
-    log("measuring batch-1 speedup per γ")
-    result["measured_speedup"] = prof.measured_speedups(runtime, prompts[:4])
+    batches = _int_list(batch_sizes) if batch_sizes else list(range(1, runtime.max_batch + 1))
+    result = prof.build_profile(runtime, read_prompts(prompts_file), batches, _int_list(context_lengths), repeats,
+                                rounds, max_new_tokens)
     path = prof.write_profile(runtime.bundle.path, result)
     click.echo(_profile_table(result))
     click.echo(f"profile written to {path}")
@@ -343,7 +346,7 @@ def profile(bundle, prompts_file, batch_sizes, context_lengths, repeats, rounds,
         for png in prof.save_plots(result, Path(plots_dir) if plots_dir else path.parent):
             click.echo(f"plot: {png}")
     except SpecCompileError as e:
-        log(f"no plots: {e}")
+        click.echo(f"no plots: {e}", err=True)
     if ops:
         from speccompile.bundle import GraphId
 
@@ -356,15 +359,30 @@ def profile(bundle, prompts_file, batch_sizes, context_lengths, repeats, rounds,
 
 
 def _profile_table(result: dict) -> str:
-    lines = [f"acceptance by position (calibration): {', '.join(f'{p:.2f}' for p in result['acceptance_by_position'])}",
-             f"{'batch':>5} {'γ':>3} {'target ms':>10} {'draft ms':>9} {'verify ms':>10} {'predicted':>10} {'measured':>9}"]
+    """Per batch size and γ: ms per iteration (target: a plain decoding step; draft: the iteration's
+    γ draft steps; loop: its own work), the policy's predicted speedup, the measured one (steady
+    state, same process, interleaved), end to end (prefill included, as bench), tokens per iteration
+    expected from the acceptance and measured, and γ*."""
+    acceptance = result["acceptance_by_position"]
+    lines = [f"acceptance by position (runs at γ={max(result['gammas'])}): {', '.join(f'{p:.2f}' for p in acceptance)}",
+             "ms per iteration; speedups over plain decoding: predicted by the γ policy, measured in steady state, "
+             "and end to end",
+             f"{'batch':>5} {'γ':>3} {'target ms':>10} {'draft ms':>9} {'verify ms':>10} {'loop ms':>8} "
+             f"{'predicted':>10} {'measured':>9} {'end to end':>11} {'tokens/it':>10}"]
+    worst = (0.0, None)
     for batch, entry in result["by_batch"].items():
-        for gamma in [0] + result["gammas"]:
-            verify = entry["verify_ms"].get(gamma, 0.0)
-            measured = result.get("measured_speedup", {}).get(gamma) if batch == 1 else None
-            mark = " <- γ*" if gamma == entry["best_gamma"] else ""
-            lines.append(f"{batch:>5} {gamma:>3} {entry['target_step_ms']:>10.3f} {entry['draft_step_ms']:>9.3f} {verify:>10.3f} "
-                         f"{entry['predicted_speedup'][gamma]:>9.2f}x {'' if measured is None else f'{measured:.2f}x':>9}{mark}")
+        lines.append(f"{batch:>5} {0:>3} {entry['target_step_ms']:>10.3f} {'':>9} {'':>10} {'':>8} {1.0:>9.2f}x"
+                     + (" <- γ*" if entry["best_gamma"] == 0 else ""))
+        for gamma in sorted(result["gammas"]):
+            predicted, measured = entry["predicted_speedup"][gamma], entry["measured_speedup"][gamma]
+            worst = max(worst, (abs(predicted / measured - 1), (batch, gamma)))
+            tokens = f"{1 + sum(acceptance[:gamma]):.2f}/{entry['tokens_per_iteration'][gamma]:.2f}"
+            lines.append(f"{batch:>5} {gamma:>3} {'':>10} {entry['draft_ms'][gamma]:>9.3f} "
+                         f"{entry['verify_ms'][gamma]:>10.3f} {entry['overhead_ms']:>8.3f} {predicted:>9.2f}x "
+                         f"{measured:>8.2f}x {entry['end_to_end_speedup'][gamma]:>10.2f}x {tokens:>10}"
+                         + (" <- γ*" if gamma == entry["best_gamma"] else ""))
+    gap, (batch, gamma) = worst
+    lines.append(f"predicted vs measured: within {gap:.1%} everywhere (the largest gap: batch {batch}, γ={gamma})")
     return "\n".join(lines)
 
 
