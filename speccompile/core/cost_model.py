@@ -12,7 +12,8 @@ where t_target is one iteration of plain decoding (a target step). The paper ass
 t_target ("free parallel verification") and t_draft(γ) = γ · one draft step; here both are measured
 per γ, which is what makes γ hardware-specific. The draft's time is not quite proportional to γ:
 its first step of an iteration reads two tokens (the loop's draft re-reads the token before the
-last one), so a short γ pays more per draft token (demo pair, batch 1, in the loop: 0.76 ms per draft token at γ=2, 0.54 at γ=6).
+last one), so a short γ pays more per draft token (demo pair, batch 1, in the loop: 0.76 ms per
+draft token at γ=2, 0.54 at γ=6).
 """
 
 from dataclasses import dataclass
