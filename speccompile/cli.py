@@ -57,8 +57,8 @@ def main():
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Largest batch the bundle serves.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle directory.")
 @click.option("--target-weights", type=click.Choice(["float32", "float16", "bfloat16", "int8"]), default="float32",
-              show_default=True, help="Target matmul weights: the compiled target's precision, which the output follows "
-              "(int8: weight-only, a quarter of the bytes per decode step).")
+              show_default=True, help="Target matmul weights: the compiled target's precision, which the output "
+              "follows (int8: weight-only, a quarter of the bytes per decode step).")
 @click.option("--draft-weights", type=click.Choice(["int8", "float32", "float16", "bfloat16"]), default="int8",
               show_default=True,
               help="Draft matmul weights: int8 weight-only (faster draft steps), float32, or float16/bfloat16 "
@@ -66,9 +66,11 @@ def main():
 @click.option("--draft-vocab", type=int, default=None,
               help="Draft LM head scores only the K most frequent tokens (faster draft steps; outputs unchanged).")
 @click.option("--draft-vocab-corpus", default=None,
-              help="Count token frequencies for --draft-vocab on this corpus (default: the draft's token_frequencies.json).")
+              help="Count token frequencies for --draft-vocab on this corpus "
+              "(default: the draft's token_frequencies.json).")
 @click.option("--single-sequence/--no-single-sequence", default=True, show_default=True,
-              help="Also write batch-1 ONNX Runtime variants of every graph (fused attention that reads the KV cache in place).")
+              help="Also write batch-1 ONNX Runtime variants of every graph "
+              "(fused attention that reads the KV cache in place).")
 @click.option("--backend", type=click.Choice(["onnx", "tensorrt"]), default="onnx", show_default=True,
               help="tensorrt: also build TensorRT engines from the same ONNX graphs.")
 @click.option("--plugin-lib", type=click.Path(), default=None, help="libspeccompile_plugins.so (TensorRT backend).")
@@ -97,8 +99,10 @@ def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force, tar
 
 @main.command()
 @click.option("--target", "target_dir", required=True, type=click.Path(), help="Target HF checkpoint directory.")
-@click.option("--corpus", required=True, help="Text file or directory of text files ('stdlib': this Python's standard library).")
-@click.option("--out", "out_dir", required=True, type=click.Path(), help="Draft checkpoint directory (resumed if it holds a checkpoint).")
+@click.option("--corpus", required=True,
+              help="Text file or directory of text files ('stdlib': this Python's standard library).")
+@click.option("--out", "out_dir", required=True, type=click.Path(),
+              help="Draft checkpoint directory (resumed if it holds a checkpoint).")
 @click.option("--layers", type=int, default=2, show_default=True)
 @click.option("--hidden", type=int, default=128, show_default=True)
 @click.option("--heads", type=int, default=None, help="Attention heads (default: hidden // 64).")
@@ -111,7 +115,8 @@ def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force, tar
 @click.option("--generated-fraction", type=float, default=0.25, show_default=True,
               help="Share of batches whose second half the target generates.")
 @click.option("--checkpoint-every", type=int, default=50, show_default=True)
-@click.option("--init", type=click.Path(), default=None, help="Start from an existing draft checkpoint (e.g. to keep distilling it).")
+@click.option("--init", type=click.Path(), default=None,
+              help="Start from an existing draft checkpoint (e.g. to keep distilling it).")
 @user_errors
 def distill(target_dir, corpus, out_dir, **options):
     """Train a small draft that matches the target's next-token distribution."""
@@ -145,7 +150,8 @@ def resolve_bundle(bundle):
 @click.option("--mode", type=click.Choice(["speculative", "autoregressive"]), default=None,
               help="Run as asked. Default: speculative, or plain decoding where --gamma auto predicts that "
               "speculation does not pay.")
-@click.option("--gamma", default=None, help="Draft tokens per iteration, or 'auto' (default: auto with a γ profile, else the bundle's).")
+@click.option("--gamma", default=None,
+              help="Draft tokens per iteration, or 'auto' (default: auto with a γ profile, else the bundle's).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0: off).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass (1: off).")
@@ -175,7 +181,8 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
 
 @main.command()
 @click.argument("bundle", type=click.Path(), required=False)
-@click.option("--prompts", "prompts_file", type=click.Path(), default=None, help="JSON list of prompts, or one prompt per line.")
+@click.option("--prompts", "prompts_file", type=click.Path(), default=None,
+              help="JSON list of prompts, or one prompt per line.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--repeats", type=int, default=3, show_default=True)
 @click.option("--gamma", default=None, help="Draft tokens per iteration, or 'auto' (default: the bundle's).")
@@ -217,8 +224,9 @@ def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, con
     if as_json:
         click.echo(json.dumps(summary))
         return
-    rows = [(k, summary[k]) for k in summary] + [(k, details[k]) for k in
-            ("target_step_ms", "draft_step_ms", "verify_ms", "overhead_ms_per_iteration", "draft_to_target_step_ratio", "acceptance_by_position")]
+    costs = ("target_step_ms", "draft_step_ms", "verify_ms", "overhead_ms_per_iteration", "draft_to_target_step_ratio",
+             "acceptance_by_position")
+    rows = [(k, summary[k]) for k in summary] + [(k, details[k]) for k in costs]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         click.echo(f"{key:<{width}}  {_bench_value(value)}")

@@ -15,7 +15,8 @@ import numpy as np
 
 from speccompile.errors import SpecCompileError
 
-TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".c", ".h", ".js", ".ts", ".rs", ".go", ".java", ".toml", ".yaml", ".yml"}
+TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".c", ".h", ".js", ".ts", ".rs", ".go", ".java", ".toml",
+                 ".yaml", ".yml"}
 
 
 def stdlib_files() -> list[Path]:
@@ -82,7 +83,8 @@ def corpus_tokens(corpus, encode_batch, separator_id: int) -> tuple[np.ndarray, 
     user's file or directory, whose last 5% of tokens are held out."""
     if str(corpus) == STDLIB:
         train_files, heldout_files = stdlib_split()
-        return tokenize_files(train_files, encode_batch, separator_id), tokenize_files(heldout_files, encode_batch, separator_id)
+        train = tokenize_files(train_files, encode_batch, separator_id)
+        return train, tokenize_files(heldout_files, encode_batch, separator_id)
     tokens = tokenize_files(corpus_files(corpus), encode_batch, separator_id)
     cut = int(len(tokens) * 0.95)
     return tokens[:cut], tokens[cut:]

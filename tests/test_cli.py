@@ -61,12 +61,14 @@ def test_unsupported_model_type(tmp_path, checkpoints):
     bad = shutil.copytree(checkpoints("llama"), tmp_path / "bad")
     config = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
-    assert_user_error(build_args(checkpoints("llama"), bad, tmp_path / "out"), "unsupported model_type 'mamba'", "llama")
+    assert_user_error(build_args(checkpoints("llama"), bad, tmp_path / "out"), "unsupported model_type 'mamba'",
+                      "llama")
     assert no_partial_output(tmp_path, "out")
 
 
 def test_vocabulary_mismatch_says_what_differs(tmp_path, checkpoints):
-    other = make_checkpoint(tmp_path / "other", "llama", size="draft", tokenizer=make_tokenizer(extra_tokens=("<tool>",)))
+    other = make_checkpoint(tmp_path / "other", "llama", size="draft",
+                            tokenizer=make_tokenizer(extra_tokens=("<tool>",)))
     assert_user_error(build_args(checkpoints("llama"), other, tmp_path / "out"), "tokenizers differ", "'<tool>'")
     assert no_partial_output(tmp_path, "out")
 
@@ -115,7 +117,8 @@ def test_gamma_not_compiled(bundles):
 
 
 def test_prompt_longer_than_max_seq(bundles):
-    assert_user_error(["generate", bundles("llama", "random"), "--prompt", "def f(x): return x " * 40], "max sequence length 96")
+    assert_user_error(["generate", bundles("llama", "random"), "--prompt", "def f(x): return x " * 40],
+                      "max sequence length 96")
 
 
 def test_prompts_beyond_max_batch_wait_their_turn(bundles):
@@ -128,10 +131,12 @@ def test_prompts_beyond_max_batch_wait_their_turn(bundles):
 
 @pytest.mark.parametrize("n", [0, -3])
 def test_non_positive_max_new_tokens(bundles, n):
-    assert_user_error(["generate", bundles("llama", "random"), "--prompt", "x", "--max-new-tokens", n], "max_new_tokens")
+    assert_user_error(["generate", bundles("llama", "random"), "--prompt", "x", "--max-new-tokens", n],
+                      "max_new_tokens")
 
 
-@pytest.mark.parametrize("flag, value, fragment", [("--temperature", -1, "temperature"), ("--top-p", 0, "top_p"), ("--top-k", -2, "top_k")])
+@pytest.mark.parametrize("flag, value, fragment",
+                         [("--temperature", -1, "temperature"), ("--top-p", 0, "top_p"), ("--top-k", -2, "top_k")])
 def test_bad_sampling_controls(bundles, flag, value, fragment):
     assert_user_error(["generate", bundles("llama", "random"), "--prompt", "x", flag, value], fragment)
 
@@ -139,7 +144,8 @@ def test_bad_sampling_controls(bundles, flag, value, fragment):
 def test_sampling_flags_are_reproducible_from_the_seed(bundles):
     args = ["generate", bundles("llama", "random"), "--prompt", "import os", "--max-new-tokens", 8, "--json",
             "--temperature", 0.9, "--top-k", 40, "--top-p", 0.95]
-    first, again, other = (json.loads(CliRunner().invoke(main, [str(a) for a in args + ["--seed", s]]).stdout) for s in (1, 1, 2))
+    first, again, other = (json.loads(CliRunner().invoke(main, [str(a) for a in args + ["--seed", s]]).stdout)
+                           for s in (1, 1, 2))
     assert first[0]["token_ids"] == again[0]["token_ids"] != other[0]["token_ids"]
 
 
@@ -147,7 +153,8 @@ def test_sampling_flags_are_reproducible_from_the_seed(bundles):
 
 
 def test_generate_json_output(bundles):
-    code, output = run("generate", bundles("llama", "copy"), "--prompt", "import os", "--prompt", "def", "--max-new-tokens", 6, "--json")
+    code, output = run("generate", bundles("llama", "copy"), "--prompt", "import os", "--prompt", "def",
+                       "--max-new-tokens", 6, "--json")
     assert code == 0, output
     results = json.loads(output)
     assert [r["prompt"] for r in results] == ["import os", "def"]
@@ -256,7 +263,8 @@ def test_top_k_at_temperature_zero_is_warned_about(bundles):
 
 
 def test_build_reports_phases(tmp_path, checkpoints):
-    code, output = run(*build_args(checkpoints("gpt2"), checkpoints("gpt2", "draft"), tmp_path / "b", "--gamma", 2, "--max-seq", 64))
+    code, output = run(*build_args(checkpoints("gpt2"), checkpoints("gpt2", "draft"), tmp_path / "b", "--gamma", 2,
+                                   "--max-seq", 64))
     assert code == 0, output
     assert "[1/6] load target" in output and "[6/6] write bundle" in output
     assert (tmp_path / "b" / "manifest.json").is_file()
@@ -289,7 +297,7 @@ def test_build_draft_vocab_corpus_without_draft_vocab_is_refused(tmp_path, check
 
 
 def test_build_draft_vocab_without_frequencies_is_one_line(tmp_path, checkpoints):
-    code, output = run(*build_args(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b", "--draft-vocab", 24,
-                                   "--max-seq", 64))
+    code, output = run(*build_args(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b",
+                                   "--draft-vocab", 24, "--max-seq", 64))
     assert code == 1 and "Traceback" not in output
     assert "token_frequencies.json" in output

@@ -127,7 +127,8 @@ def test_no_import_cycle_between_modules():
 
 def test_dependencies_point_one_way():
     wrong = sorted(edge for edge in edges() if is_wrong_way(*edge) and edge not in KNOWN_WRONG_WAY)
-    assert wrong == [], "imports against the layers in this file's docstring:\n" + "\n".join(f"{a} -> {b}" for a, b in wrong)
+    listed = "\n".join(f"{source} -> {target}" for source, target in wrong)
+    assert wrong == [], f"imports against the layers in this file's docstring:\n{listed}"
 
 
 def test_known_exceptions_are_still_there():

@@ -25,7 +25,8 @@ def make_tokenizer(vocab_size: int = VOCAB, extra_tokens: tuple[str, ...] = ()):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(TEXT * 4, trainer)
     if extra_tokens:
@@ -39,10 +40,13 @@ def _config(family: str, vocab: int, size: str, **overrides):
     small = size == "draft"
     hidden, layers = (32, 1) if small else (64, 2)
     if family == "gpt2":
-        cfg = dict(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4, n_positions=256, bos_token_id=0, eos_token_id=1)
+        cfg = dict(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4, n_positions=256, bos_token_id=0,
+                   eos_token_id=1)
         cfg.update(overrides)
         return transformers.GPT2Config(**cfg)
-    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}[family]
+    configs = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+               "qwen2": transformers.Qwen2Config}
+    cls = configs[family]
     cfg = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

@@ -114,7 +114,7 @@ def _write_shard(path: Path, shard, code: str, np_dtype, log) -> None:
     encoded += b" " * (-len(encoded) % 8)
     with open(path, "wb") as f:
         f.write(len(encoded).to_bytes(8, "little") + encoded)
-        for name, shape, make in shard:
+        for _, _, make in shard:
             np.ascontiguousarray(make(), dtype=np_dtype).tofile(f)
     log(f"  {path.name}: {len(shard)} tensors")
 

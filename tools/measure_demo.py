@@ -15,9 +15,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import speccompile  # noqa: E402
+from speccompile.corpus import read_texts, stdlib_split  # noqa: E402
 from speccompile.runtime.bench import bench  # noqa: E402
 from speccompile.runtime.profile import measure_costs  # noqa: E402
-from speccompile.corpus import read_texts, stdlib_split  # noqa: E402
 
 
 def heldout_prompts(count: int, lines: int, from_code: bool = False) -> list[str]:
@@ -61,7 +61,8 @@ def step_times(runtime, contexts=(64, 128, 256), rounds: int = 3) -> dict:
         target = statistics.median(r[i]["target_step_ms"] for r in measured)
         draft = statistics.median(r[i]["draft_step_ms"] for r in measured)
         verify = statistics.median(r[i]["verify_ms"][4] for r in measured)
-        by_context[context] = {"target": target, "draft": draft, "draft_to_target_ratio": draft / target, "verify_gamma4": verify}
+        by_context[context] = {"target": target, "draft": draft, "draft_to_target_ratio": draft / target,
+                               "verify_gamma4": verify}
     return {"by_context": by_context,
             "draft_to_target_ratio_mean": statistics.mean(c["draft_to_target_ratio"] for c in by_context.values())}
 
@@ -83,7 +84,8 @@ def main():
         results[f"temperature_{t}_gamma4"] = acceptance(runtime, prompts, 4, args.max_new_tokens, temperature=t)
     results["step_ms"] = step_times(runtime)
     summary, details = bench(runtime, prompts[:8], max_new_tokens=args.max_new_tokens, repeats=3, gamma=4)
-    results["bench_gamma4_batch1"] = {**summary, **{k: details[k] for k in ("target_step_ms", "draft_step_ms", "verify_ms", "overhead_ms_per_iteration")}}
+    costs = ("target_step_ms", "draft_step_ms", "verify_ms", "overhead_ms_per_iteration")
+    results["bench_gamma4_batch1"] = {**summary, **{k: details[k] for k in costs}}
     text = json.dumps(results, indent=1)
     print(text)
     if args.out:

@@ -55,7 +55,8 @@ def train_tokenizer(work: Path) -> None:
         ids = tokenize_files(files, encode, tok.token_to_id(eos))
         np.save(work / f"{name}_tokens.npy", ids.astype(np.uint16))
         print(f"{name}: {len(files)} files, {len(ids):,} tokens")
-    (work / "split.json").write_text(json.dumps({"train": len(train_files), "heldout": [str(f) for f in heldout_files]}, indent=1))
+    split = {"train": len(train_files), "heldout": [str(f) for f in heldout_files]}
+    (work / "split.json").write_text(json.dumps(split, indent=1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,8 +113,8 @@ def train_target(work: Path, steps: int | None) -> None:
     model = transformers.AutoModelForCausalLM.from_config(target_config(work))
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=cfg["lr"], betas=(0.9, 0.95))
+    groups = [{"params": decay, "weight_decay": cfg["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=cfg["lr"], betas=(0.9, 0.95))
     step, rng_state = 0, None
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
@@ -138,7 +139,8 @@ def train_target(work: Path, steps: int | None) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        record = {"step": step, "loss": round(loss.item(), 4), "lr": group["lr"], "elapsed_s": round(time.time() - started, 1)}
+        record = {"step": step, "loss": round(loss.item(), 4), "lr": group["lr"],
+                  "elapsed_s": round(time.time() - started, 1)}
         if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
             record["heldout_loss"] = round(evaluate(model, heldout, cfg), 4)
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
@@ -166,7 +168,8 @@ def export(work: Path, dest: Path, model_dir: Path | None = None) -> None:
     shutil.rmtree(dest, ignore_errors=True)
     model.save_pretrained(dest)
     transformers.AutoTokenizer.from_pretrained(work / "tokenizer").save_pretrained(dest)
-    frequencies = Path(model_dir or work / "target") / "token_frequencies.json"  # a distilled draft's (build --draft-vocab)
+    # a distilled draft's (build --draft-vocab)
+    frequencies = Path(model_dir or work / "target") / "token_frequencies.json"
     if frequencies.is_file():
         shutil.copy(frequencies, dest)
     print(f"exported {dest}")

@@ -13,7 +13,7 @@ Canonical weight layout (what the graph builder consumes), with every matrix sto
     final_norm_w / final_norm_b; lm_head [H, V] (absent when tied to `embed`)
 """
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)

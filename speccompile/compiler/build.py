@@ -67,8 +67,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         check_max_seq(spec, max_seq)
     vocab_ids = None
     if draft_vocab is not None:
-        vocab_ids = _draft_vocab_ids(draft, draft_vocab, draft_vocab_corpus, vocab_out, eos_token_ids(target, target_tok),
-                                     target_tok)
+        eos_ids = eos_token_ids(target, target_tok)
+        vocab_ids = _draft_vocab_ids(draft, draft_vocab, draft_vocab_corpus, vocab_out, eos_ids, target_tok)
 
     progress.step("export graphs")
     weights = {"target": target_weights, "draft": draft_weights}
@@ -84,7 +84,7 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         sessions = _session_graphs(target, draft, max_seq, vocab_out, weights, vocab_ids)
         weight_files = _write_graphs(staging, graphs, variants, sessions)
         progress.step("check graphs")
-        for role, (builder, _) in sessions.items():
+        for builder, _ in sessions.values():
             _check_onnx(staging / f"{builder.name}.onnx", builder.name)
         needs_plugin = {name: _check_graph(staging / f"{name}.onnx", name) for name in graphs}
         for name in variants:
@@ -96,8 +96,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         progress.step("write bundle")
         save_tokenizer(target_tok, staging / "tokenizer")
         scored = {"target": vocab_out, "draft": vocab_out if vocab_ids is None else len(vocab_ids)}
-        manifest = _manifest(staging, target, draft, graphs, weight_files, weights, gammas, max_seq, max_batch, vocab_out,
-                             scored, target_tok, needs_plugin)
+        manifest = _manifest(staging, target, draft, graphs, weight_files, weights, gammas, max_seq, max_batch,
+                             vocab_out, scored, target_tok, needs_plugin)
         for name in variants:
             manifest["graphs"][name]["single_sequence"] = _variant_entry(staging, name)
         for role, (builder, kinds) in sessions.items():
@@ -206,7 +206,7 @@ def _write_graphs(staging: Path, graphs: dict, variants: dict, sessions: dict) -
         weight_files[graph.model].add(builder.weights)
     for role, (builder, _) in sessions.items():
         weight_files[role].add(builder.weights)
-    for role, weight_file in weight_files.items():
+    for weight_file in weight_files.values():
         weight_file.write(staging / weight_file.filename)
     for name, (builder, graph) in graphs.items():
         onnx.save_model(builder.model(weight_files[graph.model].locations), str(staging / f"{name}.onnx"))
@@ -281,8 +281,8 @@ def _model_entry(spec: ModelSpec, weight_file: WeightFile, matmul_weights: str, 
     }
 
 
-def _manifest(staging, target, draft, graphs, weight_files, matmul_weights, gammas, max_seq, max_batch, vocab_out, scored,
-              tokenizer, needs_plugin) -> dict:
+def _manifest(staging, target, draft, graphs, weight_files, matmul_weights, gammas, max_seq, max_batch, vocab_out,
+              scored, tokenizer, needs_plugin) -> dict:
     files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
     return {
         "format_version": FORMAT_VERSION,

@@ -102,7 +102,8 @@ def _hyper_parameters(path: Path, config: dict, arch: Architecture) -> dict:
     hp["head_dim"] = hp.get("head_dim") or hp["hidden_size"] // hp["num_heads"]
     hp["intermediate_size"] = hp["intermediate_size"] or 4 * hp["hidden_size"]
     if hp["num_heads"] % hp["num_kv_heads"]:
-        raise SpecCompileError(f"{path}: {hp['num_heads']} attention heads is not a multiple of {hp['num_kv_heads']} KV heads")
+        raise SpecCompileError(f"{path}: {hp['num_heads']} attention heads is not a multiple of "
+                               f"{hp['num_kv_heads']} KV heads")
     if hp["activation"] not in ACTIVATIONS[arch.block]:
         raise SpecCompileError(f"{path}: activation {hp['activation']!r} is not supported for {config['model_type']}")
     hp["rope"] = _rope(path, config, hp["max_positions"]) if arch.block == "llama" else None

@@ -68,10 +68,12 @@ def select_vocab(counts: np.ndarray, size: int, vocab_size: int, always: list[in
     """The `size` most frequent ids (ties: lower id first), always including `always` (EOS, so the
     draft can propose the end of a sequence), sorted ascending."""
     if not 0 < size < vocab_size:
-        raise SpecCompileError(f"--draft-vocab must be between 1 and {vocab_size - 1} (the vocabulary has {vocab_size} tokens), got {size}")
+        raise SpecCompileError(f"--draft-vocab must be between 1 and {vocab_size - 1} "
+                               f"(the vocabulary has {vocab_size} tokens), got {size}")
     always = sorted({i for i in always if 0 <= i < vocab_size})
     if size < len(always):
-        raise SpecCompileError(f"--draft-vocab {size} is smaller than the {len(always)} end-of-sequence token(s) it must keep")
+        raise SpecCompileError(f"--draft-vocab {size} is smaller than the {len(always)} end-of-sequence token(s) "
+                               "it must keep")
     counts = np.pad(np.asarray(counts, np.int64)[:vocab_size], (0, max(0, vocab_size - len(counts))))
     ranked = np.argsort(-counts, kind="stable")
     ranked = [i for i in ranked.tolist() if i not in always]

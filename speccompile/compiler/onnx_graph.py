@@ -94,7 +94,8 @@ class GraphBuilder:
         quantized, scale = quantized_int8(_lazy(weight))
         if self.int8_kernel == "MatMulNBits" and quantized.shape[0] % NBITS_BLOCK == 0:
             return self._matmul_nbits(x, name, quantized, scale)
-        dequantized = self.op("DequantizeLinear", self.weight(name + "_q", quantized), self.weight(name + "_scale", scale), axis=1)
+        dequantized = self.op("DequantizeLinear", self.weight(name + "_q", quantized),
+                              self.weight(name + "_scale", scale), axis=1)
         return self.op("MatMul", x, dequantized)
 
     def _matmul_nbits(self, x: str, name: str, quantized: LazyTensor, scale: LazyTensor) -> str:
@@ -283,15 +284,21 @@ class FunctionBuilder:
     def const(self, value, dtype=np.int64) -> str:
         self._count += 1
         out = f"c{self._count}"
-        self.nodes.append(helper.make_node("Constant", [], [out], value=numpy_helper.from_array(np.asarray(value, dtype=dtype), out)))
+        tensor = numpy_helper.from_array(np.asarray(value, dtype=dtype), out)
+        self.nodes.append(helper.make_node("Constant", [], [out], value=tensor))
         return out
 
     def op(self, op_type: str, *inputs: str, outputs: int = 1, out=None, domain: str = "", **attrs):
         self._count += 1
-        names = [f"{op_type.lower()}{self._count}_{k}" for k in range(outputs)] if out is None else ([out] if isinstance(out, str) else list(out))
+        if out is None:
+            names = [f"{op_type.lower()}{self._count}_{k}" for k in range(outputs)]
+        else:
+            names = [out] if isinstance(out, str) else list(out)
         self.nodes.append(helper.make_node(op_type, list(inputs), names, domain=domain, **attrs))
         return names if outputs > 1 else names[0]
 
-    def function(self, outputs: list[str], opset: int, extra_opsets: dict[str, int] | None = None) -> onnx.FunctionProto:
+    def function(self, outputs: list[str], opset: int,
+                 extra_opsets: dict[str, int] | None = None) -> onnx.FunctionProto:
         opsets = [helper.make_opsetid("", opset)] + [helper.make_opsetid(d, v) for d, v in (extra_opsets or {}).items()]
-        return helper.make_function(self.domain, self.name, self.inputs, outputs, self.nodes, opset_imports=opsets, attributes=self.attributes)
+        return helper.make_function(self.domain, self.name, self.inputs, outputs, self.nodes, opset_imports=opsets,
+                                    attributes=self.attributes)

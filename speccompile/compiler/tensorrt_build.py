@@ -46,7 +46,8 @@ def build_engine(trt, onnx_path: Path, profiles, plugin: Path, timing_cache: Pat
     from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, LoadPlugins, NetworkFromOnnxPath, Profile
 
     flags = [trt.OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE] if hasattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE") else []
-    network = LoadPlugins(plugins=[str(plugin)], obj=NetworkFromOnnxPath(str(onnx_path), flags=flags, strongly_typed=True))
+    parsed = NetworkFromOnnxPath(str(onnx_path), flags=flags, strongly_typed=True)
+    network = LoadPlugins(plugins=[str(plugin)], obj=parsed)
     trt_profiles = []
     for shapes in profiles:
         profile = Profile()
@@ -59,7 +60,8 @@ def build_engine(trt, onnx_path: Path, profiles, plugin: Path, timing_cache: Pat
         hardware_compatibility_level=trt.HardwareCompatibilityLevel.AMPERE_PLUS if hardware_compat else None,
         version_compatible=version_compat or None,
     )
-    return EngineBytesFromNetwork(network, config=config, save_timing_cache=str(timing_cache) if timing_cache else None)()
+    save_timing_cache = str(timing_cache) if timing_cache else None
+    return EngineBytesFromNetwork(network, config=config, save_timing_cache=save_timing_cache)()
 
 
 def build_tensorrt_engines(bundle_dir, plugin=None, timing_cache=None, hardware_compat: bool = False,
@@ -67,6 +69,7 @@ def build_tensorrt_engines(bundle_dir, plugin=None, timing_cache=None, hardware_
     """Build one engine per graph of the bundle and record them in its manifest."""
     trt = require_tensorrt()
     plugin = plugin_library(plugin)
+    timing_cache = Path(timing_cache) if timing_cache else None
     bundle = open_bundle(bundle_dir)
     manifest = bundle.manifest
     staging = bundle.path / f".{ENGINES_DIR}.partial"
@@ -77,11 +80,12 @@ def build_tensorrt_engines(bundle_dir, plugin=None, timing_cache=None, hardware_
         for name, entry in manifest["graphs"].items():
             progress.step(f"TensorRT engine for {name}")
             profiles = optimization_profiles(entry, manifest["max_batch"], manifest["max_seq"])
-            data = build_engine(trt, bundle.graph_path(name), profiles, plugin, Path(timing_cache) if timing_cache else None,
-                                hardware_compat, version_compat)
+            data = build_engine(trt, bundle.graph_path(name), profiles, plugin, timing_cache, hardware_compat,
+                                version_compat)
             (staging / f"{name}.engine").write_bytes(data)
             engines[name] = {"file": f"{ENGINES_DIR}/{name}.engine", "tensorrt_version": trt.__version__, **gpu,
-                             "profiles": len(profiles), "hardware_compatible": hardware_compat, "version_compatible": version_compat}
+                             "profiles": len(profiles), "hardware_compatible": hardware_compat,
+                             "version_compatible": version_compat}
         shutil.rmtree(bundle.path / ENGINES_DIR, ignore_errors=True)
         staging.rename(bundle.path / ENGINES_DIR)
     except BaseException:

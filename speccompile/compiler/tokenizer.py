@@ -22,7 +22,8 @@ def load_tokenizer(path: Path, required: bool = True):
     except Exception as e:  # noqa: BLE001 (transformers raises many types for a missing/broken tokenizer)
         if not required:
             return None
-        raise SpecCompileError(f"{path}: cannot load a tokenizer ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        first_line = str(e).splitlines()[0] if str(e) else ""
+        raise SpecCompileError(f"{path}: cannot load a tokenizer ({type(e).__name__}: {first_line})") from None
 
 
 def check_compatible(target: ModelSpec, draft: ModelSpec, target_tok, draft_tok) -> int:
@@ -114,5 +115,6 @@ def save_tokenizer(tokenizer, directory: Path) -> None:
     tokenizer.save_pretrained(str(directory))
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        raise SpecCompileError("the target's tokenizer has no fast (tokenizers) version; the runtime needs tokenizer.json")
+        raise SpecCompileError("the target's tokenizer has no fast (tokenizers) version; "
+                               "the runtime needs tokenizer.json")
     backend.save(str(directory / "tokenizer.json"))

@@ -7,7 +7,8 @@ import platform
 
 from speccompile.tensorrt_setup import gpu
 
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+             "amx_int8", "asimd", "sve")
 
 
 def _cpuinfo() -> dict[str, str]:

@@ -18,17 +18,23 @@ def describe(bundle: Bundle) -> dict:
         "max_seq": m["max_seq"],
         "max_batch": m["max_batch"],
         "vocab_size": m["vocab_size"],
-        "models": {role: {k: info[k] for k in ("model_type", "num_params", "num_layers", "hidden_size", "num_heads", "num_kv_heads")}
-                   for role, info in m["models"].items()},
-        "graphs": {name: {"nodes": g["nodes"], "op_counts": g["op_counts"],
-                          "inputs": {i["name"]: [i["dtype"], i["shape"]] for i in g["inputs"] if not _is_cache(i["name"])},
-                          "outputs": {o["name"]: [o["dtype"], o["shape"]] for o in g["outputs"] if not _is_cache(o["name"])},
-                          "tensorrt_needs_plugin": bool(g.get("tensorrt_needs_plugin")),
-                          "single_sequence_nodes": g["single_sequence"]["nodes"] if "single_sequence" in g else None}
-                   for name, g in m["graphs"].items()},
+        "models": {role: {k: info[k] for k in MODEL_KEYS} for role, info in m["models"].items()},
+        "graphs": {name: _graph(g) for name, g in m["graphs"].items()},
         "engines": m.get("engines", {}),
         "memory": memory(bundle),
     }
+
+
+MODEL_KEYS = ("model_type", "num_params", "num_layers", "hidden_size", "num_heads", "num_kv_heads")
+
+
+def _graph(entry: dict) -> dict:
+    """A manifest graph entry as inspect shows it: inputs and outputs without the KV cache's."""
+    return {"nodes": entry["nodes"], "op_counts": entry["op_counts"],
+            "inputs": {i["name"]: [i["dtype"], i["shape"]] for i in entry["inputs"] if not _is_cache(i["name"])},
+            "outputs": {o["name"]: [o["dtype"], o["shape"]] for o in entry["outputs"] if not _is_cache(o["name"])},
+            "tensorrt_needs_plugin": bool(entry.get("tensorrt_needs_plugin")),
+            "single_sequence_nodes": entry["single_sequence"]["nodes"] if "single_sequence" in entry else None}
 
 
 def memory(bundle: Bundle) -> dict:
@@ -52,27 +58,32 @@ def memory(bundle: Bundle) -> dict:
 
 def render(info: dict) -> str:
     lines = [f"bundle {info['path']}  ({info['size_mb']} MB, format {info['format_version']})",
-             f"γ {info['gammas']}  max_seq {info['max_seq']}  max_batch {info['max_batch']}  vocab {info['vocab_size']}"]
+             f"γ {info['gammas']}  max_seq {info['max_seq']}  max_batch {info['max_batch']}  "
+             f"vocab {info['vocab_size']}"]
     for role, model in info["models"].items():
-        lines.append(f"{role}: {model['model_type']}, {model['num_params'] / 1e6:.2f}M params, {model['num_layers']} layers, "
-                     f"hidden {model['hidden_size']}, {model['num_heads']} heads / {model['num_kv_heads']} KV heads")
+        lines.append(f"{role}: {model['model_type']}, {model['num_params'] / 1e6:.2f}M params, "
+                     f"{model['num_layers']} layers, hidden {model['hidden_size']}, {model['num_heads']} heads / "
+                     f"{model['num_kv_heads']} KV heads")
     for role, mem in info["memory"].items():
         folded = ", float32 in memory" if mem["matmul_weights"] in ("float16", "bfloat16") else ""
-        lines.append(f"{role} memory: weights {mem['weights_bytes'] / 1e6:.1f} MB ({mem['matmul_weights']} matmuls{folded}), "
-                     f"{mem['weight_copies']} copy at run time; KV cache {mem['kv_cache_bytes_per_sequence'] / 1e6:.1f} MB "
-                     f"per sequence, {mem['kv_cache_bytes_at_max_batch'] / 1e6:.1f} MB at max_batch")
+        lines.append(f"{role} memory: weights {mem['weights_bytes'] / 1e6:.1f} MB "
+                     f"({mem['matmul_weights']} matmuls{folded}), {mem['weight_copies']} copy at run time; "
+                     f"KV cache {mem['kv_cache_bytes_per_sequence'] / 1e6:.1f} MB per sequence, "
+                     f"{mem['kv_cache_bytes_at_max_batch'] / 1e6:.1f} MB at max_batch")
     lines.append("graphs (the KV cache inputs/outputs past_*/present_* are omitted):")
     for name, graph in info["graphs"].items():
         top = ", ".join(f"{op} {n}" for op, n in sorted(graph["op_counts"].items(), key=lambda kv: -kv[1])[:6])
         plugin = "  [TensorRT: plugin needed]" if graph["tensorrt_needs_plugin"] else ""
-        single = "" if graph["single_sequence_nodes"] is None else f"; batch-1 variant {graph['single_sequence_nodes']} nodes"
+        variant = graph["single_sequence_nodes"]
+        single = "" if variant is None else f"; batch-1 variant {variant} nodes"
         lines.append(f"  {name}: {graph['nodes']} nodes ({top}){plugin}{single}")
         lines.append("    in:  " + "; ".join(f"{k} {v[0]}{v[1]}" for k, v in graph["inputs"].items()))
         lines.append("    out: " + "; ".join(f"{k} {v[0]}{v[1]}" for k, v in graph["outputs"].items()))
     if info["engines"]:
         lines.append("TensorRT engines:")
         for name, engine in info["engines"].items():
-            lines.append(f"  {name}: {engine['file']} (TensorRT {engine['tensorrt_version']}, {engine['gpu']}, sm {engine['compute_capability']})")
+            lines.append(f"  {name}: {engine['file']} (TensorRT {engine['tensorrt_version']}, {engine['gpu']}, "
+                         f"sm {engine['compute_capability']})")
     else:
         lines.append("TensorRT engines: none (build with --backend tensorrt on an NVIDIA machine)")
     return "\n".join(lines)

@@ -96,7 +96,8 @@ def _check_target(target_dir: Path) -> str:
         raise SpecCompileError(f"{target_dir}: no config.json (expected a Hugging Face checkpoint directory)")
     model_type = json.loads(config_file.read_text()).get("model_type")
     if model_type not in ARCHITECTURES:
-        raise SpecCompileError(f"{target_dir}: unsupported model_type {model_type!r} (supported: {', '.join(sorted(ARCHITECTURES))})")
+        raise SpecCompileError(f"{target_dir}: unsupported model_type {model_type!r} "
+                               f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     return model_type
 
 
@@ -106,7 +107,8 @@ def _corpus_tokens(corpus, tokenizer, seq_len: int):
     separator = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     train, heldout = corpus_tokens(corpus, encode, separator)
     if len(train) <= seq_len or len(heldout) <= seq_len:
-        raise SpecCompileError(f"corpus {corpus} has {len(train) + len(heldout)} tokens: too little text for windows of {seq_len} (lower --seq-len)")
+        raise SpecCompileError(f"corpus {corpus} has {len(train) + len(heldout)} tokens: too little text for windows "
+                               f"of {seq_len} (lower --seq-len)")
     logger.info(f"corpus: {len(train):,} train tokens, {len(heldout):,} held-out tokens")
     return train.astype(np.int64), heldout.astype(np.int64)
 
@@ -135,12 +137,14 @@ def _new_draft(target, model_type: str, o: DistillOptions):
     if o.init:
         draft = transformers.AutoModelForCausalLM.from_pretrained(o.init, dtype=torch.float32)
         if draft.config.model_type != model_type or draft.config.vocab_size != target.config.vocab_size:
-            raise SpecCompileError(f"--init {o.init}: a {draft.config.model_type} with {draft.config.vocab_size} tokens cannot draft for this {model_type} target")
+            raise SpecCompileError(f"--init {o.init}: a {draft.config.model_type} with {draft.config.vocab_size} "
+                                   f"tokens cannot draft for this {model_type} target")
     else:
         draft = transformers.AutoModelForCausalLM.from_config(draft_config(target.config, model_type, o))
     n_draft, n_target = (sum(p.numel() for p in m.parameters()) for m in (draft, target))
     if n_draft >= n_target:
-        raise SpecCompileError(f"draft of {n_draft / 1e6:.2f}M parameters is not smaller than the {n_target / 1e6:.2f}M-parameter target")
+        raise SpecCompileError(f"draft of {n_draft / 1e6:.2f}M parameters is not smaller than the "
+                               f"{n_target / 1e6:.2f}M-parameter target")
     return draft.train()
 
 
@@ -154,7 +158,8 @@ def _resume(out_dir: Path, draft, optimizer, rng, o: DistillOptions) -> int:
         return 0
     state = torch.load(state_file, weights_only=False)
     if state["shape"] != o.shape():
-        raise SpecCompileError(f"{out_dir} holds a checkpoint made with {state['shape']}, not {o.shape()}: use the same options or a new --out")
+        raise SpecCompileError(f"{out_dir} holds a checkpoint made with {state['shape']}, not {o.shape()}: "
+                               "use the same options or a new --out")
     draft.load_state_dict(state["draft"])
     optimizer.load_state_dict(state["optimizer"])
     rng.bit_generator.state = state["rng"]
@@ -180,7 +185,8 @@ def _kl(target_logits, draft_logits):
     vocab = min(target_logits.shape[-1], draft_logits.shape[-1])
     p_log = F.log_softmax(target_logits[..., :vocab].float(), -1).flatten(0, -2)
     q_log = F.log_softmax(draft_logits[..., :vocab].float(), -1).flatten(0, -2)
-    return F.kl_div(q_log, p_log, log_target=True, reduction="batchmean")  # sum_v p (log p - log q), mean over positions
+    # sum_v p (log p - log q), mean over positions
+    return F.kl_div(q_log, p_log, log_target=True, reduction="batchmean")
 
 
 def _batch(target, tokenizer, tokens, rng, o: DistillOptions, step: int):
@@ -225,7 +231,8 @@ def _train(target, draft, tokenizer, optimizer, rng, tokens, step, out_dir: Path
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        log_file.write(json.dumps({"step": step, "kl": round(loss.item(), 4), "elapsed_s": round(time.time() - started, 1)}) + "\n")
+        entry = {"step": step, "kl": round(loss.item(), 4), "elapsed_s": round(time.time() - started, 1)}
+        log_file.write(json.dumps(entry) + "\n")
         if step % max(1, o.steps // 20) == 0 or step == o.steps:
             rate = (step - first_step) * o.batch * o.seq_len / (time.time() - started)
             progress.step(f"kl {loss.item():.4f}, {rate:.0f} tok/s", done=step)
@@ -267,6 +274,6 @@ def _save(out_dir: Path, draft, tokenizer, o: DistillOptions, results: dict) -> 
 def draft_shape(draft) -> dict:
     """The trained draft's size as it is (with --init, the size options were not used)."""
     fields = ARCHITECTURES[draft.config.model_type].fields
-    shape = {ours: getattr(draft.config, fields[ours]) for ours in ("num_layers", "hidden_size", "num_heads", "intermediate_size")
-             if ours in fields}
+    sizes = ("num_layers", "hidden_size", "num_heads", "intermediate_size")
+    shape = {ours: getattr(draft.config, fields[ours]) for ours in sizes if ours in fields}
     return {**shape, "parameters": sum(p.numel() for p in draft.parameters())}

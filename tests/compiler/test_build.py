@@ -127,7 +127,8 @@ def test_embedding_padding_difference_is_accepted(tmp_path, tokenizer, checkpoin
     """Like Qwen2.5 0.5B/7B: same tokenizer, different embedding rows; logits cut to the smaller."""
     import speccompile
 
-    padded = make_checkpoint(tmp_path / "padded", "llama", seed=5, size="draft", tokenizer=tokenizer, vocab_size=len(tokenizer) + 40)
+    padded = make_checkpoint(tmp_path / "padded", "llama", seed=5, size="draft", tokenizer=tokenizer,
+                             vocab_size=len(tokenizer) + 40)
     out = build_bundle(checkpoints("llama"), padded, tmp_path / "b", gammas=[3], max_seq=64)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["vocab_size"] == len(tokenizer) + 8  # the target's (smaller) matrix
@@ -137,7 +138,8 @@ def test_embedding_padding_difference_is_accepted(tmp_path, tokenizer, checkpoin
 
 
 def test_embedding_smaller_than_tokenizer_is_refused(tmp_path, tokenizer, checkpoints):
-    small = make_checkpoint(tmp_path / "small", "llama", size="draft", tokenizer=tokenizer, vocab_size=len(tokenizer) - 10)
+    small = make_checkpoint(tmp_path / "small", "llama", size="draft", tokenizer=tokenizer,
+                            vocab_size=len(tokenizer) - 10)
     with pytest.raises(SpecCompileError, match="embeds only"):
         build_bundle(checkpoints("llama"), small, tmp_path / "b")
 
@@ -161,8 +163,8 @@ def test_single_sequence_variants_for_the_models_the_fused_kernel_takes(bundles)
 
 
 def test_no_single_sequence_variants_on_request(tmp_path, checkpoints):
-    bundle = open_bundle(build_bundle(checkpoints("llama"), checkpoints("llama"), tmp_path / "b", gammas=[2], max_seq=64,
-                                      single_sequence=False))
+    bundle = open_bundle(build_bundle(checkpoints("llama"), checkpoints("llama"), tmp_path / "b", gammas=[2],
+                                      max_seq=64, single_sequence=False))
     assert not any("single_sequence" in entry for entry in bundle.manifest["graphs"].values())
     assert not list(bundle.path.glob("*_b1.onnx"))
 

@@ -38,7 +38,8 @@ def test_gpt2_names_without_transformer_prefix(tmp_path, checkpoints):
     src = checkpoints("gpt2")
     (tmp_path / "bare").mkdir()
     model = transformers.AutoModelForCausalLM.from_pretrained(src)
-    state = {k.removeprefix("transformer."): v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    state = {k.removeprefix("transformer."): v.contiguous() for k, v in model.state_dict().items()
+             if k != "lm_head.weight"}
     save_file(state, tmp_path / "bare" / "model.safetensors")
     (tmp_path / "bare" / "config.json").write_text((src / "config.json").read_text())
     bare, prefixed = load_checkpoint(tmp_path / "bare"), load_checkpoint(src)
@@ -65,7 +66,8 @@ def test_missing_untied_lm_head_is_an_error(tmp_path, checkpoints):
     src = checkpoints("llama")
     (tmp_path / "c").mkdir()
     model = transformers.AutoModelForCausalLM.from_pretrained(src)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}, tmp_path / "c" / "model.safetensors")
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, tmp_path / "c" / "model.safetensors")
     (tmp_path / "c" / "config.json").write_text((src / "config.json").read_text())
     with pytest.raises(SpecCompileError, match="lm_head"):
         load_checkpoint(tmp_path / "c")

@@ -101,8 +101,9 @@ def test_a_copy_draft_is_accepted_exactly_where_the_target_stays_inside_the_voca
     others = [i for i in range(vocab) if i not in produced and i not in eos][: len(produced)]
     for keep, acceptance in ((produced, 1.0), (others, 0.0)):
         draft = with_frequencies(tmp_path / f"k{acceptance}", target, keep, vocab)
-        runtime = speccompile.load(build_bundle(target, draft, tmp_path / f"b{acceptance}", gammas=[4], max_seq=64, max_batch=1,
-                                                draft_weights="float32", draft_vocab=len(keep) + len(eos)))
+        bundle = build_bundle(target, draft, tmp_path / f"b{acceptance}", gammas=[4], max_seq=64, max_batch=1,
+                              draft_weights="float32", draft_vocab=len(keep) + len(eos))
+        runtime = speccompile.load(bundle)
         [result] = runtime.generate([prompt], max_new_tokens=16, gamma=4)
         assert result.token_ids == expected.token_ids
         assert result.stats.acceptance_rate == acceptance

@@ -185,7 +185,7 @@ def test_logits_match_hf_past_the_original_context(rope_type, family, scaled):
     cache = empty_cache(bundle.manifest, "target", 2)
     session = ort.InferenceSession(str(bundle.graph_path("target_forward")))
     out = run_forward(session, bundle.manifest, "target", ids, np.zeros(2, np.int64), lengths, cache)
-    for step in range(4):
+    for _ in range(4):  # decode steps
         for row, prompt in enumerate(prompts):
             np.testing.assert_allclose(out["logits"][row], hf_last_logits(hf, prompt), atol=ATOL)
         tokens = out["next_token"]
@@ -257,5 +257,6 @@ def test_a_checkpoint_in_the_older_config_style_loads_the_same_rope(tmp_path, sc
 
 def test_max_seq_beyond_learned_positions_is_still_refused(checkpoints):
     spec = load_checkpoint(checkpoints("gpt2"))  # n_positions 256
-    with pytest.raises(SpecCompileError, match=r"--max-seq 257 exceeds the model's 256 positions \(learned positions\)"):
+    refused = r"--max-seq 257 exceeds the model's 256 positions \(learned positions\)"
+    with pytest.raises(SpecCompileError, match=refused):
         check_max_seq(spec, 257)

@@ -31,10 +31,12 @@ def test_optimization_profiles_cover_prefill_decode_and_fixed_gamma(bundles):
 
 @pytest.mark.skipif(HAS_TENSORRT, reason="checks the message shown where TensorRT is absent")
 def test_build_without_tensorrt_is_one_clear_error_and_writes_nothing(tmp_path, checkpoints):
-    result = CliRunner().invoke(main, ["build", "--target", str(checkpoints("llama")), "--draft", str(checkpoints("llama")),
-                                       "--out", str(tmp_path / "b"), "--backend", "tensorrt"])
+    result = CliRunner().invoke(main, ["build", "--target", str(checkpoints("llama")),
+                                       "--draft", str(checkpoints("llama")), "--out", str(tmp_path / "b"),
+                                       "--backend", "tensorrt"])
     assert result.exit_code == 1
-    assert "the TensorRT backend needs the tensorrt Python package" in result.output and "Traceback" not in result.output
+    assert "the TensorRT backend needs the tensorrt Python package" in result.output
+    assert "Traceback" not in result.output
     assert not (tmp_path / "b").exists()
 
 
@@ -50,7 +52,8 @@ def test_tensorrt_runtime_without_tensorrt_is_a_clear_error(bundles):
 def test_inspect_lists_graphs_shapes_and_op_counts(bundles):
     result = CliRunner().invoke(main, ["inspect", str(bundles("qwen2", "random"))])
     assert result.exit_code == 0, result.output
-    assert "target_verify_g4: " in result.stdout and "[TensorRT: plugin needed]" not in result.stdout.split("target_verify_g4: ")[1].splitlines()[0]
+    [verify_line] = [line for line in result.stdout.splitlines() if line.startswith("  target_verify_g4: ")]
+    assert "[TensorRT: plugin needed]" not in verify_line
     assert "past_len int64['batch']" in result.stdout and "accepted int64['batch']" in result.stdout
     info = json.loads(CliRunner().invoke(main, ["inspect", str(bundles("qwen2", "random")), "--json"]).stdout)
     assert info["graphs"]["target_verify_sample_g4"]["op_counts"]["SpecAccept"] == 1
@@ -71,6 +74,6 @@ def test_tensorrt_engines_generate_what_onnxruntime_generates(tmp_path, bundles)
     bundle = shutil.copytree(bundles("llama", "random"), tmp_path / "b")
     build_tensorrt_engines(bundle)
     prompts = [[5, 17, 33], [8, 9, 10, 11, 12]]
-    ort = [r.token_ids for r in speccompile.load(bundle).generate(prompts, max_new_tokens=16, gamma=4)]
-    trt = [r.token_ids for r in speccompile.load(bundle, backend="tensorrt").generate(prompts, max_new_tokens=16, gamma=4)]
-    assert trt == ort
+    ort = speccompile.load(bundle).generate(prompts, max_new_tokens=16, gamma=4)
+    trt = speccompile.load(bundle, backend="tensorrt").generate(prompts, max_new_tokens=16, gamma=4)
+    assert [r.token_ids for r in trt] == [r.token_ids for r in ort]

@@ -75,7 +75,8 @@ def draft_logits(bundle_dir, prompt, optimized_model=None) -> np.ndarray:
 def test_float32_draft_graph_matches_its_own_hf_model(family, checkpoints, bundles):
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints(family, "draft")).eval()
     prompt = [1, 2, 3, 4, 5]
-    np.testing.assert_allclose(draft_logits(bundles(family, "random", "float32"), prompt), hf_last_logits(hf, prompt), atol=ATOL)
+    ours = draft_logits(bundles(family, "random", "float32"), prompt)
+    np.testing.assert_allclose(ours, hf_last_logits(hf, prompt), atol=ATOL)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -103,7 +104,8 @@ def test_draft_vocabulary_logits_are_the_hf_logits_of_the_kept_tokens(family, ch
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints(family, "draft")).eval()
     prompt = [1, 2, 3, 4, 5]
     expected = hf_last_logits(hf, prompt)
-    keep = list(np.argsort(expected)[::3][:40])  # every third token by score, so the argmax differs from the full head's
+    # every third token by score, so the argmax differs from the full head's
+    keep = list(np.argsort(expected)[::3][:40])
     draft = with_frequencies(tmp_path, checkpoints(family, "draft"), keep, len(expected))
     bundle_dir = build_bundle(checkpoints(family), draft, tmp_path / "b", gammas=[2], max_seq=64, max_batch=1,
                               draft_weights="float32", draft_vocab=41)
@@ -168,7 +170,8 @@ def test_single_sequence_verification_agrees_with_the_standard_graph(bundles, sa
             greedy, _ = run_file(bundle, "target_forward.onnx", context, empty_cache(bundle.manifest, "target", 1))
             feeds["input_ids"][0, 1] = greedy["next_token"][0]
         standard, _ = run_file(bundle, f"{name}.onnx", feeds, {k: v.copy() for k, v in cache.items()})
-        fused, _ = run_file(bundle, bundle.graph(name)["single_sequence"]["file"], feeds, {k: v.copy() for k, v in cache.items()})
+        single = bundle.graph(name)["single_sequence"]["file"]
+        fused, _ = run_file(bundle, single, feeds, {k: v.copy() for k, v in cache.items()})
         for key in ("accepted", "next_token", "new_len"):
             assert fused[key].tolist() == standard[key].tolist(), (trial, key)
         if trial == 0 and not sample:

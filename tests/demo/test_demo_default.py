@@ -14,7 +14,6 @@ from speccompile.cli import main
 from speccompile.compiler.draft_vocab import read_frequencies, write_frequencies
 from tests.tiny_models import VOCAB
 
-
 TINY_DRAFT_VOCAB = 64
 
 

@@ -24,7 +24,8 @@ print(json.dumps({"spec": spec.token_ids, "base": base.token_ids, "loaded": load
 
 def test_runtime_runs_without_torch_or_transformers(bundles):
     bundle = bundles("llama", "random")
-    proc = subprocess.run([sys.executable, "-c", "import json\n" + SCRIPT, str(bundle)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", "import json\n" + SCRIPT, str(bundle)], capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["loaded"] == []
@@ -34,8 +35,8 @@ def test_runtime_runs_without_torch_or_transformers(bundles):
 def test_cli_generate_runs_without_torch(bundles):
     bundle = bundles("gpt2", "copy")
     code = SCRIPT.split("import speccompile")[0] + "from speccompile.cli import main\nmain()"
-    proc = subprocess.run([sys.executable, "-c", code, "generate", str(bundle), "--prompt", "def f(x):", "--max-new-tokens", "5", "--json"],
-                          capture_output=True, text=True, timeout=120)
+    args = ["generate", str(bundle), "--prompt", "def f(x):", "--max-new-tokens", "5", "--json"]
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     [result] = json.loads(proc.stdout)
     assert set(result) == {"prompt", "text", "token_ids", "stats"}

@@ -119,7 +119,9 @@ def test_a_broken_residual_step_is_detected(pair, tmp_path, monkeypatch):
 
 def test_same_seed_same_tokens_different_seeds_differ(bundle):
     runtime = speccompile.load(bundle)
-    run = lambda seed: [r.token_ids for r in runtime.generate([PROMPT] * 4, max_new_tokens=8, temperature=1.0, seed=seed)]  # noqa: E731
+    def run(seed):
+        return [r.token_ids for r in runtime.generate([PROMPT] * 4, max_new_tokens=8, temperature=1.0, seed=seed)]
+
     assert run(11) == run(11)
     assert run(11) != run(12)
     rows = run(11)

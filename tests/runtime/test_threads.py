@@ -18,7 +18,8 @@ PROMPT = [5, 17, 33, 2, 9, 100, 7]
 
 def run_python(code: str, *args, shared: str = "1") -> subprocess.CompletedProcess:
     env = {**os.environ, "SPECCOMPILE_SHARED_THREADS": shared}  # conftest switched it off for this process
-    result = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=300,
+                            env=env)
     assert result.returncode == 0, result.stderr
     return result
 

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
