@@ -147,7 +147,8 @@ def _read_manifest(path: Path) -> dict:
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise SpecCompileError(
-            f"{path}: bundle format version {version!r} is not supported (this speccompile reads version {FORMAT_VERSION}); rebuild the bundle"
+            f"{path}: bundle format version {version!r} is not supported "
+            f"(this speccompile reads version {FORMAT_VERSION}); rebuild the bundle"
         )
     return manifest
 
@@ -158,7 +159,8 @@ def _verify_files(path: Path, files: dict[str, str]) -> None:
         if not file.is_file():
             raise SpecCompileError(f"{path}: bundle file {name} is missing")
         if sha256_file(file) != expected:
-            raise SpecCompileError(f"{path}: bundle file {name} does not match its sha256 in {MANIFEST} (corrupt or modified)")
+            raise SpecCompileError(
+                f"{path}: bundle file {name} does not match its sha256 in {MANIFEST} (corrupt or modified)")
 
 
 RACY_NS = 2_000_000_000  # a file changed within this long before its stamp may change again unseen

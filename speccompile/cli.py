@@ -327,7 +327,7 @@ def _int_list(text: str) -> list[int]:
               help="Comma-separated batch sizes (default: every one from 1 to the bundle's max batch).")
 @click.option("--context-lengths", default="64,256", show_default=True,
               help="Mean context of the runs at each point: prompts of this length minus half the new tokens.")
-@click.option("--max-new-tokens", type=int, default=64, show_default=True, help="Tokens per request in each run.")
+@click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Tokens per request in each run.")
 @click.option("--repeats", type=int, default=1, show_default=True,
               help="Runs per mode at each batch size and context, per round (each on the next prompts).")
 @click.option("--rounds", type=int, default=3, show_default=True,
@@ -367,31 +367,38 @@ def profile(bundle, prompts_file, batch_sizes, context_lengths, max_new_tokens, 
 
 
 def _profile_table(result: dict) -> str:
-    """Per batch size and γ: ms per iteration (target: a plain decoding step; draft: the iteration's
-    γ draft steps; loop: its own work), the policy's predicted speedup, the measured one (steady
-    state, same process, interleaved), end to end (prefill included, as bench), tokens per iteration
-    expected from the acceptance and measured, and γ*."""
-    acceptance = result["acceptance_by_position"]
-    lines = [f"acceptance by position (runs at γ={max(result['gammas'])}): {', '.join(f'{p:.2f}' for p in acceptance)}",
-             "ms per iteration; speedups over plain decoding: predicted by the γ policy, measured in steady state, "
+    """Per batch size, context and γ: ms per iteration (target: a plain decoding step; draft: the
+    iteration's γ draft steps; loop: its own work), the γ policy's predicted speedup, the measured
+    one (steady state), end to end (prefill included, as bench), tokens per iteration (expected from
+    the acceptance at that γ over whole runs / measured in steady state), and γ*; then the largest
+    gap between predicted and measured."""
+    lines = ["ms per iteration; speedup over plain decoding: the γ policy's prediction, measured in steady state "
              "and end to end",
-             f"{'batch':>5} {'γ':>3} {'target ms':>10} {'draft ms':>9} {'verify ms':>10} {'loop ms':>8} "
+             f"{'batch':>5} {'context':>7} {'γ':>3} {'target ms':>10} {'draft ms':>9} {'verify ms':>10} {'loop ms':>8} "
              f"{'predicted':>10} {'measured':>9} {'end to end':>11} {'tokens/it':>10}"]
-    worst = (0.0, None)
+    gaps = []
     for batch, entry in result["by_batch"].items():
-        lines.append(f"{batch:>5} {0:>3} {entry['target_step_ms']:>10.3f} {'':>9} {'':>10} {'':>8} {1.0:>9.2f}x"
-                     + (" <- γ*" if entry["best_gamma"] == 0 else ""))
-        for gamma in sorted(result["gammas"]):
-            predicted, measured = entry["predicted_speedup"][gamma], entry["measured_speedup"][gamma]
-            worst = max(worst, (abs(predicted / measured - 1), (batch, gamma)))
-            tokens = f"{1 + sum(acceptance[:gamma]):.2f}/{entry['tokens_per_iteration'][gamma]:.2f}"
-            lines.append(f"{batch:>5} {gamma:>3} {'':>10} {entry['draft_ms'][gamma]:>9.3f} "
-                         f"{entry['verify_ms'][gamma]:>10.3f} {entry['overhead_ms']:>8.3f} {predicted:>9.2f}x "
-                         f"{measured:>8.2f}x {entry['end_to_end_speedup'][gamma]:>10.2f}x {tokens:>10}"
-                         + (" <- γ*" if gamma == entry["best_gamma"] else ""))
-    gap, (batch, gamma) = worst
-    lines.append(f"predicted vs measured: within {gap:.1%} everywhere (the largest gap: batch {batch}, γ={gamma})")
+        for context, point in entry["per_context"].items():
+            lines += _profile_rows(batch, context, point)
+            gaps += [(abs(point["predicted_speedup"][g] / point["measured_speedup"][g] - 1), batch, context, g)
+                     for g in point["measured_speedup"]]
+    gap, batch, context, gamma = max(gaps)
+    lines.append(f"predicted vs measured: within {gap:.1%} everywhere (the largest gap: batch {batch}, "
+                 f"context {context}, γ={gamma})")
     return "\n".join(lines)
+
+
+def _profile_rows(batch: int, context: int, point: dict) -> list[str]:
+    star = {point["best_gamma"]: " <- γ*"}
+    rows = [f"{batch:>5} {context:>7} {0:>3} {point['target_step_ms']:>10.3f} {'':>9} {'':>10} {'':>8} "
+            f"{1.0:>9.2f}x{star.get(0, '')}"]
+    for gamma in sorted(point["measured_speedup"]):
+        tokens = f"{1 + sum(point['acceptance_by_gamma'][gamma]):.2f}/{point['tokens_per_iteration'][gamma]:.2f}"
+        rows.append(f"{batch:>5} {context:>7} {gamma:>3} {'':>10} {point['draft_ms'][gamma]:>9.3f} "
+                    f"{point['verify_ms'][gamma]:>10.3f} {point['overhead_ms']:>8.3f} "
+                    f"{point['predicted_speedup'][gamma]:>9.2f}x {point['measured_speedup'][gamma]:>8.2f}x "
+                    f"{point['end_to_end_speedup'][gamma]:>10.2f}x {tokens:>10}{star.get(gamma, '')}")
+    return rows
 
 
 class _Streamer:

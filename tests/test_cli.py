@@ -123,7 +123,7 @@ def test_prompt_longer_than_max_seq(bundles):
 
 def test_prompts_beyond_max_batch_wait_their_turn(bundles):
     """More prompts than the bundle's max batch: the engine queues them, every one is answered."""
-    result = CliRunner().invoke(main, ["generate", bundles("llama", "random"), "--max-new-tokens", "3", "--json"]
+    result = CliRunner().invoke(main, ["generate", str(bundles("llama", "random")), "--max-new-tokens", "3", "--json"]
                                 + ["--prompt", "x"] * 5)
     assert result.exit_code == 0, result.output
     assert len(json.loads(result.stdout)) == 5
@@ -159,7 +159,7 @@ def test_generate_json_output(bundles):
     results = json.loads(output)
     assert [r["prompt"] for r in results] == ["import os", "def"]
     for r in results:
-        assert set(r) == {"prompt", "text", "token_ids", "stats"}
+        assert set(r) == {"prompt", "text", "token_ids", "finish_reason", "stats"}
         assert r["stats"]["acceptance_rate"] == 1.0 and len(r["token_ids"]) <= 6
         assert r["stats"]["mean_acceptance_length"] == 1 + r["stats"]["mean_gamma"]
         assert "decode_ms" not in r["stats"] and r["stats"]["verify_ms"] > 0  # speculative phases only

@@ -150,7 +150,10 @@ def spec_transform_function(vocab_size: int) -> onnx.FunctionProto:
     """
     f = FunctionBuilder(DOMAIN, "SpecTransform", ["logits", "temperature", "top_k", "top_p"], ATTRIBUTES)
     vocab = f.const([vocab_size])
-    per_row = lambda x: f.op("Unsqueeze", x, f.const([1, 2]))  # [B] -> [B, 1, 1]
+
+    def per_row(x):  # [B] -> [B, 1, 1]
+        return f.op("Unsqueeze", x, f.const([1, 2]))
+
     temperature = per_row("temperature")
     greedy = f.op("Equal", temperature, f.const(0.0, np.float32))
     z = f.op("Div", "logits", f.op("Where", greedy, f.const(1.0, np.float32), temperature))

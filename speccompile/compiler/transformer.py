@@ -115,7 +115,8 @@ def accept(b: GraphBuilder, logits: str, ids: str, past_len: str, gamma: int | s
 
 def _sampling_inputs(g: GraphBuilder) -> tuple[str, str, str]:
     """Per-sequence sampling controls: temperature (0 = greedy), top_k (0 = off), top_p (1 = off)."""
-    return (g.input("temperature", FLOAT, ["batch"]), g.input("top_k", INT64, ["batch"]), g.input("top_p", FLOAT, ["batch"]))
+    return (g.input("temperature", FLOAT, ["batch"]), g.input("top_k", INT64, ["batch"]),
+            g.input("top_p", FLOAT, ["batch"]))
 
 
 def cache_shape(spec: ModelSpec, max_seq: int) -> list:
@@ -322,7 +323,8 @@ def _norm(g, spec, x, prefix):
 
 def _mlp(g, spec, p, h):
     if spec.arch.block == "llama":  # down(silu(gate(h)) * up(h))
-        gate, up = g.op("Split", _linear(g, spec, h, p + "gate_up", parts=(p + "gate", p + "up")), axis=-1, num_outputs=2, outputs=2)
+        gate_up = _linear(g, spec, h, p + "gate_up", parts=(p + "gate", p + "up"))
+        gate, up = g.op("Split", gate_up, axis=-1, num_outputs=2, outputs=2)
         return _linear(g, spec, g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up), p + "down")
     return _linear(g, spec, _gelu_tanh(g, _linear(g, spec, h, p + "up")), p + "down")
 

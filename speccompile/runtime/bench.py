@@ -46,7 +46,8 @@ def read_prompts(path) -> list[str]:
 
 
 def _run_all(runtime, prompts, mode, gamma, max_new_tokens, sampling):
-    results = [runtime.generate([p], max_new_tokens=max_new_tokens, mode=mode, gamma=gamma, **sampling)[0] for p in prompts]
+    results = [runtime.generate([p], max_new_tokens=max_new_tokens, mode=mode, gamma=gamma, **sampling)[0]
+               for p in prompts]
     tokens = sum(r.stats.new_tokens for r in results)
     seconds = sum(r.stats.total_ms for r in results) / 1e3
     return tokens / seconds, [r.stats for r in results]

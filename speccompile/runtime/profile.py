@@ -63,7 +63,7 @@ from pathlib import Path
 
 import numpy as np
 
-from speccompile.core.gamma_policy import GammaPolicy
+from speccompile.core.gamma_policy import GammaPolicy, best_gamma
 from speccompile.core.stats import pooled
 from speccompile.errors import SpecCompileError
 from speccompile.runtime.hardware import fingerprint, fingerprint_key
@@ -238,11 +238,12 @@ def prompts_at(tokens: list[list[int]], batch: int, length: int, offset: int) ->
 
 
 def build_profile(runtime, prompts: list[str], batch_sizes: list[int], context_lengths: list[int],
-                  repeats: int = 1, rounds: int = 3, max_new_tokens: int = 64) -> dict:
-    """Loop runs at every batch size and context, `rounds` times, and the profile they make. Each
-    round takes every mode through all prompts `repeats` times, b at a time, so every batch size
-    sees the same text. A machine that slows down for a while spoils one round, not the profile:
-    every number is a median over rounds."""
+                  repeats: int = 1, rounds: int = 3, max_new_tokens: int = 48) -> dict:
+    """Loop runs at every batch size and context, `rounds` times, and the profile they make. At each
+    point every round runs the same `repeats` groups of b prompts in every mode: greedy decoding
+    makes the same tokens each time, so rounds differ only in how fast the machine was, and the
+    medians over rounds remove that alone. A machine that slows down for a while spoils one round,
+    not the profile."""
     points = run_points(runtime, batch_sizes, context_lengths, repeats, rounds, max_new_tokens)
     tokens = prompt_tokens(runtime, prompts)
     for b in batch_sizes:
@@ -252,21 +253,22 @@ def build_profile(runtime, prompts: list[str], batch_sizes: list[int], context_l
         logger.info(f"loop runs, round {r + 1}/{rounds}: batch sizes {batch_sizes}, contexts {list(points)}, "
                     f"γ 0 and {', '.join(map(str, runtime.gammas))}")
         for (b, c), samples in runs.items():
-            groups = [prompts_at(tokens, b, points[c], offset=k * b) for k in range(repeats * -(-len(tokens) // b))]
+            groups = [prompts_at(tokens, b, points[c], offset=k * b) for k in range(repeats)]
             samples.append(_run_modes(runtime, groups, max_new_tokens, rotation=r))
-    acceptance = pooled_acceptance([s for samples in runs.values() for s in samples], max(runtime.gammas))
+    by_point = {point: point_entry(samples, point[0]) for point, samples in runs.items()}
     fp = fingerprint(runtime.backend)
-    by_batch = {b: batch_entry({c: runs[b, c] for c in points}, b, acceptance) for b in batch_sizes}
     return {"version": PROFILE_VERSION, "fingerprint": fp, "key": fingerprint_key(fp),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gammas": runtime.gammas,
-            "context_lengths": list(points), "max_new_tokens": max_new_tokens, "acceptance_by_position": acceptance,
-            "by_batch": by_batch}
+            "context_lengths": list(points), "max_new_tokens": max_new_tokens,
+            "acceptance_by_position": mean_acceptance([e["acceptance_by_position"] for e in by_point.values()]),
+            "by_batch": {b: {**mean_costs([by_point[b, c] for c in points]),
+                             "per_context": {c: by_point[b, c] for c in points}} for b in batch_sizes}}
 
 
-def pooled_acceptance(samples: list[dict[int, "LoopRun"]], gamma: int) -> list[float]:
-    """P_k for k = 1..γ over every request of the runs at `gamma` (P_k for k <= γ does not depend
-    on γ: the policy's prior for every γ, and the profile's predictions)."""
-    return pooled([stats for s in samples for stats in s[gamma].stats]).acceptance_by_position
+def mean_acceptance(per_point: list[list[float]]) -> list[float]:
+    """The policy's prior: P_k averaged over the profile's points, each point alike (a point where
+    drafts are rejected runs more iterations, and would outweigh the others in pooled counts)."""
+    return [statistics.mean(p[k] for p in per_point) for k in range(len(per_point[0]))]
 
 
 def run_points(runtime, batch_sizes, context_lengths, repeats, rounds, max_new_tokens) -> dict[int, int]:
@@ -311,26 +313,32 @@ def _run_modes(runtime, groups: list[list], max_new_tokens: int, rotation: int) 
     return summed
 
 
-def batch_entry(runs: dict[int, list[dict[int, LoopRun]]], batch: int, acceptance: list[float]) -> dict:
-    """One batch size's profile entry from its runs per context: costs per context and their mean,
-    the policy's predicted speedup and γ*, and the measured speedups."""
-    per_context = {c: context_costs(samples) for c, samples in runs.items()}
-    entry = mean_costs(list(per_context.values()))
-    policy = GammaPolicy(entry, acceptance)
-    gammas = sorted(entry["verify_ms"])
-    samples = [s for context in runs.values() for s in context]
+def point_entry(samples: list[dict[int, LoopRun]], batch: int) -> dict:
+    """One batch size and context: its costs; its acceptance at each γ (P_k over every request of
+    its runs at that γ); the speedup the γ policy predicts for each γ with these costs and the
+    acceptance seen at that γ, and γ*, the best of them (GammaPolicy's rule); and the measured
+    speedups: each round's rate at γ over the same round's in plain decoding, median over rounds,
+    in steady state and end to end."""
+    costs = context_costs(samples)
+    gammas = sorted(costs["verify_ms"])
+    acceptance = {g: point_acceptance(samples, g) for g in gammas}
+    predicted = {0: 1.0, **{g: GammaPolicy(costs, acceptance[g]).speedup(g) for g in gammas}}
 
     def ratio(gamma: int, rate: str) -> float:
-        """Median over rounds of a rate at γ over the same round's rate in plain decoding."""
         return statistics.median(getattr(s[gamma], rate) / getattr(s[0], rate) for s in samples)
 
-    return {**entry, "per_context": per_context,
-            "predicted_speedup": {0: 1.0, **{g: policy.speedup(g) for g in gammas}},
-            "best_gamma": policy.choose(),
+    return {**costs, "acceptance_by_position": acceptance[max(gammas)], "acceptance_by_gamma": acceptance,
+            "predicted_speedup": predicted, "best_gamma": best_gamma(predicted),
             "measured_speedup": {g: ratio(g, "rate") for g in gammas},
             "end_to_end_speedup": {g: ratio(g, "tokens_per_s") for g in gammas},
             "tokens_per_iteration": {g: statistics.median(s[g].tokens_per_iteration for s in samples) / batch
                                      for g in gammas}}
+
+
+def point_acceptance(samples: list[dict[int, LoopRun]], gamma: int) -> list[float]:
+    """P_1..P_γ over every request of the runs at γ (a position no iteration reached: 0)."""
+    by_position = pooled([stats for s in samples for stats in s[gamma].stats]).acceptance_by_position
+    return (by_position + [0.0] * gamma)[:gamma]
 
 
 def context_costs(samples: list[dict[int, LoopRun]]) -> dict:
@@ -462,14 +470,16 @@ def save_plots(profile: dict, directory: Path) -> list[Path]:
 
 
 def _plot_speedups(ax, profile: dict) -> None:
-    gammas = [0] + sorted(profile["gammas"])
+    """At the shortest context: the others would crowd the plot (the table has them all)."""
+    gammas, context = [0] + sorted(profile["gammas"]), min(profile["context_lengths"])
     for batch, entry in profile["by_batch"].items():
-        line = ax.plot(gammas, [entry["predicted_speedup"][g] for g in gammas], marker="o", label=f"batch {batch}")
-        measured = [1.0] + [entry["measured_speedup"][g] for g in gammas[1:]]
+        point = entry["per_context"][context]
+        line = ax.plot(gammas, [point["predicted_speedup"][g] for g in gammas], marker="o", label=f"batch {batch}")
+        measured = [1.0] + [point["measured_speedup"][g] for g in gammas[1:]]
         ax.plot(gammas, measured, marker="s", linestyle="--", color=line[0].get_color())
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set(xlabel="γ (draft tokens per iteration)", ylabel="speedup over plain decoding",
-           title="speedup vs γ: predicted (solid), measured (dashed)")
+           title=f"speedup vs γ at context {context}: predicted (solid), measured (dashed)")
 
 
 def _plot_costs(ax, profile: dict) -> None:

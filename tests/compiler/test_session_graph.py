@@ -183,6 +183,7 @@ print(json.dumps({"growth": process.memory_info().rss - base,
 """
 
 
+@pytest.mark.slow
 def test_one_copy_of_the_weights_however_many_graphs_a_process_runs(tmp_path):
     """A 68 MB target run at two γ, greedy and sampled, batch 1 and 2 (ten graph variants) on one
     session: the variants after the first add no copy of the weights. With a session per graph,

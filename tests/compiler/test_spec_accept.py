@@ -91,7 +91,8 @@ def transform_session(vocab):
     def build_graph(g):
         ins = [g.input("logits", FLOAT, ["batch", "rows", vocab]), g.input("temperature", FLOAT, ["batch"]),
                g.input("top_k", INT64, ["batch"]), g.input("top_p", FLOAT, ["batch"])]
-        g.output(spec_op(g, "SpecTransform", *ins, vocab_size=vocab, out="probs"), "probs", FLOAT, ["batch", "rows", vocab])
+        probs = spec_op(g, "SpecTransform", *ins, vocab_size=vocab, out="probs")
+        g.output(probs, "probs", FLOAT, ["batch", "rows", vocab])
     return session_for(build_graph)
 
 
@@ -99,8 +100,10 @@ def transform_session(vocab):
 def test_in_graph_transform_equals_numpy_reference(vocab):
     rng = np.random.default_rng(vocab)
     logits = (3 * rng.standard_normal((len(SETTINGS), 3, vocab))).astype(np.float32)
-    temperature, top_k, top_p = (np.array(col, dtype) for col, dtype in zip(zip(*SETTINGS), (np.float32, np.int64, np.float32)))
-    [probs] = transform_session(vocab).run(None, {"logits": logits, "temperature": temperature, "top_k": top_k, "top_p": top_p})
+    temperature, top_k, top_p = (np.array(col, dtype)
+                                 for col, dtype in zip(zip(*SETTINGS), (np.float32, np.int64, np.float32)))
+    feeds = {"logits": logits, "temperature": temperature, "top_k": top_k, "top_p": top_p}
+    [probs] = transform_session(vocab).run(None, feeds)
     for row, (t, k, p) in enumerate(SETTINGS):
         expected = transform(logits[row], t, k, p)
         np.testing.assert_allclose(probs[row], expected, atol=1e-6)
@@ -185,7 +188,8 @@ def test_one_hot_sampling_rule_is_the_greedy_rule():
     logits = rng.standard_normal((32, 5, 13)).astype(np.float32)
     drafts = np.where(rng.random((32, 4)) < 0.6, logits[:, :4].argmax(-1), rng.integers(0, 13, (32, 4)))
     q = np.eye(13, dtype=np.float32)[drafts]
-    sampled = sample_accept(transform(logits, 0.0), q, drafts, rng.random((32, 4), dtype=np.float32), rng.random(32, dtype=np.float32), np.zeros(32, np.int64))
+    sampled = sample_accept(transform(logits, 0.0), q, drafts, rng.random((32, 4), dtype=np.float32),
+                            rng.random(32, dtype=np.float32), np.zeros(32, np.int64))
     greedy = greedy_accept(logits.argmax(-1), drafts, np.zeros(32, np.int64))
     for a, b in zip(sampled, greedy):
         assert a.tolist() == b.tolist()

@@ -5,6 +5,7 @@ import tracemalloc
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from speccompile.compiler.build import build_bundle
 from speccompile.compiler.tensors import safetensors_tensors
@@ -26,6 +27,7 @@ def _checkpoint(out: Path) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_build_peak_memory_is_a_few_largest_tensors_not_the_model(tmp_path):
     target = _checkpoint(tmp_path / "target")
     shapes = [t.shape for t in safetensors_tensors(target / "model.safetensors").values()]

@@ -15,12 +15,12 @@ PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
 KERNELS_CU = PLUGINS / "kernels" / "spec_accept_kernels.cu"
 SYMBOLS = ("speccompile_greedy_accept", "speccompile_sample_accept", "speccompile_sample", "speccompile_transform")
 
-P, I, S = ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p  # device pointer, int, cudaStream_t
+P, N, S = ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p  # device pointer, int, cudaStream_t
 SIGNATURES = {
-    "speccompile_greedy_accept": [P, P, P, P, I, I, I, P, P, P, S],
-    "speccompile_sample_accept": [P, P, P, P, P, P, P, I, I, I, P, P, P, S],
-    "speccompile_sample": [P, P, I, I, P, S],
-    "speccompile_transform": [P, P, P, P, I, I, I, P, S],
+    "speccompile_greedy_accept": [P, P, P, P, N, N, N, P, P, P, S],
+    "speccompile_sample_accept": [P, P, P, P, P, P, P, N, N, N, P, P, P, S],
+    "speccompile_sample": [P, P, N, N, P, S],
+    "speccompile_transform": [P, P, P, P, N, N, N, P, S],
 }
 
 # ---- build -------------------------------------------------------------------------------------
@@ -137,7 +137,8 @@ class CudartDevice:
         array = np.ascontiguousarray(array)
         ptr = ctypes.c_void_p()
         assert self.cudart.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(max(array.nbytes, 1))) == 0
-        copied = self.cudart.cudaMemcpy(ptr, array.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(array.nbytes), self.H2D)
+        source = array.ctypes.data_as(ctypes.c_void_p)
+        copied = self.cudart.cudaMemcpy(ptr, source, ctypes.c_size_t(array.nbytes), self.H2D)
         assert copied == 0
         self.buffers[ptr.value] = (array.shape, array.dtype)
         return ptr.value
@@ -146,7 +147,8 @@ class CudartDevice:
         assert self.cudart.cudaDeviceSynchronize() == 0
         shape, dtype = self.buffers[ptr]
         out = np.empty(shape, dtype)
-        copied = self.cudart.cudaMemcpy(out.ctypes.data_as(ctypes.c_void_p), ctypes.c_void_p(ptr), ctypes.c_size_t(out.nbytes), self.D2H)
+        destination = out.ctypes.data_as(ctypes.c_void_p)
+        copied = self.cudart.cudaMemcpy(destination, ctypes.c_void_p(ptr), ctypes.c_size_t(out.nbytes), self.D2H)
         assert copied == 0
         return out
 
@@ -201,6 +203,7 @@ def transform(lib, device, logits, temperature, top_k, top_p, in_place=False):
     batch, rows, vocab = logits.shape
     x = device.put(np.asarray(logits, np.float32))
     out = x if in_place else device.put(np.zeros((batch, rows, vocab), np.float32))
-    params = [device.put(np.asarray(a, dt)) for a, dt in [(temperature, np.float32), (top_k, np.int64), (top_p, np.float32)]]
+    params = [device.put(np.asarray(a, dt))
+              for a, dt in [(temperature, np.float32), (top_k, np.int64), (top_p, np.float32)]]
     assert lib.speccompile_transform(x, *params, batch, rows, vocab, out, device.stream) == 0
     return device.get(out)

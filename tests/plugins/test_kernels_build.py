@@ -9,7 +9,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from onnx import TensorProto
 
 from speccompile.compiler import spec_accept
@@ -84,7 +83,8 @@ def test_plugin_answers_to_what_the_onnx_node_asks_for():
         assert function.name == constants["kPLUGIN_NAME"]
         assert constants["kMODE_FIELD"] in function.attribute
         assert re.findall(r"DataType::k\w+, // (\w+)", block) == list(function.input)
-    assert re.search(r'extern "C" \w+ nvinfer1::IPluginCreatorInterface\* const\* getCreators\(int32_t& nbCreators\)', source)
+    assert re.search(r'extern "C" \w+ nvinfer1::IPluginCreatorInterface\* const\* '
+                     r'getCreators\(int32_t& nbCreators\)', source)
     assert "REGISTER_TENSORRT_PLUGIN(SpecAcceptPluginCreator)" in source
 
 
@@ -107,7 +107,8 @@ def test_sampling_plugins_answer_to_what_the_onnx_nodes_ask_for():
     trt_types = {TensorProto.FLOAT: "kFLOAT", TensorProto.INT64: "kINT64"}
     dtypes = {v.name: trt_types[v.type.tensor_type.elem_type] for v in g.inputs}
     dtypes.update(logits="kFLOAT", probs="kFLOAT", uniform="kFLOAT", token="kINT64")
-    for prefix, function in [("TRANSFORM", spec_accept.spec_transform_function(64)), ("SAMPLE", spec_accept.spec_sample_function())]:
+    functions = [("TRANSFORM", spec_accept.spec_transform_function(64)), ("SAMPLE", spec_accept.spec_sample_function())]
+    for prefix, function in functions:
         assert function.name == constants[f"k{prefix}_NAME"]
         assert constants["kMODE_FIELD"] in function.attribute
         for table, names in [("INPUTS", function.input), ("OUTPUTS", function.output)]:
@@ -135,7 +136,8 @@ def cmake_build(tmp_path_factory):
     if shutil.which("cmake") is None or shutil.which("nvcc") is None:
         pytest.skip("cmake and nvcc are both needed to build plugins/")
     build = tmp_path_factory.mktemp("plugins-build")
-    configure = run(["cmake", "-S", str(PLUGINS), "-B", str(build), "-DCMAKE_CUDA_ARCHITECTURES=80", "-DCMAKE_BUILD_TYPE=Release"])
+    configure = run(["cmake", "-S", str(PLUGINS), "-B", str(build), "-DCMAKE_CUDA_ARCHITECTURES=80",
+                     "-DCMAKE_BUILD_TYPE=Release"])
     return build, configure.stdout
 
 
@@ -143,7 +145,8 @@ def cmake_build(tmp_path_factory):
 def plugin_library(cmake_build):
     build, log = cmake_build
     if "TensorRT found" not in log:
-        pytest.skip("CMake found no TensorRT headers/libnvinfer (set TensorRT_ROOT): the plugin library is not built here")
+        pytest.skip("CMake found no TensorRT headers/libnvinfer (set TensorRT_ROOT): "
+                    "the plugin library is not built here")
     run(["cmake", "--build", str(build), "--target", "speccompile_plugins", "-j", "2"])
     return build / "libspeccompile_plugins.so"
 

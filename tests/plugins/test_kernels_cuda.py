@@ -255,7 +255,8 @@ def test_transform_equals_reference(kernels, device, vocab, kind):
     temperature, top_k, top_p = transform_params(TRANSFORM_SETTINGS)
     probs = kernels_lib.transform(kernels, device, logits, temperature, top_k, top_p)
     for b, setting in enumerate(TRANSFORM_SETTINGS):
-        want = transform(logits[b], float(temperature[b]), int(top_k[b]), float(top_p[b]))  # the fp32 values the kernel saw
+        # the fp32 values the kernel saw
+        want = transform(logits[b], float(temperature[b]), int(top_k[b]), float(top_p[b]))
         np.testing.assert_allclose(probs[b], want, rtol=0, atol=1e-6, err_msg=f"probabilities for {setting}")
         np.testing.assert_array_equal(probs[b] > 0, want > 0, err_msg=f"kept tokens for {setting}")
 

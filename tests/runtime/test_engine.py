@@ -3,6 +3,7 @@ streams, queueing, cancellation, refusals, stop strings, and the submit / stream
 
 import asyncio
 import random
+import threading
 import time
 
 import pytest
@@ -109,9 +110,19 @@ def test_asyncio_handles(runtime):
 
 
 def test_close_cancels_what_is_in_flight(bundles):
+    """close() during an iteration: the engine stops after it, and what is left ends cancelled (each
+    iteration adds at most γ + 1 = 2 of a request's 80 tokens)."""
     runtime = speccompile.load(bundles("llama", "random"))
-    handles = [runtime.submit([3, 4], max_new_tokens=80, gamma=1) for _ in range(runtime.max_batch + 2)]
-    time.sleep(0.1)
+    started = threading.Event()
+
+    def hold_the_first_iteration(tokens):
+        if not started.is_set():
+            started.set()
+            time.sleep(0.3)  # the engine thread is inside an iteration while close() is called
+
+    handles = [runtime.submit([3, 4], max_new_tokens=80, gamma=1, on_tokens=hold_the_first_iteration)
+               for _ in range(runtime.max_batch + 2)]
+    assert started.wait(10)
     runtime.close()
     reasons = [h.result(timeout=10).finish_reason for h in handles]
     assert "cancelled" in reasons and all(h.done for h in handles)

@@ -39,4 +39,4 @@ def test_cli_generate_runs_without_torch(bundles):
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     [result] = json.loads(proc.stdout)
-    assert set(result) == {"prompt", "text", "token_ids", "stats"}
+    assert set(result) == {"prompt", "text", "token_ids", "finish_reason", "stats"}

@@ -11,6 +11,7 @@ import speccompile
 from speccompile.cli import _profile_table, main
 from speccompile.core.cost_model import LoopCosts
 from speccompile.core.gamma_policy import GammaPolicy
+from speccompile.core.stats import GenerationStats
 from speccompile.runtime import profile as prof
 from speccompile.runtime.hardware import fingerprint, fingerprint_key
 
@@ -72,10 +73,14 @@ def test_prompts_end_where_a_calibration_prompt_ends_at_any_length():
 
 
 def run(iteration_ms: float, tokens_per_iteration: float, draft_ms: float = 0.0, verify_ms: float = 0.0,
-        tokens_per_s: float = 100.0) -> prof.LoopRun:
-    """A run of 10 steady iterations whose draft and verification clocks say so much per iteration."""
+        tokens_per_s: float = 100.0, accepted: tuple = ()) -> prof.LoopRun:
+    """A run of 10 steady iterations whose draft and verification clocks say so much per iteration,
+    and one request's stats with these drafts accepted per iteration, at γ = 4."""
+    stats = GenerationStats("speculative", 4)
+    for n in accepted:
+        stats.record_iteration(n, 4)
     return prof.LoopRun(10 * iteration_ms, 10, round(10 * tokens_per_iteration), 10 * draft_ms, 10 * verify_ms, 10,
-                        new_tokens=round(tokens_per_s), wall_ms=1e3, stats=[])
+                        new_tokens=round(tokens_per_s), wall_ms=1e3, stats=[stats])
 
 
 def test_costs_are_relative_to_the_same_round_s_plain_step():
@@ -93,26 +98,32 @@ def test_costs_are_relative_to_the_same_round_s_plain_step():
     assert costs["overhead_ms"] == pytest.approx(1.1)
 
 
-def test_a_batch_entry_predicts_with_the_gamma_policy_and_measures_per_round():
-    acceptance = [0.8, 0.6, 0.4, 0.2]
-    rounds = [{0: run(10.0, 2, tokens_per_s=100), 2: run(15.0, 4.8, 3.0, 11.0, tokens_per_s=160),
-               4: run(20.0, 6.0, 5.0, 14.0, tokens_per_s=170)},
-              {0: run(10.0, 2, tokens_per_s=100), 2: run(15.0, 4.2, 3.0, 11.0, tokens_per_s=150),
-               4: run(20.0, 6.4, 5.0, 14.0, tokens_per_s=180)},
-              {0: run(12.0, 2, tokens_per_s=90), 2: run(18.0, 5.2, 3.6, 13.2, tokens_per_s=150),
-               4: run(24.0, 6.8, 6.0, 16.8, tokens_per_s=150)}]
-    entry = prof.batch_entry({64: rounds}, batch=2, acceptance=acceptance)
+def test_a_point_predicts_with_the_gamma_policy_and_its_own_acceptance_and_measures_per_round():
+    accepted = (4, 3, 2, 1, 0)  # P_k = 0.8, 0.6, 0.4, 0.2 over the rounds' runs (at γ = 2: its first two)
+    rounds = [{0: run(10.0, 2, tokens_per_s=100), 2: run(15.0, 4.8, 3.0, 11.0, tokens_per_s=160, accepted=accepted),
+               4: run(20.0, 6.0, 5.0, 14.0, tokens_per_s=170, accepted=accepted)},
+              {0: run(10.0, 2, tokens_per_s=100), 2: run(15.0, 4.2, 3.0, 11.0, tokens_per_s=150, accepted=accepted),
+               4: run(20.0, 6.4, 5.0, 14.0, tokens_per_s=180, accepted=accepted)},
+              {0: run(12.0, 2, tokens_per_s=90), 2: run(18.0, 5.2, 3.6, 13.2, tokens_per_s=150, accepted=accepted),
+               4: run(24.0, 6.8, 6.0, 16.8, tokens_per_s=150, accepted=accepted)}]
+    point = prof.point_entry(rounds, batch=2)
+    assert point["acceptance_by_position"] == pytest.approx([0.8, 0.6, 0.4, 0.2])
+    assert point["acceptance_by_gamma"] == {2: pytest.approx([0.8, 0.6]), 4: pytest.approx([0.8, 0.6, 0.4, 0.2])}
     # every cost relative to its round's step: draft 0.3 and 0.5, verification 1.1 and 1.4, work 0.1
     # and 0.1, times the median step (10 ms); the speedup as the cost model has it
-    assert entry["overhead_ms"] == pytest.approx(1.0)
-    assert entry["predicted_speedup"][2] == pytest.approx((1 + 0.8 + 0.6) * 10 / (3 + 11 + 1))
-    assert entry["predicted_speedup"][4] == pytest.approx((1 + 0.8 + 0.6 + 0.4 + 0.2) * 10 / (5 + 14 + 1))
-    assert entry["best_gamma"] == 2 and entry["predicted_speedup"][0] == 1.0
+    assert point["overhead_ms"] == pytest.approx(1.0)
+    assert point["predicted_speedup"][2] == pytest.approx((1 + 0.8 + 0.6) * 10 / (3 + 11 + 1))
+    assert point["predicted_speedup"][4] == pytest.approx((1 + 0.8 + 0.6 + 0.4 + 0.2) * 10 / (5 + 14 + 1))
+    assert point["best_gamma"] == 2 and point["predicted_speedup"][0] == 1.0
     # measured: each round's steady rate over its plain run's, median over rounds
-    assert entry["measured_speedup"][2] == pytest.approx(4.8 / 15 / (2 / 10))  # rounds: 1.6, 1.4, 1.73
-    assert entry["measured_speedup"][4] == pytest.approx(6.4 / 20 / (2 / 10))  # rounds: 1.5, 1.6, 1.7
-    assert entry["end_to_end_speedup"] == {2: pytest.approx(1.6), 4: pytest.approx(1.7)}
-    assert entry["tokens_per_iteration"] == {2: pytest.approx(4.8 / 2), 4: pytest.approx(6.4 / 2)}
+    assert point["measured_speedup"][2] == pytest.approx(4.8 / 15 / (2 / 10))  # rounds: 1.6, 1.4, 1.73
+    assert point["measured_speedup"][4] == pytest.approx(6.4 / 20 / (2 / 10))  # rounds: 1.5, 1.6, 1.7
+    assert point["end_to_end_speedup"] == {2: pytest.approx(1.6), 4: pytest.approx(1.7)}
+    assert point["tokens_per_iteration"] == {2: pytest.approx(4.8 / 2), 4: pytest.approx(6.4 / 2)}
+
+
+def test_the_policy_prior_weighs_every_point_alike():
+    assert prof.mean_acceptance([[0.9, 0.8], [0.1, 0.0]]) == pytest.approx([0.5, 0.4])
 
 
 def test_costs_between_contexts_are_interpolated():
@@ -130,18 +141,20 @@ def test_costs_between_contexts_are_interpolated():
     assert prof.timings_for_batch(profile, 3)["target_step_ms"] == pytest.approx(3.0)  # the nearest batch size
 
 
-def test_the_table_prints_every_batch_size_and_gamma_and_the_largest_gap():
-    entry = {"target_step_ms": 10.0, "draft_ms": {2: 3.0}, "verify_ms": {2: 11.0}, "overhead_ms": 1.0,
-             "predicted_speedup": {0: 1.0, 2: 1.6}, "measured_speedup": {2: 1.5}, "end_to_end_speedup": {2: 1.4},
-             "tokens_per_iteration": {2: 2.3}, "best_gamma": 2}
-    profile = {"gammas": [2], "acceptance_by_position": [0.8, 0.6],
-               "by_batch": {1: entry, 2: {**entry, "measured_speedup": {2: 1.6}, "best_gamma": 0}}}
-    table = _profile_table(profile)
-    rows = [line.split() for line in table.splitlines()[3:-1]]
-    assert [row[:2] for row in rows] == [["1", "0"], ["1", "2"], ["2", "0"], ["2", "2"]]
+def test_the_table_prints_every_batch_size_context_and_gamma_and_the_largest_gap():
+    point = {"target_step_ms": 10.0, "draft_ms": {2: 3.0}, "verify_ms": {2: 11.0}, "overhead_ms": 1.0,
+             "acceptance_by_gamma": {2: [0.8, 0.6]}, "predicted_speedup": {0: 1.0, 2: 1.6},
+             "measured_speedup": {2: 1.5}, "end_to_end_speedup": {2: 1.4}, "tokens_per_iteration": {2: 2.3},
+             "best_gamma": 2}
+    profile = {"by_batch": {1: {"per_context": {64: point, 256: {**point, "measured_speedup": {2: 1.55}}}},
+                            2: {"per_context": {64: {**point, "measured_speedup": {2: 1.6}, "best_gamma": 0}}}}}
+    table = _profile_table(profile).splitlines()
+    rows = [line.split() for line in table[2:-1]]
+    assert [row[:3] for row in rows] == [[b, c, g] for b, c in (("1", "64"), ("1", "256"), ("2", "64"))
+                                         for g in ("0", "2")]
     assert rows[1][-3:] == ["2.40/2.30", "<-", "γ*"]  # tokens per iteration: expected 1 + .8 + .6, measured
-    assert rows[2][-1] == "γ*" and rows[3][-1] != "γ*"
-    assert table.splitlines()[-1] == "predicted vs measured: within 6.7% everywhere (the largest gap: batch 1, γ=2)"
+    assert rows[4][-1] == "γ*" and rows[5][-1] != "γ*"
+    assert table[-1] == "predicted vs measured: within 6.7% everywhere (the largest gap: batch 1, context 64, γ=2)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,12 +173,13 @@ def test_a_copy_draft_s_profile_counts_every_draft_accepted_and_its_policy_choos
     loaded = prof.find_profile(bundle)  # through JSON: batch, context and γ keys are ints again
     assert loaded["by_batch"].keys() == {1, 2} and loaded["by_batch"][1]["per_context"].keys() == {16}
     for batch, entry in loaded["by_batch"].items():
-        assert entry["tokens_per_iteration"] == {1: 2.0, 4: 5.0}
-        assert min(entry["target_step_ms"], *entry["draft_ms"].values(), *entry["verify_ms"].values()) > 0
-        policy = GammaPolicy(prof.timings_for_batch(loaded, batch), loaded["acceptance_by_position"])
-        assert entry["best_gamma"] == policy.choose()
-        assert entry["predicted_speedup"] == {0: 1.0, **{g: pytest.approx(policy.speedup(g)) for g in (1, 4)}}
-        assert entry["measured_speedup"].keys() == entry["end_to_end_speedup"].keys() == {1, 4}
+        point = entry["per_context"][16]
+        assert point["tokens_per_iteration"] == {1: 2.0, 4: 5.0}
+        assert min(point["target_step_ms"], *point["draft_ms"].values(), *point["verify_ms"].values()) > 0
+        policy = GammaPolicy(prof.timings_for_batch(loaded, batch, context=16), point["acceptance_by_position"])
+        assert point["best_gamma"] == policy.choose()
+        assert point["predicted_speedup"] == {0: 1.0, **{g: pytest.approx(policy.speedup(g)) for g in (1, 4)}}
+        assert point["measured_speedup"].keys() == point["end_to_end_speedup"].keys() == {1, 4}
 
 
 def test_profiles_match_hardware_and_format(random_bundle):
@@ -218,7 +232,7 @@ def test_cli_profile_covers_every_batch_size_by_default_and_writes_plots(random_
                                        "16", "--max-new-tokens", "16", "--rounds", "1", "--ops"])
     assert result.exit_code == 0, result.output
     rows = [line.split() for line in result.stdout.splitlines() if line[:5].strip().isdigit()]
-    assert sorted({(int(row[0]), int(row[1])) for row in rows}) == [(b, g) for b in (1, 2, 3, 4) for g in (0, 1, 4)]
+    assert sorted((int(row[0]), int(row[2])) for row in rows) == [(b, g) for b in (1, 2, 3, 4) for g in (0, 1, 4)]
     assert "γ*" in result.stdout and "predicted vs measured: within" in result.stdout
     assert "top ops by share" in result.stdout and "MatMul" in result.stdout
     assert {p.suffix for p in (random_bundle / "profiles").iterdir()} == {".json", ".png"}
@@ -238,7 +252,7 @@ def write_profile_with(bundle, acceptance: list[float], costs: LoopCosts) -> Non
                "draft_ms": costs.draft, "verify_ms": costs.verify, "overhead_ms": costs.overhead}
     entry = profile["by_batch"][1]
     entry.update(timings)
-    entry["per_context"] = {c: dict(timings) for c in entry["per_context"]}
+    entry["per_context"] = {c: {**point, **timings} for c, point in entry["per_context"].items()}
     profile["acceptance_by_position"] = acceptance
     prof.write_profile(bundle, profile)
 

@@ -95,6 +95,7 @@ def bundle(pair, tmp_path_factory):
     return build(pair, tmp_path_factory.mktemp("b") / "bundle")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature, top_k, top_p", SETTINGS)
 def test_speculative_samples_follow_the_target_distribution(pair, bundle, temperature, top_k, top_p):
     samples = speculative_samples(bundle, temperature, top_k, top_p)
@@ -108,6 +109,7 @@ def test_the_draft_really_disagrees(bundle):
     assert rate < 0.6, rate
 
 
+@pytest.mark.slow
 def test_a_broken_residual_step_is_detected(pair, tmp_path, monkeypatch):
     """Negative control: sampling the correction from p instead of max(0, p - q) must fail the test."""
     monkeypatch.setattr(spec_accept, "residual_weights", lambda f, p_n, q_n: p_n)
@@ -139,6 +141,7 @@ def test_a_sequence_samples_the_same_alone_or_in_a_batch(bundle):
     assert "target_verify_sample_g3_b1.onnx" in runtime.target._sessions
 
 
+@pytest.mark.slow
 def test_autoregressive_sampling_follows_the_target_distribution(pair, bundle):
     runtime = speccompile.load(bundle)
     samples = []

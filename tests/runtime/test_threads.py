@@ -59,6 +59,7 @@ assert shared_thread_pool()
     run_python(code)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["generate", "--prompt", "import os", "--max-new-tokens", "4"],
                                      ["profile", "--batch-sizes", "1", "--context-lengths", "16", "--repeats", "1",
                                       "--rounds", "1", "--ops"]])

@@ -46,6 +46,7 @@ def acceptance(target, draft, out):
     return sum(r.stats.accepted_tokens for r in results) / sum(r.stats.draft_tokens for r in results)
 
 
+@pytest.mark.slow
 def test_distilled_draft_accepts_more_than_untrained(tmp_path, smooth_target, corpus):
     target = smooth_target
     untrained = distill(target, corpus, tmp_path / "untrained", DistillOptions(**{**OPTIONS, "steps": 1, "lr": 1e-9}))
