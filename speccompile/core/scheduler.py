@@ -5,10 +5,10 @@ Requests arrive at any time (`add`) and wait in a queue. Each `step` is one iter
   1. cancelled requests leave;
   2. prefill: waiting requests join, a chunk of prompt at a time (below);
   3. one decoding iteration over every decoding request at once:
-     a. γ for this iteration: the policy's choice for the current number of decoding requests (its
-        profile measured each batch size), capped per request by its own γ and by the tokens it
-        still needs: rows may carry different numbers of drafts, and the verification takes each
-        row's draft length;
+     a. γ for this iteration: the policy's choice for the current number of decoding requests and
+        their mean context (its profile measured each batch size and context), capped per request
+        by its own γ and by the tokens it still needs: rows may carry different numbers of drafts,
+        and the verification takes each row's draft length;
      b. the draft proposes, one batched step at a time; its first step feeds each row the tokens
         it has not cached yet (normally [prev, last], more after plain iterations);
      c. the target scores [last, d_1..d_γ] of every row in ONE verification pass whose SpecAccept
@@ -45,8 +45,10 @@ from speccompile.core.engine import DecoderEngine, VerifierEngine
 from speccompile.core.gamma_policy import GammaPolicy
 from speccompile.core.request import AUTO, Request
 
-# number of decoding requests -> the γ policy for that load (None: no costs known yet)
-PolicyFor = Callable[[int], GammaPolicy | None]
+# (number of decoding requests, their mean context length) -> the γ policy for that load (None: no
+# costs known yet). Context matters as much as load: every step grows with it, and a draft's
+# acceptance can fall with it (a draft distilled on short sequences drafts poorly past them).
+PolicyFor = Callable[[int, int], GammaPolicy | None]
 
 
 class Scheduler:
@@ -168,7 +170,9 @@ class Scheduler:
     # -- decoding ---------------------------------------------------------------------------------
     def _decode(self) -> None:
         rows = self.decoding
-        policy = self.policy_for(len(rows)) if self.policy_for and any(r.gamma == AUTO for r in rows) else None
+        policy = None
+        if self.policy_for and any(r.gamma == AUTO for r in rows):
+            policy = self.policy_for(len(rows), round(sum(len(r.tokens) for r in rows) / len(rows)))
         wanted = self._wanted_gamma(rows, policy)
         gamma = self._graph_gamma(rows, wanted)
         # A request near its end drafts only what it still needs (the target adds one token of its

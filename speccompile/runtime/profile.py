@@ -11,13 +11,18 @@ alternating prompt group by prompt group, for `rounds` rounds. Each run is read 
     scheduling);
   - end to end: all its tokens over the call's wall time, prefill included (what `bench` reports).
 Each cost is taken relative to the same round's plain decoding iteration, and is the median of
-that ratio over rounds times the median iteration (see context_costs). A batch size's costs are
-the mean over contexts; `timings_for_batch` interpolates between contexts. Acceptance per draft
-position comes from every request of the runs at the largest γ (P_k for k <= γ does not depend on
-γ). The predicted speedup of each γ is `GammaPolicy.speedup` before any observation, and γ* its
-first choice: the table prints what the runtime's policy believes. The measured speedup is each
-round's steady-state rate at γ over the same round's plain decoding rate, median over rounds and
-contexts.
+that ratio over rounds times the median iteration (see context_costs). Every (batch size, context)
+point keeps its own costs and its own acceptance by draft position (from every request of its runs
+at each γ), because both move with context: steps grow with it, and a draft distilled on short
+sequences drafts poorly past them (the demo draft, distilled on 128-token sequences, picks the
+target's greedy token 0.75 of the time at positions under 128 and 0.35 past 192, teacher-forced in
+transformers; its first draft is accepted 0.74 to 0.82 of the time at context 64, 0.26 to 0.57 at
+256). The runtime's γ policy for a load and context
+starts from the nearest point's costs and acceptance (`point_prior`). The predicted speedup of each
+γ is `GammaPolicy.speedup` with that point's costs and its acceptance at that γ, and γ* the best of
+them: the table prints what the runtime's policy believes at that point before it has observed
+anything. The measured speedup is each round's steady-state rate at γ over the same round's plain
+decoding rate, median over rounds.
 
 Why loop runs. The previous profile timed each step alone, back to back and rolled back, and
 compared the speedup that predicted with one measured end to end, later: its table disagreed with
@@ -433,6 +438,15 @@ def timings_for_batch(profile: dict, batch: int, context: int | None = None) -> 
     if context is None:
         return entry
     return interpolate_costs(entry["per_context"], context)
+
+
+def point_prior(profile: dict, batch: int, context: int) -> tuple[dict, list[float]]:
+    """A γ policy's prior at a batch size and a profiled context: the costs there (the nearest
+    measured batch size), and the acceptance by position measured there (profiles before per-point
+    acceptance: the profile's own)."""
+    timings = timings_for_batch(profile, batch, context)
+    point = timings_for_batch(profile, batch)["per_context"].get(context, {})
+    return timings, point.get("acceptance_by_position", profile["acceptance_by_position"])
 
 
 def interpolate_costs(per_context: dict[int, dict], context: int) -> dict:

@@ -75,7 +75,7 @@ class Runtime:
         from speccompile.runtime.profile import find_profile
 
         self.profile = find_profile(bundle.path, fingerprint(backend))  # measured on this hardware and backend, if any
-        self._policies: dict[int, GammaPolicy] = {}  # decoding requests -> γ policy at that load
+        self._policies: dict[tuple, GammaPolicy] = {}  # (decoding requests, context point) -> γ policy
         self._calibration: dict | None = None  # step costs measured here when no profile matches
         self.scheduler = Scheduler(self.target, self.draft, self.max_batch, self.max_seq, self.gammas,
                                    self.tokenizer.eos_token_ids, self._policy_for_load, self.profile is not None,
@@ -199,23 +199,27 @@ class Runtime:
         self._loaded.add(key)
 
     # -- γ selection ---------------------------------------------------------------------------
-    def _policy_for_load(self, decoding: int) -> GammaPolicy | None:
-        """The γ policy for `decoding` requests at once: the profile's costs measured at that batch
-        size; without a profile, the batch-1 calibration (run `speccompile profile` for γ under load),
-        or None before there is one (the scheduler then runs the bundle's default γ). Acceptance is
-        learned from the requests served at that load."""
-        if decoding not in self._policies:
-            if self.profile is not None:
-                from speccompile.runtime.profile import timings_for_batch
+    def _policy_for_load(self, decoding: int, context: int) -> GammaPolicy | None:
+        """The γ policy for `decoding` requests at once whose mean context is `context`: with a
+        profile, one policy per batch size and profiled context (the nearest), with that point's
+        costs and acceptance as its prior; without one, the quick calibration's costs at this batch
+        size (run `speccompile profile` for γ under load), or None before there is one (the
+        scheduler then runs the bundle's default γ). Acceptance is learned from the requests served
+        at that load and context."""
+        if self.profile is not None:
+            from speccompile.runtime.profile import point_prior
 
-                timings = timings_for_batch(self.profile, decoding, self.max_seq // 4)
-                self._policies[decoding] = GammaPolicy(timings, self.profile["acceptance_by_position"])
-            elif self._calibration is not None:
-                prior = [0.5**k for k in range(1, max(self.gammas) + 1)]  # neutral, worth 2 iterations
-                self._policies[decoding] = GammaPolicy(self._calibrated_costs(decoding), prior, prior_weight=2.0)
-            else:
-                return None
-        return self._policies[decoding]
+            point = min(self.profile["context_lengths"], key=lambda c: (abs(c - context), c))
+            if (decoding, point) not in self._policies:
+                timings, acceptance = point_prior(self.profile, decoding, point)
+                self._policies[decoding, point] = GammaPolicy(timings, acceptance)
+            return self._policies[decoding, point]
+        if self._calibration is None:
+            return None
+        if (decoding, None) not in self._policies:
+            prior = [0.5**k for k in range(1, max(self.gammas) + 1)]  # neutral, worth 2 iterations
+            self._policies[decoding, None] = GammaPolicy(self._calibrated_costs(decoding), prior, prior_weight=2.0)
+        return self._policies[decoding, None]
 
     def _calibrate(self) -> None:
         """Time the steps quickly at batch 1 and at the bundle's max batch (costs in between are

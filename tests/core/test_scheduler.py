@@ -32,7 +32,7 @@ def scheduler(draft=None, max_batch=4, max_seq=256, gammas=(1, 2, 4, 6), eos=(),
     target = target or FakeEngine(capacity=max_seq)
     draft = draft or FakeEngine(capacity=max_seq)
     return Scheduler(target, draft, max_batch, max_seq, list(gammas), set(eos),
-                     policy_for=(lambda n: policy) if policy else None, **kw)
+                     policy_for=(lambda n, context: policy) if policy else None, **kw)
 
 
 def run(s: Scheduler, requests, limit=10_000) -> int:

@@ -325,3 +325,23 @@ def test_auto_without_a_profile_says_so_once_and_calibrates_in_the_loop_s_order(
     runtime.close()
     assert sum("no γ profile for this hardware" in r.getMessage() for r in caplog.records) == 1
     assert all(costs["draft_ms"].keys() == {1, 4} for costs in runtime._calibration.values())
+
+
+def test_auto_follows_the_profile_at_the_requests_context(tmp_path, bundles):
+    """The same costs, but drafts all accepted at context 16 and none at 64 (as a draft distilled on
+    short sequences behaves past them): a short request speculates, a long one decodes plainly."""
+    bundle = shutil.copytree(bundles("llama", "copy"), tmp_path / "bundle")
+    write_profile_with(bundle, [0.5] * 4, LoopCosts(10.0, {1: 0.1, 4: 0.4}, {1: 11.0, 4: 12.0}, overhead=0.5))
+    profile = prof.find_profile(bundle)
+    entry = profile["by_batch"][1]
+    point = entry["per_context"][16]
+    entry["per_context"] = {16: {**point, "acceptance_by_position": [1.0] * 4},
+                            64: {**point, "acceptance_by_position": [0.0] * 4}}
+    profile["context_lengths"] = [16, 64]
+    prof.write_profile(bundle, profile)
+    runtime = speccompile.load(bundle)
+    [short] = runtime.generate([[5, 6, 7]], max_new_tokens=8, gamma="auto")
+    [long] = runtime.generate([list(range(3, 73))], max_new_tokens=8, gamma="auto")
+    runtime.close()
+    assert short.stats.mode == "speculative" and max(short.stats.gammas_used) == 4
+    assert long.stats.mode == "autoregressive" and long.stats.auto_chose_plain
