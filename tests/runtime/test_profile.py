@@ -149,12 +149,15 @@ def test_the_table_prints_every_batch_size_context_and_gamma_and_the_largest_gap
     profile = {"by_batch": {1: {"per_context": {64: point, 256: {**point, "measured_speedup": {2: 1.55}}}},
                             2: {"per_context": {64: {**point, "measured_speedup": {2: 1.6}, "best_gamma": 0}}}}}
     table = _profile_table(profile).splitlines()
-    rows = [line.split() for line in table[2:-1]]
+    rows = [line.split() for line in table[2:-2]]
     assert [row[:3] for row in rows] == [[b, c, g] for b, c in (("1", "64"), ("1", "256"), ("2", "64"))
                                          for g in ("0", "2")]
     assert rows[1][-3:] == ["2.40/2.30", "<-", "γ*"]  # tokens per iteration: expected 1 + .8 + .6, measured
     assert rows[4][-1] == "γ*" and rows[5][-1] != "γ*"
-    assert table[-1] == "predicted vs measured: within 6.7% everywhere (the largest gap: batch 1, context 64, γ=2)"
+    assert table[-2] == "predicted vs measured: within 6.7% everywhere (the largest gap: batch 1, context 64, γ=2)"
+    # 1.6 × 2.3 / 2.4 = 1.533 against 1.5, 1.55 and 1.6
+    assert table[-1] == ("with the measured tokens per iteration (the costs alone): within 4.2% everywhere "
+                         "(the largest gap: batch 2, context 64, γ=2)")
 
 
 # ---------------------------------------------------------------------------------------------
