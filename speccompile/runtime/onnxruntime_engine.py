@@ -44,7 +44,11 @@ def shared_thread_pool(threads: int | None = None, create: bool = True) -> bool:
     from onnxruntime.capi import _pybind_state
 
     if create and os.environ.get("SPECCOMPILE_SHARED_THREADS", "1") != "0":
-        _pybind_state.set_global_thread_pool_sizes(threads or 0, 1)
+        try:
+            _pybind_state.set_global_thread_pool_sizes(threads or 0, 1)
+        except _pybind_state.Fail as e:  # a second runtime in the process: the pool exists (or cannot now)
+            if "already been created" not in str(e):
+                raise
     return _process_has_shared_pool()
 
 

@@ -31,7 +31,9 @@ import speccompile
 runtime = speccompile.load(sys.argv[1], shared_threads=True)
 [result] = runtime.generate([{prompt}], max_new_tokens=16, gamma=4)
 again = speccompile.load(sys.argv[1])  # asks for nothing: a process with the pool must use it anyway
-print(json.dumps({{"shared": [runtime.target.shared_pool, runtime.draft.shared_pool, again.target.shared_pool],
+twice = speccompile.load(sys.argv[1], shared_threads=True)  # asks again: the pool is there already
+print(json.dumps({{"shared": [runtime.target.shared_pool, runtime.draft.shared_pool, again.target.shared_pool,
+                             twice.draft.shared_pool],
                   "tokens": result.token_ids}}))
 """
 
@@ -40,12 +42,12 @@ def test_a_fresh_process_gets_the_shared_pool_and_the_same_tokens(bundles):
     bundle = bundles("llama", "copy")
     expected = speccompile.load(bundle).generate([PROMPT], max_new_tokens=16, gamma=4)[0].token_ids  # pools per session
     out = json.loads(run_python(GENERATE.format(before="", prompt=PROMPT), bundle).stdout)
-    assert out == {"shared": [True, True, True], "tokens": expected}
+    assert out == {"shared": [True, True, True, True], "tokens": expected}
 
 
 def test_switched_off_the_pool_is_never_made(bundles):
     result = run_python(GENERATE.format(before="", prompt=PROMPT), bundles("llama", "copy"), shared="0")
-    assert json.loads(result.stdout)["shared"] == [False, False, False]
+    assert json.loads(result.stdout)["shared"] == [False, False, False, False]
 
 
 def test_a_process_with_the_pool_binds_plain_sessions_too():
