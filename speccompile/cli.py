@@ -329,7 +329,7 @@ def _int_list(text: str) -> list[int]:
               help="Mean context of the runs at each point: prompts of this length minus half the new tokens.")
 @click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Tokens per request in each run.")
 @click.option("--repeats", type=int, default=1, show_default=True,
-              help="Runs per mode at each batch size and context, per round (each on the next prompts).")
+              help="Passes over all prompts per mode at each batch size and context, per round.")
 @click.option("--rounds", type=int, default=3, show_default=True,
               help="Sweeps over all batch sizes, contexts and modes; each number is the median over them.")
 @click.option("--ops", is_flag=True, help="Also print ONNX Runtime's per-op time breakdown of each graph.")
