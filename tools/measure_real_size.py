@@ -40,8 +40,8 @@ def main() -> None:
             for batch in (1, 2):
                 runtime.generate([prompt] * batch, max_new_tokens=4, gamma=gamma, temperature=temperature, seed=0)
     report["rss_all_calls_bytes"] = process.memory_info().rss
-    report["target_sessions"] = len({id(s) for s in runtime.target._sessions.values()})
-    report["graph_variants_run"] = len(runtime.target._sessions) + len(runtime.draft._sessions)
+    report["target_sessions"] = runtime.target.session_count
+    report["graph_variants_run"] = len(runtime.target.loaded_files) + len(runtime.draft.loaded_files)
     report["kv_cache_bytes_batch2"] = 2 * sum(kv_cache_bytes_per_sequence(runtime.bundle.model(role), runtime.max_seq)
                                               for role in ("target", "draft"))
     report["step_ms_batch1"] = measure_costs(runtime, batch=1, context=args.context, repeats=args.repeats)

@@ -135,8 +135,24 @@ class OrtModel(CachedModel):
         for graph in graphs:
             self._session(graph, batch or self.slots)
 
+    # -- what it holds (inspection, tests) ------------------------------------------------------
+    @property
+    def one_session(self) -> bool:
+        """Every call runs on the model's one session graph (one copy of its weights)."""
+        return self._session_graph is not None
+
+    @property
+    def loaded_files(self) -> set[str]:
+        """The graph files whose computation has a session now."""
+        return set(self._sessions)
+
+    @property
+    def session_count(self) -> int:
+        """ONNX Runtime sessions held (one session graph serves many files)."""
+        return len({id(s) for s in self._sessions.values()})
+
     # -- sessions and buffers -----------------------------------------------------------------
-    def _file(self, graph: GraphId, batch: int) -> str:
+    def graph_file(self, graph: GraphId, batch: int) -> str:
         """The graph file whose computation a batch runs: a batch of one sequence runs the graph's
         single-sequence variant where the bundle has one (fused attention that reads the cache in
         place). With a session graph, that computation runs there (see _session, _binding)."""
@@ -150,7 +166,7 @@ class OrtModel(CachedModel):
     def _session(self, graph: GraphId, batch: int):
         """The session that runs `graph` at this batch size: its file's own, or the model's one
         session graph. Sessions are kept by the file whose computation they run."""
-        file = self._file(graph, batch)
+        file = self.graph_file(graph, batch)
         if file not in self._sessions:
             if self._session_graph is None:
                 self._sessions[file] = self._new_session(file, self._spin(graph))
@@ -190,7 +206,7 @@ class OrtModel(CachedModel):
     def _prepare(self, graph: GraphId, first: int, batch: int) -> tuple:
         """What a call of `graph` on these slots runs on: its session and its binding."""
         session = self._session(graph, batch)
-        binding = self._binding(session, graph, self._file(graph, batch), first, batch)
+        binding = self._binding(session, graph, self.graph_file(graph, batch), first, batch)
         self._calls[graph, first, batch] = (session, *binding)
         return self._calls[graph, first, batch]
 

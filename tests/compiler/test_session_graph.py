@@ -178,8 +178,8 @@ for gamma in (2, 4):
         for batch in (1, 2):
             runtime.generate([prompt] * batch, max_new_tokens=4, gamma=gamma, temperature=temperature, seed=0)
 print(json.dumps({"growth": process.memory_info().rss - base,
-                  "sessions": len({id(s) for s in runtime.target._sessions.values()}),
-                  "graphs": len(runtime.target._sessions)}))
+                  "sessions": runtime.target.session_count,
+                  "graphs": len(runtime.target.loaded_files)}))
 """
 
 
@@ -218,18 +218,18 @@ def test_one_session_samples_what_sessions_per_graph_sample(bundles, batch):
             kwargs = {"max_new_tokens": 12, "gamma": gamma, "temperature": 0.9, "top_p": 0.95, "seed": seed}
             expected = [r.token_ids for r in per_graph.generate(prompts, **kwargs)]
             assert [r.token_ids for r in one.generate(prompts, **kwargs)] == expected, (seed, gamma)
-    assert len({id(s) for s in one.target._sessions.values()}) == 1 < len(one.target._sessions)
+    assert one.target.session_count == 1 < len(one.target.loaded_files)
 
 
 def test_one_session_per_model_from_a_weight_size_up(bundles, monkeypatch):
     from speccompile.runtime import onnxruntime_engine
 
     small = speccompile.load(bundles("llama", "random"))
-    assert small.target._session_graph is None  # tiny weights: a session per graph is faster
+    assert not small.target.one_session  # tiny weights: a session per graph is faster
     monkeypatch.setattr(onnxruntime_engine, "ONE_SESSION_MIN_BYTES", 0)
     large = speccompile.load(bundles("llama", "random"))
-    assert large.target._session_graph is not None and large.draft._session_graph is not None
-    assert speccompile.load(bundles("llama", "random"), one_session=False).target._session_graph is None
+    assert large.target.one_session and large.draft.one_session
+    assert not speccompile.load(bundles("llama", "random"), one_session=False).target.one_session
 
 
 def test_one_session_needs_a_bundle_with_session_graphs(bundles, tmp_path):
@@ -239,6 +239,6 @@ def test_one_session_needs_a_bundle_with_session_graphs(bundles, tmp_path):
         del model["session"]
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     runtime = speccompile.load(bundle)  # older bundles still run, a session per graph
-    assert runtime.target._session_graph is None
+    assert not runtime.target.one_session
     with pytest.raises(SpecCompileError, match="no session graphs"):
         speccompile.load(bundle, one_session=True)

@@ -110,13 +110,13 @@ def test_graphs_are_loaded_before_the_clock_starts(bundles, temperature, graphs)
     verify = runtime.target.verify_sample if temperature else runtime.target.verify
 
     def spy(*args, **kwargs):
-        loaded_at_first_call.append(set(runtime.target._sessions) | set(runtime.draft._sessions))
+        loaded_at_first_call.append(runtime.target.loaded_files | runtime.draft.loaded_files)
         return verify(*args, **kwargs)
 
     setattr(runtime.target, "verify_sample" if temperature else "verify", spy)
     runtime.generate([PROMPTS[0]], max_new_tokens=4, gamma=4, temperature=temperature, seed=0)
     target_graph, draft_graph = graphs
-    files = {runtime.target._file(target_graph, 1), runtime.draft._file(draft_graph, 1)}
+    files = {runtime.target.graph_file(target_graph, 1), runtime.draft.graph_file(draft_graph, 1)}
     assert f"{target_graph.name}_b1.onnx" in files  # batch 1: the target's single-sequence variant
     assert loaded_at_first_call and files <= loaded_at_first_call[0]
 
@@ -124,11 +124,11 @@ def test_graphs_are_loaded_before_the_clock_starts(bundles, temperature, graphs)
 def test_one_sequence_runs_the_fused_variants_and_a_batch_the_standard_graphs(bundles, hf_reference):
     runtime = speccompile.load(bundles("llama", "copy"))
     [single] = runtime.generate([PROMPTS[0]], max_new_tokens=MAX_NEW, gamma=4)
-    loaded = set(runtime.target._sessions) | set(runtime.draft._sessions)
+    loaded = runtime.target.loaded_files | runtime.draft.loaded_files
     assert {"target_forward_b1.onnx", "target_verify_g4_b1.onnx", "draft_forward_b1.onnx"} <= loaded
-    assert "target_verify_g4.onnx" not in runtime.target._sessions
+    assert "target_verify_g4.onnx" not in runtime.target.loaded_files
     batch = runtime.generate(PROMPTS[:2], max_new_tokens=MAX_NEW, gamma=4)
-    assert "target_verify_g4.onnx" in runtime.target._sessions
+    assert "target_verify_g4.onnx" in runtime.target.loaded_files
     assert single.token_ids == batch[0].token_ids == hf_reference("llama", 0)
 
 

@@ -138,7 +138,7 @@ def test_a_sequence_samples_the_same_alone_or_in_a_batch(bundle):
         alone = runtime.generate([PROMPT], max_new_tokens=8, temperature=1.0, seed=seed)[0].token_ids
         batched = runtime.generate([PROMPT, [2, 2]], max_new_tokens=8, temperature=1.0, seed=seed)[0].token_ids
         assert alone == batched, seed
-    assert "target_verify_sample_g3_b1.onnx" in runtime.target._sessions
+    assert "target_verify_sample_g3_b1.onnx" in runtime.target.loaded_files
 
 
 @pytest.mark.slow
