@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from speccompile.core.proposers import DEFAULT_PROPOSER, PROPOSERS
 from speccompile.errors import SpecCompileError
 
 
@@ -156,9 +157,12 @@ def resolve_bundle(bundle):
 @click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0: off).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass (1: off).")
 @click.option("--seed", type=int, default=None, help="Random seed: the same seed gives the same tokens.")
+@click.option("--proposer", type=click.Choice(PROPOSERS), default=DEFAULT_PROPOSER, show_default=True,
+              help="Who drafts: the draft model, prompt lookup in the request's own text (ngram), or per "
+              "iteration the one predicted faster (auto).")
 @click.option("--json", "as_json", is_flag=True, help="Print results as a JSON list.")
 @user_errors
-def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, top_p, seed, as_json):
+def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, top_p, seed, proposer, as_json):
     """Generate text with speculative decoding (or the target alone).
 
     BUNDLE defaults to the embedded demo pair.
@@ -169,7 +173,8 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
     gamma = _gamma_option(gamma)
     stream = None if as_json else _Streamer(runtime.tokenizer, list(prompts), max_new_tokens)
     results = runtime.generate(list(prompts), max_new_tokens=max_new_tokens, mode=mode, gamma=gamma,
-                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, on_tokens=stream)
+                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, on_tokens=stream,
+                               proposer=proposer)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=1))
         return
@@ -200,12 +205,14 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
 @click.option("--plot", "plot_path", type=click.Path(), default=None,
               help="With --concurrency: PNG of tokens/s and p99 latency vs concurrency "
               "(default: BUNDLE/profiles/load.png; with --json, only when given).")
+@click.option("--proposer", "proposers", type=click.Choice(PROPOSERS), multiple=True,
+              help="Who drafts (default: draft); repeat to compare proposers against the same plain runs.")
 @click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON object with the summary keys (with --concurrency: a JSON list, one object per "
-              "concurrency and mode).")
+              help="Print one JSON object with the summary keys (with several --proposer or --concurrency: a "
+              "JSON list, one object per proposer, or per concurrency and mode).")
 @user_errors
 def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, concurrency, requests, rate,
-          always_speculate, plot_path, as_json):
+          always_speculate, proposers, plot_path, as_json):
     """Speculative vs autoregressive tokens/s on the same prompts (medians over repeats): at batch 1,
     or with --concurrency, serving many requests at once (γ auto by default)."""
     import speccompile
@@ -219,8 +226,12 @@ def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, con
         _bench_load(runtime, read_prompts(prompts_file), load, as_json, plot_path)
         return
     sampling = {"temperature": temperature, "seed": 0} if temperature else {}
+    if len(proposers) > 1:
+        _bench_proposers(runtime, read_prompts(prompts_file), list(proposers), max_new_tokens, repeats,
+                         _gamma_option(gamma), sampling, as_json)
+        return
     summary, details = run_bench(runtime, read_prompts(prompts_file), max_new_tokens, repeats, _gamma_option(gamma),
-                                 sampling)
+                                 sampling, proposer=proposers[0] if proposers else DEFAULT_PROPOSER)
     if as_json:
         click.echo(json.dumps(summary))
         return
@@ -230,6 +241,23 @@ def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, con
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         click.echo(f"{key:<{width}}  {_bench_value(value)}")
+
+
+def _bench_proposers(runtime, prompts, proposers, max_new_tokens, repeats, gamma, sampling, as_json) -> None:
+    """bench with several --proposer: a JSON list of their summaries, or a table."""
+    from speccompile.runtime.bench import bench_proposers
+
+    results = bench_proposers(runtime, prompts, proposers, max_new_tokens, repeats, gamma, sampling)
+    if as_json:
+        click.echo(json.dumps([summary for summary, _ in results]))
+        return
+    click.echo(f"autoregressive: {results[0][0]['ar_tokens_per_s']:.1f} tok/s")
+    click.echo(f"{'proposer':<9} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'accept len':>10}  drafts by proposer")
+    for summary, _ in results:
+        split = ", ".join(f"{name} {p['draft_tokens']} ({p['acceptance_rate']:.2f} kept)"
+                          for name, p in summary["by_proposer"].items())
+        click.echo(f"{summary['proposer']:<9} {summary['spec_tokens_per_s']:>8.1f} {summary['speedup']:>7.2f}x "
+                   f"{summary['acceptance_rate']:>7.2f} {summary['mean_acceptance_length']:>10.2f}  {split}")
 
 
 def _bench_load(runtime, prompts: list[str], options: dict, as_json: bool, plot_path) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from speccompile.core.proposers import NgramIndex, new_acceptance
 from speccompile.core.sampler import SamplingParams
 from speccompile.core.stats import GenerationStats
 
@@ -34,6 +35,7 @@ class Request:
     stop_check: StopCheck | None = None
     on_tokens: Callable[[list[int]], None] | None = None  # newly accepted tokens, as they are accepted
     on_finish: Callable[["Request"], None] | None = None
+    proposer: str = "draft"  # "draft" (the draft model), "ngram" (prompt lookup) or "auto": see proposers.py
     # -- state, written by the scheduler --
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -47,6 +49,9 @@ class Request:
         self.rng = None if self.params.greedy else np.random.default_rng(self.seed)
         self.stats = GenerationStats("autoregressive" if self.gamma == 0 else "speculative", self.gamma)
         self.submitted = time.perf_counter()
+        self.ngram = NgramIndex() if self.proposer != "draft" else None
+        # this request's own acceptance per draft position, per proposer (what "auto" chooses by)
+        self.acceptance = new_acceptance()
 
     @property
     def done(self) -> bool:

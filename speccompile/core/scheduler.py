@@ -43,6 +43,7 @@ import numpy as np
 
 from speccompile.core.engine import DecoderEngine, VerifierEngine
 from speccompile.core.gamma_policy import GammaPolicy
+from speccompile.core.proposers import draft_rate, lookup_rate
 from speccompile.core.request import AUTO, Request
 
 # (number of decoding requests, their mean context length) -> the γ policy for that load (None: no
@@ -171,9 +172,12 @@ class Scheduler:
     def _decode(self) -> None:
         rows = self.decoding
         policy = None
-        if self.policy_for and any(r.gamma == AUTO for r in rows):
+        if self.policy_for and any(r.gamma == AUTO or r.proposer == "auto" for r in rows):
             policy = self.policy_for(len(rows), round(sum(len(r.tokens) for r in rows) / len(rows)))
         wanted = self._wanted_gamma(rows, policy)
+        # None: the draft model drafts (compared at the drafts the row can still use)
+        lookups = [self._lookup(r, min(int(w), r.remaining - 1), policy) for r, w in zip(rows, wanted)]
+        wanted = np.array([len(lk) if lk is not None else w for lk, w in zip(lookups, wanted)], dtype=np.int64)
         gamma = self._graph_gamma(rows, wanted)
         # A request near its end drafts only what it still needs (the target adds one token of its
         # own), but keeps the iteration's graph: switching graphs costs more than the padded slots.
@@ -188,24 +192,47 @@ class Scheduler:
                 request.stats.decode_ms += elapsed
                 request.stats.record_iteration(0, 0)
             return
-        proposed, probs = self._propose(rows, drafts)
+        proposed, probs = self._propose(rows, drafts, lookups)
         drafted = time.perf_counter()
-        accepted, next_token = self._verify(rows, drafts, gamma, proposed, probs)
+        accepted, next_token = self._verify(rows, drafts, gamma, proposed, probs, lookups)
         verified = time.perf_counter()
         draft_ms, verify_ms = (drafted - began) * 1e3, (verified - drafted) * 1e3
-        if policy is not None and drafts.max() == gamma:
+        if policy is not None and drafts.max() == gamma and all(lk is None for lk in lookups):
             policy.observe_costs(gamma, draft_ms, verify_ms)
-        for row, request in enumerate(rows):
-            n = int(accepted[row])
+        for row, (request, lookup) in enumerate(zip(rows, lookups)):
+            n, d = int(accepted[row]), int(drafts[row])
+            proposer = "draft" if lookup is None else "ngram"
             request.stats.draft_ms += draft_ms
             request.stats.verify_ms += verify_ms
-            request.stats.record_iteration(n, int(drafts[row]))
-            if policy is not None and request.gamma == AUTO and drafts[row]:
-                policy.observe(int(drafts[row]), n)
+            request.stats.record_iteration(n, d, proposer)
+            request.acceptance[proposer].observe(d, n)
+            if policy is not None and request.gamma == AUTO and d and lookup is None:
+                policy.observe(d, n)
             request.emit([*proposed[row, :n], next_token[row]], self.eos_ids)
         # the draft keeps what it cached of the accepted tokens, re-reading the last two next time
         lengths = np.array([len(r.tokens) for r in rows], dtype=np.int64)
         self.draft.cache_lengths[: len(rows)] = np.minimum(self.draft.cache_lengths[: len(rows)], lengths - 2)
+
+    def _lookup(self, request: Request, wanted: int, policy: GammaPolicy | None) -> list[int] | None:
+        """A request's prompt-lookup proposal this iteration (as many as its γ allows), or None when
+        the draft model drafts for it: always under "draft"; under "auto" when lookup finds nothing,
+        or when the draft model's predicted rate is the better one (see proposers.py)."""
+        if request.proposer == "draft" or request.gamma == 0:
+            return None
+        cap = min(self.gamma_cap(request), request.remaining - 1)
+        lookup = request.ngram.propose(request.tokens, cap)
+        if request.proposer == "ngram":
+            return lookup
+        if not lookup:
+            return None
+        costs = policy.costs if policy is not None else None
+        graph = min((g for g in self.gammas if g >= len(lookup)), default=max(self.gammas))
+        ours = lookup_rate(costs, request.acceptance["ngram"].by_position(len(lookup)), len(lookup), graph)
+        if wanted == 0:  # the draft model would not draft: lookup against plain decoding
+            return lookup if costs is None or ours > 1 / costs.target_step else None
+        theirs_by_position = (policy.acceptance_by_position(wanted) if policy is not None and request.gamma == AUTO
+                              else request.acceptance["draft"].by_position(wanted))
+        return lookup if ours >= draft_rate(costs, theirs_by_position, wanted) else None
 
     def _wanted_gamma(self, rows: list[Request], policy: GammaPolicy | None) -> np.ndarray:
         """The drafts each row asks for this iteration: its own γ, or under AUTO the policy's choice
@@ -238,29 +265,42 @@ class Scheduler:
         for row, request in enumerate(rows):
             request.emit([next_token[row]], self.eos_ids)
 
-    def _propose(self, rows: list[Request], drafts: np.ndarray):
-        """max(drafts) batched draft steps: tokens [B, max] (and, when sampling, the draft
-        distributions [B, max, V] they were drawn from). A row's proposals past its own count are
+    def _propose(self, rows: list[Request], drafts: np.ndarray, lookups: list[list[int] | None]):
+        """Every row's proposals, tokens [B, max(drafts)], and, when sampling, the distributions
+        [B, max, V] the draft model drew its rows' from (None where no row drew any). Lookup rows
+        propose their lookup; the draft model runs max(its rows' drafts) batched steps over every
+        row, and is fed the lookup rows' proposals as their inputs, so that its cache holds their
+        tokens too (the rollback keeps what was accepted). A row's proposals past its own count are
         never verified, and never draw from its random stream."""
-        steps = int(drafts.max())
+        proposed = np.zeros((len(rows), int(drafts.max())), dtype=np.int64)
+        for row, lookup in enumerate(lookups):
+            if lookup is not None:
+                proposed[row, : len(lookup)] = lookup
+        steps = max((int(d) for d, lk in zip(drafts, lookups) if lk is None), default=0)
+        if steps == 0:
+            return proposed, None
         sampling = not all(r.params.greedy for r in rows)
         params = _params(rows) if sampling else None
         self._catch_up(rows)
         lengths = self.draft.cache_lengths[: len(rows)]
-        unread = [r.tokens[length:] for r, length in zip(rows, lengths)]
-        tokens, counts = _pad(unread)
-        tokens_out, probs_out = [], []
+        tokens, counts = _pad([r.tokens[length:] for r, length in zip(rows, lengths)])
+        probs_out = []
         for k in range(steps):
+            drawing = [r.rng is not None and k < d and lk is None for r, d, lk in zip(rows, drafts, lookups)]
             if sampling:
-                u = np.array([r.uniforms(1)[0] if r.rng is not None and k < d else 0.5
-                              for r, d in zip(rows, drafts)], dtype=np.float32)
+                u = np.array([r.uniforms(1)[0] if draws else 0.5 for r, draws in zip(rows, drawing)],
+                             dtype=np.float32)
                 token, probs = self.draft.forward_sample(tokens, counts, params, u)
                 probs_out.append(probs)
             else:
                 token = self.draft.forward(tokens, counts)
-            tokens_out.append(token)
+            for row, lookup in enumerate(lookups):
+                if lookup is None and k < proposed.shape[1]:
+                    proposed[row, k] = token[row]
+                elif lookup is not None and k < len(lookup):
+                    token[row] = lookup[k]
             tokens, counts = token[:, None], np.ones(len(rows), dtype=np.int64)
-        return np.stack(tokens_out, axis=1), (np.stack(probs_out, axis=1) if sampling else None)
+        return proposed, (np.stack(probs_out, axis=1) if sampling else None)
 
     def _catch_up(self, rows: list[Request]) -> None:
         """Feed the draft what it missed (after plain iterations) in chunks, until every row lacks
@@ -274,15 +314,21 @@ class Scheduler:
             self.draft.forward(*_pad([r.tokens[int(length) : int(length) + min(b, size)]
                                       for r, length, b in zip(rows, lengths, behind)]))
 
-    def _verify(self, rows: list[Request], drafts: np.ndarray, gamma: int, proposed: np.ndarray, probs):
+    def _verify(self, rows: list[Request], drafts: np.ndarray, gamma: int, proposed: np.ndarray, probs, lookups):
         candidates = np.zeros((len(rows), gamma + 1), dtype=np.int64)
         candidates[:, 0] = [r.tokens[-1] for r in rows]
         width = min(gamma, proposed.shape[1])
         candidates[:, 1 : width + 1] = proposed[:, :width]
-        if probs is None:
+        if all(r.params.greedy for r in rows):
             return self.target.verify(candidates, drafts)
-        q = np.zeros((len(rows), gamma, probs.shape[2]), dtype=np.float32)
-        q[:, :width] = probs[:, :width]
+        vocab = probs.shape[2] if probs is not None else self.target.vocab_size
+        q = np.zeros((len(rows), gamma, vocab), dtype=np.float32)
+        if probs is not None:
+            q[:, : min(width, probs.shape[1])] = probs[:, :width]
+        for row, lookup in enumerate(lookups):  # a lookup proposal is a point mass
+            if lookup is not None:
+                q[row, :width] = 0.0
+                q[row, np.arange(len(lookup[:width])), lookup[:width]] = 1.0
         u_accept = np.full((len(rows), gamma), 0.5, dtype=np.float32)
         for row, (request, d) in enumerate(zip(rows, drafts)):
             if request.rng is not None:

@@ -25,6 +25,8 @@ class GenerationStats:
     accepted_at: list[int] = field(default_factory=list)  # accepted_at[k]: iterations whose draft k+1 was kept
     drafted_at: list[int] = field(default_factory=list)  # drafted_at[k]: iterations that proposed a draft k+1
     gammas_used: dict[int, int] = field(default_factory=dict)  # γ -> iterations run at it
+    # proposer ("draft", "ngram") -> [iterations it proposed in, drafts proposed, drafts accepted]
+    by_proposer: dict[str, list[int]] = field(default_factory=dict)
     prefill_ms: float = 0.0
     draft_ms: float = 0.0  # speculative phases
     verify_ms: float = 0.0
@@ -32,12 +34,15 @@ class GenerationStats:
     total_ms: float = 0.0  # from submission (queueing included) to the last token
     ttft_ms: float = 0.0  # from submission to the first token
 
-    def record_iteration(self, accepted: int, gamma: int) -> None:
-        """One verification that checked `gamma` drafts and kept the first `accepted`."""
+    def record_iteration(self, accepted: int, gamma: int, proposer: str | None = None) -> None:
+        """One verification that checked `gamma` drafts, from `proposer`, and kept the first `accepted`."""
         self.iterations += 1
         self.draft_tokens += gamma
         self.accepted_tokens += accepted
         self.gammas_used[gamma] = self.gammas_used.get(gamma, 0) + 1
+        if proposer is not None and gamma:
+            counts = self.by_proposer.setdefault(proposer, [0, 0, 0])
+            counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + gamma, counts[2] + accepted
         for counts in (self.accepted_at, self.drafted_at):
             counts.extend([0] * (gamma - len(counts)))
         for k in range(gamma):
@@ -107,6 +112,9 @@ class GenerationStats:
             "mean_accepted_drafts": self.mean_accepted_drafts,
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_by_position": self.acceptance_by_position,
+            "by_proposer": {name: {"iterations": n, "draft_tokens": drafted, "accepted_tokens": kept,
+                                   "acceptance_rate": kept / drafted}
+                            for name, (n, drafted, kept) in self.by_proposer.items()},
             **phases,
             "total_ms": self.total_ms,
             "ttft_ms": self.ttft_ms,
@@ -129,6 +137,8 @@ def pooled(stats: list[GenerationStats]) -> GenerationStats:
                 mine[k] += count
         for g, n in s.gammas_used.items():
             total.gammas_used[g] = total.gammas_used.get(g, 0) + n
+        for name, counts in s.by_proposer.items():
+            total.by_proposer[name] = [a + b for a, b in zip(total.by_proposer.get(name, [0, 0, 0]), counts)]
     return total
 
 

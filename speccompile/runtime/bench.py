@@ -24,8 +24,8 @@ from speccompile.errors import SpecCompileError
 
 log = logging.getLogger(__name__)
 
-BENCH_KEYS = ["ar_tokens_per_s", "spec_tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_drafts",
-              "mean_acceptance_length", "gamma", "gammas_used", "predicted_speedup", "efficiency"]
+BENCH_KEYS = ["proposer", "ar_tokens_per_s", "spec_tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_drafts",
+              "mean_acceptance_length", "gamma", "gammas_used", "by_proposer", "predicted_speedup", "efficiency"]
 
 
 def read_prompts(path) -> list[str]:
@@ -45,8 +45,9 @@ def read_prompts(path) -> list[str]:
     return prompts
 
 
-def _run_all(runtime, prompts, mode, gamma, max_new_tokens, sampling):
-    results = [runtime.generate([p], max_new_tokens=max_new_tokens, mode=mode, gamma=gamma, **sampling)[0]
+def _run_all(runtime, prompts, mode, gamma, max_new_tokens, sampling, proposer=None):
+    kwargs = {**sampling, **({"proposer": proposer} if proposer else {})}
+    results = [runtime.generate([p], max_new_tokens=max_new_tokens, mode=mode, gamma=gamma, **kwargs)[0]
                for p in prompts]
     tokens = sum(r.stats.new_tokens for r in results)
     seconds = sum(r.stats.total_ms for r in results) / 1e3
@@ -54,26 +55,43 @@ def _run_all(runtime, prompts, mode, gamma, max_new_tokens, sampling):
 
 
 def bench(runtime, prompts: list[str], max_new_tokens: int = 64, repeats: int = 3, gamma: int | str | None = None,
-          sampling: dict | None = None) -> tuple[dict, dict]:
+          sampling: dict | None = None, proposer: str = "draft") -> tuple[dict, dict]:
     """Returns (summary with exactly BENCH_KEYS, details: timings behind the cost model)."""
+    [(summary, details)] = bench_proposers(runtime, prompts, [proposer], max_new_tokens, repeats, gamma, sampling)
+    return summary, details
+
+
+def bench_proposers(runtime, prompts: list[str], proposers: list[str], max_new_tokens: int = 64, repeats: int = 3,
+                    gamma: int | str | None = None, sampling: dict | None = None) -> list[tuple[dict, dict]]:
+    """bench for each proposer, all against the same autoregressive runs: each repeat runs plain
+    decoding and then every proposer through all prompts, so that a slow stretch of the machine hits
+    them alike. One (summary, details) per proposer, in order."""
     if repeats < 1:
         raise SpecCompileError(f"--repeats must be positive, got {repeats}")
     gamma = runtime.default_gamma if gamma is None else gamma
     sampling = sampling or {}
     _run_all(runtime, prompts[:1], "autoregressive", None, 8, sampling)  # warm-up: sessions, caches
-    _run_all(runtime, prompts[:1], "speculative", gamma, 8, sampling)
-    ar_rates, spec_rates, ar_stats, spec_stats = [], [], [], []
+    for proposer in proposers:
+        _run_all(runtime, prompts[:1], "speculative", gamma, 8, sampling, proposer)
+    ar_rates, ar_stats = [], []
+    spec_rates, spec_stats = {p: [] for p in proposers}, {p: [] for p in proposers}
     for _ in range(repeats):
         rate, stats = _run_all(runtime, prompts, "autoregressive", None, max_new_tokens, sampling)
         ar_rates.append(rate)
         ar_stats += stats
-        rate, stats = _run_all(runtime, prompts, "speculative", gamma, max_new_tokens, sampling)
-        spec_rates.append(rate)
-        spec_stats += stats
-    spec = pooled(spec_stats)
-    details = _cost_details(pooled(ar_stats), spec)
-    ar_rate, spec_rate = statistics.median(ar_rates), statistics.median(spec_rates)
+        for proposer in proposers:
+            rate, stats = _run_all(runtime, prompts, "speculative", gamma, max_new_tokens, sampling, proposer)
+            spec_rates[proposer].append(rate)
+            spec_stats[proposer] += stats
+    ar, ar_rate = pooled(ar_stats), statistics.median(ar_rates)
+    return [_summary(proposer, gamma, ar, ar_rate, pooled(spec_stats[proposer]),
+                     statistics.median(spec_rates[proposer])) for proposer in proposers]
+
+
+def _summary(proposer: str, gamma, ar, ar_rate: float, spec, spec_rate: float) -> tuple[dict, dict]:
+    details = _cost_details(ar, spec)
     summary = {
+        "proposer": proposer,
         "ar_tokens_per_s": ar_rate,
         "spec_tokens_per_s": spec_rate,
         "speedup": spec_rate / ar_rate,
@@ -82,6 +100,7 @@ def bench(runtime, prompts: list[str], max_new_tokens: int = 64, repeats: int = 
         "mean_acceptance_length": spec.mean_acceptance_length,
         "gamma": gamma,
         "gammas_used": dict(sorted(spec.gammas_used.items())),
+        "by_proposer": spec.to_dict()["by_proposer"],
         "predicted_speedup": details["predicted_speedup"],
         "efficiency": (spec_rate / ar_rate) / details["predicted_speedup"],
     }

@@ -19,6 +19,7 @@ import numpy as np
 
 from speccompile.bundle import Bundle, GraphId, open_bundle
 from speccompile.core.gamma_policy import GammaPolicy
+from speccompile.core.proposers import DEFAULT_PROPOSER, PROPOSERS
 from speccompile.core.request import AUTO, Request
 from speccompile.core.sampler import SamplingParams
 from speccompile.core.scheduler import Scheduler
@@ -90,7 +91,7 @@ class Runtime:
     # -- requests ---------------------------------------------------------------------------------
     def submit(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed=None, stop: list[str] | None = None, stop_token_ids=(), gamma: int | str | None = None,
-               mode: str | None = None, on_tokens=None) -> "RequestHandle":
+               mode: str | None = None, on_tokens=None, proposer: str = DEFAULT_PROPOSER) -> "RequestHandle":
         """Queue one request (a string or token ids) and return its handle at once. Thread-safe.
 
         gamma: a compiled γ (at most that many drafts per iteration), "auto" (the default when a γ
@@ -101,9 +102,11 @@ class Runtime:
         exactly from the target's distribution after temperature, top-k (0: off) and top-p (1: off),
         from the request's own random stream (`seed`). stop: strings that end the text (excluded from
         it); stop_token_ids end it like EOS. on_tokens(token_ids) is called from the engine thread as
-        tokens are accepted."""
+        tokens are accepted. proposer: who drafts, "draft" (the draft model), "ngram" (prompt lookup
+        in the request's own text) or "auto" (per iteration, the one predicted faster): see
+        core/proposers.py."""
         handle = RequestHandle(self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop,
-                                             stop_token_ids, gamma, mode, on_tokens), self, prompt)
+                                             stop_token_ids, gamma, mode, on_tokens, proposer=proposer), self, prompt)
         self._queue(handle.request)
         return handle
 
@@ -120,7 +123,8 @@ class Runtime:
 
     def generate(self, prompts, max_new_tokens: int = 64, mode: str | None = None, gamma: int | str | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 on_tokens=None, stop: list[str] | None = None) -> list[GenerationResult]:
+                 on_tokens=None, stop: list[str] | None = None,
+                 proposer: str = DEFAULT_PROPOSER) -> list[GenerationResult]:
         """Generate for a list of prompts (strings or token-id lists); one result per prompt, in order.
 
         Each prompt is one request (see `submit`); all are checked before any is queued. Prompt i
@@ -134,7 +138,8 @@ class Runtime:
             raise SpecCompileError("no prompts given")
         seeds = np.random.SeedSequence(seed).spawn(len(prompts))
         requests = [self._request(p, max_new_tokens, temperature, top_k, top_p, s, stop, (), gamma, mode,
-                                  (lambda ids, i=i: on_tokens(i, ids)) if on_tokens else None, warn=i == 0)
+                                  (lambda ids, i=i: on_tokens(i, ids)) if on_tokens else None, warn=i == 0,
+                                  proposer=proposer)
                     for i, (p, s) in enumerate(zip(prompts, seeds))]
         handles = [RequestHandle(r, self, p) for r, p in zip(requests, prompts)]
         for request in requests:
@@ -244,7 +249,10 @@ class Runtime:
 
     # -- validation ---------------------------------------------------------------------------
     def _request(self, prompt, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=None,
-                 stop_token_ids=(), gamma=None, mode=None, on_tokens=None, warn: bool = True) -> Request:
+                 stop_token_ids=(), gamma=None, mode=None, on_tokens=None, warn: bool = True,
+                 proposer: str = DEFAULT_PROPOSER) -> Request:
+        if proposer not in PROPOSERS:
+            raise SpecCompileError(f"proposer must be one of {', '.join(PROPOSERS)}, not {proposer!r}")
         params = SamplingParams(float(temperature), int(top_k), float(top_p))
         if warn:
             for name in params.without_effect():
@@ -256,7 +264,7 @@ class Runtime:
         ids = self._tokens(prompt)
         stop_strings = _stop_strings(stop)
         request = Request(ids, max_new_tokens, params, seed, gamma, allow_plain,
-                          frozenset(self._token_ids(stop_token_ids)), on_tokens=on_tokens)
+                          frozenset(self._token_ids(stop_token_ids)), on_tokens=on_tokens, proposer=proposer)
         if stop_strings:
             request.stop_check = _StopStrings(self.tokenizer, ids, stop_strings)
         if not self.scheduler.fits(request):

@@ -37,8 +37,11 @@ class FakeEngine:
             assert (self.cache[slot, :length] >= 0).all(), "read of an unwritten cache entry"
             self.cache[slot, length : length + tokens.shape[1]] = tokens[row]
             for t in range(tokens.shape[1]):
-                choices[row, t] = next_token_of(self.cache[slot, : length + t + 1], self.vocab_size, self.salt)
+                choices[row, t] = self.choose(self.cache[slot, : length + t + 1])
         return choices
+
+    def choose(self, prefix) -> int:
+        return next_token_of(prefix, self.vocab_size, self.salt)
 
     def forward(self, tokens, token_count, first=0):
         choices = self._append(tokens, first)
@@ -73,3 +76,18 @@ class AgreeingDraft(FakeEngine):
         out = super().forward(tokens, token_count, first)
         flip = (self.cache_lengths[first : first + len(tokens)] % self.disagree_every) == 0
         return np.where(flip, (out + 1) % self.vocab_size, out)
+
+
+class RepeatingEngine(FakeEngine):
+    """A 'model' that mostly repeats its last `period` tokens, as code repeats its own lines, and
+    breaks the repetition at one prefix in `every`: prompt lookup finds most of its text."""
+
+    def __init__(self, period: int = 5, every: int = 7, **kwargs):
+        super().__init__(**kwargs)
+        self.period, self.every = period, every
+
+    def choose(self, prefix) -> int:
+        fresh = next_token_of(prefix, self.vocab_size, self.salt)
+        if len(prefix) < self.period or fresh % self.every == 0:
+            return fresh
+        return int(prefix[-self.period])

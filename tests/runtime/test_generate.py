@@ -121,6 +121,20 @@ def test_graphs_are_loaded_before_the_clock_starts(bundles, temperature, graphs)
     assert loaded_at_first_call and files <= loaded_at_first_call[0]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("proposer", ["ngram", "auto"])
+def test_prompt_lookup_and_auto_match_hf(family, proposer, bundles, hf_reference):
+    """Tiny random models repeat themselves, so lookups match; the draft is unrelated, so under auto
+    both proposers draft. Alone and in a batch, the tokens are HF's."""
+    runtime = speccompile.load(bundles(family, "random"))
+    expected = [hf_reference(family, i) for i in range(len(PROMPTS))]
+    batched = runtime.generate(PROMPTS, max_new_tokens=MAX_NEW, gamma=4, proposer=proposer)
+    alone = [runtime.generate([p], max_new_tokens=MAX_NEW, gamma=4, proposer=proposer)[0] for p in PROMPTS]
+    assert [r.token_ids for r in batched] == expected and [r.token_ids for r in alone] == expected
+    lookups = sum(r.stats.by_proposer.get("ngram", [0, 0, 0])[1] for r in batched + alone)
+    assert lookups > 0
+
+
 def test_one_sequence_runs_the_fused_variants_and_a_batch_the_standard_graphs(bundles, hf_reference):
     runtime = speccompile.load(bundles("llama", "copy"))
     [single] = runtime.generate([PROMPTS[0]], max_new_tokens=MAX_NEW, gamma=4)

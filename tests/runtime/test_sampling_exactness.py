@@ -39,7 +39,7 @@ def build(pair, out):
     return speccompile.build(*pair, out, gammas=[GAMMA], max_seq=16, max_batch=BATCH)
 
 
-def exact_joint(target_dir, temperature, top_k, top_p) -> np.ndarray:
+def exact_joint(target_dir, temperature, top_k, top_p, prompt=PROMPT) -> np.ndarray:
     """P(t1, t2, t3) [V, V, V] from HF logits and the numpy transform."""
     model = transformers.AutoModelForCausalLM.from_pretrained(target_dir).eval()
 
@@ -48,19 +48,21 @@ def exact_joint(target_dir, temperature, top_k, top_p) -> np.ndarray:
             logits = model(torch.tensor(prefixes)).logits[:, -1].numpy()
         return transform(logits, temperature, top_k, top_p).astype(np.float64)
 
-    p1 = next_probs([PROMPT])[0]
-    p2 = next_probs([PROMPT + [a] for a in range(VOCAB)])  # [t1, t2]
-    p3 = next_probs([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)]).reshape(VOCAB, VOCAB, VOCAB)
+    p1 = next_probs([prompt])[0]
+    p2 = next_probs([prompt + [a] for a in range(VOCAB)])  # [t1, t2]
+    p3 = next_probs([prompt + [a, b] for a in range(VOCAB) for b in range(VOCAB)]).reshape(VOCAB, VOCAB, VOCAB)
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def speculative_samples(bundle, temperature, top_k, top_p) -> np.ndarray:
+def speculative_samples(bundle, temperature, top_k, top_p, prompt=PROMPT, proposer="draft", stats=None) -> np.ndarray:
     runtime = speccompile.load(bundle)
     samples = []
     for seed in range(SEEDS):
-        results = runtime.generate([PROMPT] * BATCH, max_new_tokens=3, gamma=GAMMA, temperature=temperature,
-                                   top_k=top_k, top_p=top_p, seed=seed)
+        results = runtime.generate([prompt] * BATCH, max_new_tokens=3, gamma=GAMMA, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, seed=seed, proposer=proposer)
         samples += [r.token_ids for r in results]
+        if stats is not None:
+            stats += [r.stats for r in results]
     return np.array(samples)
 
 
@@ -100,6 +102,32 @@ def bundle(pair, tmp_path_factory):
 def test_speculative_samples_follow_the_target_distribution(pair, bundle, temperature, top_k, top_p):
     samples = speculative_samples(bundle, temperature, top_k, top_p)
     rejected, verdicts = check(samples, exact_joint(pair[0], temperature, top_k, top_p))
+    assert not rejected, verdicts
+
+
+@pytest.fixture(scope="module")
+def repeating_prompt(pair) -> list[int]:
+    """[a, c, 2, 7, a] with the (a, c) the target most likely continues with c: the first token
+    then often completes [a, c], which occurred before, and prompt lookup proposes what followed it
+    (2, a point mass: q one-hot); otherwise nothing matches and the iteration is a plain step."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(pair[0]).eval()
+    candidates = [[a, c, 2, 7, a] for a in range(VOCAB) for c in range(VOCAB) if len({a, c, 2, 7}) == 4]
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor(candidates)).logits[:, -1], -1).numpy()
+    best = max(range(len(candidates)), key=lambda i: probs[i, candidates[i][1]])
+    assert probs[best, candidates[best][1]] > 0.2, "no prompt makes a lookup likely"
+    return candidates[best]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("proposer", ["ngram", "auto"])
+def test_lookup_proposals_sample_the_target_distribution(pair, bundle, repeating_prompt, proposer):
+    stats = []
+    samples = speculative_samples(bundle, 1.0, 0, 1.0, prompt=repeating_prompt, proposer=proposer, stats=stats)
+    lookups = sum(s.by_proposer.get("ngram", [0, 0, 0])[1] for s in stats)
+    kept = sum(s.by_proposer.get("ngram", [0, 0, 0])[2] for s in stats)
+    assert lookups > 500 and 0 < kept < lookups, (lookups, kept)  # proposed often, and sometimes rejected
+    rejected, verdicts = check(samples, exact_joint(pair[0], 1.0, 0, 1.0, prompt=repeating_prompt))
     assert not rejected, verdicts
 
 

@@ -1,0 +1,117 @@
+"""Who proposes a request's drafts each iteration: the draft model, prompt lookup, or a choice between them.
+
+- "draft": the bundle's draft model, γ steps (the scheduler runs it, batched over its rows).
+- "ngram": prompt lookup (HF transformers' `prompt_lookup_num_tokens`, vLLM's `ngram`, llama.cpp's
+  `--spec-type ngram`): the last n tokens of the request's history (prompt and generated text), for n
+  from `max_n` down to `min_n`, are looked up in that history, and the tokens that followed their
+  latest earlier occurrence are proposed. No model runs: the iteration costs its verification only.
+  A request with no match that iteration carries no drafts (its verification is a plain step).
+- "auto": each iteration, per request, the one of the two with the better predicted rate, tokens per
+  millisecond: each proposer's expected tokens per iteration (1 + Σ P_k, from that request's own
+  acceptance at each draft position, learned as it runs, from a prior) over its iteration time
+  (draft steps + verification + the loop's own work; prompt lookup has no draft steps). Code and
+  edits repeat their own text, and where they do a lookup is accepted as often as a draft model, for
+  nothing; elsewhere it finds no match and the draft model drafts.
+
+Sampling stays exact with lookup proposals: they are point masses (q = one-hot), so a draft is kept
+with probability p(x) and the correction is drawn from p without x (SpecAccept's residual).
+"""
+
+from dataclasses import dataclass, field
+
+from speccompile.core.cost_model import LoopCosts, expected_tokens
+
+PROPOSERS = ("draft", "ngram", "auto")
+DEFAULT_PROPOSER = "draft"
+NGRAM_MAX, NGRAM_MIN = 4, 2  # matching 1 token proposes too often and is kept 0.69 of the time (demo pair)
+# What an n-gram match is believed worth before a request has any of its own: the demo target's
+# greedy output, n = 4..2, kept 0.89 of the time per proposed token (tools/measure_proposers.py).
+NGRAM_PRIOR, NGRAM_PRIOR_WEIGHT = 0.85, 2.0
+DRAFT_PRIOR, DRAFT_PRIOR_WEIGHT = 0.7, 2.0  # without a γ policy (a fixed γ): the request's own, from this
+
+
+class NgramIndex:
+    """One request's history indexed by n-gram: for every n in min_n..max_n, the latest position at
+    which each n-gram ended, over every position but the last (the suffix being looked up must find
+    an earlier occurrence, not itself). Indexing is incremental: each token is indexed once."""
+
+    def __init__(self, max_n: int = NGRAM_MAX, min_n: int = NGRAM_MIN):
+        assert 1 <= min_n <= max_n, f"n-gram sizes {min_n}..{max_n}"
+        self.sizes = range(max_n, min_n - 1, -1)
+        self.latest: dict[int, dict[tuple, int]] = {n: {} for n in self.sizes}
+        self.indexed = 0  # positions 0..indexed-1 are indexed as n-gram ends
+
+    def propose(self, history: list[int], count: int) -> list[int]:
+        """`count` tokens that followed the latest earlier occurrence of the longest suffix of
+        `history` (max_n down to min_n tokens) that occurred before; [] when none did.
+
+        The copy may overlap what it proposes, as LZ77's does: a suffix that last occurred p tokens
+        earlier starts a period of p, and the proposal repeats it (a line repeated line after line
+        proposes the whole next line, not the p tokens left before the history ends)."""
+        for end in range(self.indexed, len(history) - 1):
+            for n in self.sizes:
+                if end + 1 >= n:
+                    self.latest[n][tuple(history[end + 1 - n : end + 1])] = end
+        self.indexed = max(self.indexed, len(history) - 1)
+        if count <= 0:
+            return []
+        for n in self.sizes:
+            if len(history) > n:
+                end = self.latest[n].get(tuple(history[-n:]))
+                if end is not None:
+                    return _copy(history, end + 1, count)
+        return []
+
+
+def _copy(history: list[int], start: int, count: int) -> list[int]:
+    """history[start:] continued by itself: `count` tokens of history + proposal from `start` on."""
+    out: list[int] = []
+    for k in range(count):
+        i = start + k
+        out.append(history[i] if i < len(history) else out[i - len(history)])
+    return out
+
+
+@dataclass
+class Acceptance:
+    """Per draft position k, how often a proposer's k-th draft was reached and kept (for one
+    request), with a prior of `weight` iterations at conditional rate `prior`."""
+
+    prior: float
+    weight: float
+    reached: list[float] = field(default_factory=list)
+    kept: list[float] = field(default_factory=list)
+
+    def observe(self, drafts: int, accepted: int) -> None:
+        """One iteration: `drafts` proposed, the first `accepted` kept (positions 1..accepted+1 reached)."""
+        for k in range(min(accepted + 1, drafts)):
+            while len(self.reached) <= k:
+                self.reached.append(self.weight)
+                self.kept.append(self.weight * self.prior)
+            self.reached[k] += 1
+            self.kept[k] += k < accepted
+
+    def by_position(self, drafts: int) -> list[float]:
+        """P_1..P_drafts (unconditional): the product of the conditional rates so far."""
+        out, running = [], 1.0
+        for k in range(drafts):
+            running *= self.kept[k] / self.reached[k] if k < len(self.reached) else self.prior
+            out.append(running)
+        return out
+
+
+def new_acceptance() -> dict[str, Acceptance]:
+    """A request's acceptance per proposer, before it has any of its own."""
+    return {"draft": Acceptance(DRAFT_PRIOR, DRAFT_PRIOR_WEIGHT), "ngram": Acceptance(NGRAM_PRIOR, NGRAM_PRIOR_WEIGHT)}
+
+
+def draft_rate(costs: LoopCosts | None, acceptance: list[float], gamma: int) -> float:
+    """Expected tokens per ms of a draft-model iteration at γ (per iteration when costs are unknown)."""
+    tokens = expected_tokens(acceptance[:gamma])
+    return tokens if costs is None else tokens / costs.iteration_ms(gamma)
+
+
+def lookup_rate(costs: LoopCosts | None, acceptance: list[float], drafts: int, gamma: int) -> float:
+    """Expected tokens per ms of a prompt-lookup iteration with `drafts` proposals, verified by the γ graph."""
+    tokens = expected_tokens(acceptance[:drafts])
+    return tokens if costs is None else tokens / (costs.verify[gamma] + costs.overhead)

@@ -1,0 +1,130 @@
+"""Prompt lookup against a brute-force reference, per-request acceptance, and the scheduler with
+every proposer: exact against autoregressive decoding, the draft's cache true to the tokens."""
+
+import random
+
+import pytest
+
+from speccompile.core.proposers import Acceptance, NgramIndex
+from speccompile.core.request import Request
+from speccompile.core.scheduler import Scheduler
+from tests.core.fake_engines import AgreeingDraft, FakeEngine, RepeatingEngine
+
+
+def brute_force_lookup(history, count, max_n=4, min_n=2):
+    """The definition: the longest suffix (max_n..min_n) with an earlier occurrence, its latest one,
+    and what followed it, continued by itself past the end of the history."""
+    for n in range(max_n, min_n - 1, -1):
+        if len(history) <= n:
+            continue
+        ends = [e for e in range(n - 1, len(history) - 1) if history[e + 1 - n : e + 1] == history[-n:]]
+        if ends:
+            seq = list(history)
+            for k in range(count):
+                seq.append(seq[ends[-1] + 1 + k])
+            return seq[len(history) :]
+    return []
+
+
+def test_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
+    assert NgramIndex().propose([1, 2, 3, 9, 2, 3, 8, 1, 2, 3], 2) == [9, 2]  # 1 2 3 beats the later 2 3
+    assert NgramIndex().propose([2, 3, 9, 2, 3, 8, 2, 3], 2) == [8, 2]  # latest occurrence of 2 3
+    assert NgramIndex().propose([1, 2, 3, 4], 3) == []  # no suffix occurred before (nor itself)
+    assert NgramIndex().propose([4, 4], 3) == []  # min_n 2: a single repeated token is not looked up
+
+
+def test_a_repetition_is_continued_past_the_end_of_the_history():
+    line = [10, 11, 12]
+    assert NgramIndex().propose(line * 2, 7) == [10, 11, 12, 10, 11, 12, 10]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_incremental_lookup_equals_the_definition(seed):
+    rng = random.Random(seed)
+    history, index = [], NgramIndex()
+    for _ in range(120):
+        history.extend(rng.choice([[rng.randrange(6)], history[-rng.randrange(1, 9) :] or [1]]))
+        count = rng.randrange(0, 8)
+        assert index.propose(history, count) == (brute_force_lookup(history, count) if count else [])
+
+
+def test_acceptance_learns_per_position_from_its_prior():
+    acceptance = Acceptance(prior=0.5, weight=2.0)
+    assert acceptance.by_position(3) == [0.5, 0.25, 0.125]
+    for _ in range(8):
+        acceptance.observe(drafts=3, accepted=3)  # every draft kept: positions 1..3 reached and kept
+    assert acceptance.by_position(2) == pytest.approx([9 / 10, 0.81])
+    acceptance.observe(drafts=3, accepted=0)  # position 1 reached and rejected, 2 and 3 not reached
+    assert acceptance.by_position(1) == pytest.approx([9 / 11])
+
+
+# ---------------------------------------------------------------------------------------------
+# the scheduler with each proposer
+
+
+def reference(engine: FakeEngine, prompt, max_new) -> list[int]:
+    history = list(prompt)
+    for _ in range(max_new):
+        history.append(engine.choose(history))
+    return history[len(prompt) :]
+
+
+class CheckedScheduler(Scheduler):
+    """After every iteration, each decoding request's draft cache holds its own tokens: feeding a
+    lookup row its lookup as the draft's input keeps the draft's cache true."""
+
+    def step(self):
+        super().step()
+        for slot, request in enumerate(self.decoding):
+            length = int(self.draft.cache_lengths[slot])
+            assert list(self.draft.cache[slot, :length]) == request.tokens[:length], f"draft cache of slot {slot}"
+
+
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2], [2, 6, 5, 3, 5, 8, 9, 7], [7, 7, 1, 2, 7, 7, 1]]
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram", "auto"])
+@pytest.mark.parametrize("gamma", [2, 6])
+@pytest.mark.parametrize("draft", [lambda: RepeatingEngine(), lambda: AgreeingDraft(3), lambda: FakeEngine(salt=9)],
+                         ids=["copy", "sometimes", "unrelated"])
+def test_every_proposer_equals_autoregressive(proposer, gamma, draft):
+    target = RepeatingEngine()
+    s = CheckedScheduler(target, draft(), 3, 256, [1, 2, 4, 6], set())
+    requests = [Request(p, 40, gamma=gamma, proposer=proposer) for p in PROMPTS]
+    for request in requests:
+        s.add(request)
+    while not s.idle:
+        s.step()
+    for request, prompt in zip(requests, PROMPTS):
+        assert request.generated == reference(target, prompt, 40), (proposer, prompt)
+        by = request.stats.by_proposer
+        assert set(by) <= {"draft", "ngram"} and request.stats.draft_tokens == sum(c[1] for c in by.values())
+        if proposer != "auto":
+            assert set(by) <= {proposer}
+    lookups = sum(r.stats.by_proposer.get("ngram", [0, 0, 0])[1] for r in requests)
+    assert (lookups > 0) == (proposer != "draft")
+
+
+def test_lookup_on_repeating_text_saves_most_target_passes():
+    target = RepeatingEngine(every=1000)  # almost never breaks the repetition
+    s = Scheduler(target, FakeEngine(salt=9), 1, 256, [2, 4, 6], set())
+    request = Request([1, 2, 3, 4, 5, 1, 2, 3, 4, 5], 60, gamma=6, proposer="ngram")
+    s.add(request)
+    while not s.idle:
+        s.step()
+    assert request.generated == reference(target, request.prompt, 60)
+    assert request.stats.iterations <= 12 and request.stats.acceptance_rate > 0.9  # plain decoding: 59
+    assert s.draft.calls == 1  # the draft model read the prompt and never drafted
+
+
+def test_auto_drafts_with_the_model_where_lookup_finds_nothing():
+    """A text that never repeats: no lookup ever matches (min_n 2), the draft model drafts every
+    iteration, and it agrees (the same model)."""
+    target = FakeEngine()
+    s = Scheduler(target, FakeEngine(), 1, 256, [2, 4], set())
+    request = Request([5, 6, 7], 30, gamma=4, proposer="auto")
+    s.add(request)
+    while not s.idle:
+        s.step()
+    assert request.generated == reference(target, [5, 6, 7], 30)
+    assert request.stats.by_proposer["draft"][1] > 0 and request.stats.acceptance_rate == 1.0
