@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from speccompile.core.cost_model import LoopCosts, expected_tokens
 
 PROPOSERS = ("draft", "ngram", "auto")
-DEFAULT_PROPOSER = "draft"
+DEFAULT_PROPOSER = "auto"
 NGRAM_MAX, NGRAM_MIN = 4, 2  # matching 1 token proposes too often and is kept 0.69 of the time (demo pair)
-# What an n-gram match is believed worth before a request has any of its own: the demo target's
-# greedy output, n = 4..2, kept 0.89 of the time per proposed token (tools/measure_proposers.py).
-NGRAM_PRIOR, NGRAM_PRIOR_WEIGHT = 0.85, 2.0
+# What a match is believed worth before a request has any of its own, by the length of the suffix
+# that matched: on the demo target's greedy output over held-out code, the first proposed token was
+# kept 0.93 to 0.99 of the time after a 4-token match, 0.65 to 1.0 after 3, 0.35 to 0.80 after 2.
+NGRAM_PRIORS, NGRAM_PRIOR_WEIGHT = {4: 0.9, 3: 0.75, 2: 0.5}, 4.0
 DRAFT_PRIOR, DRAFT_PRIOR_WEIGHT = 0.7, 2.0  # without a γ policy (a fixed γ): the request's own, from this
 
 
@@ -40,6 +41,7 @@ class NgramIndex:
         self.sizes = range(max_n, min_n - 1, -1)
         self.latest: dict[int, dict[tuple, int]] = {n: {} for n in self.sizes}
         self.indexed = 0  # positions 0..indexed-1 are indexed as n-gram ends
+        self.matched = 0  # the suffix length the last proposal matched (0: none)
 
     def propose(self, history: list[int], count: int) -> list[int]:
         """`count` tokens that followed the latest earlier occurrence of the longest suffix of
@@ -53,12 +55,14 @@ class NgramIndex:
                 if end + 1 >= n:
                     self.latest[n][tuple(history[end + 1 - n : end + 1])] = end
         self.indexed = max(self.indexed, len(history) - 1)
+        self.matched = 0
         if count <= 0:
             return []
         for n in self.sizes:
             if len(history) > n:
                 end = self.latest[n].get(tuple(history[-n:]))
                 if end is not None:
+                    self.matched = n
                     return _copy(history, end + 1, count)
         return []
 
@@ -100,18 +104,35 @@ class Acceptance:
         return out
 
 
-def new_acceptance() -> dict[str, Acceptance]:
-    """A request's acceptance per proposer, before it has any of its own."""
-    return {"draft": Acceptance(DRAFT_PRIOR, DRAFT_PRIOR_WEIGHT), "ngram": Acceptance(NGRAM_PRIOR, NGRAM_PRIOR_WEIGHT)}
+def new_acceptance() -> dict:
+    """A request's acceptance per proposer, before it has any of its own: the draft model's, and
+    prompt lookup's per matched suffix length ("ngram", n), a longer match being a surer one."""
+    return {"draft": Acceptance(DRAFT_PRIOR, DRAFT_PRIOR_WEIGHT),
+            **{("ngram", n): Acceptance(prior, NGRAM_PRIOR_WEIGHT) for n, prior in NGRAM_PRIORS.items()}}
 
 
-def draft_rate(costs: LoopCosts | None, acceptance: list[float], gamma: int) -> float:
-    """Expected tokens per ms of a draft-model iteration at γ (per iteration when costs are unknown)."""
-    tokens = expected_tokens(acceptance[:gamma])
-    return tokens if costs is None else tokens / costs.iteration_ms(gamma)
+def lookup_source(index: NgramIndex) -> tuple[str, int]:
+    """The acceptance key of the proposal `index` made last."""
+    return "ngram", index.matched
 
 
-def lookup_rate(costs: LoopCosts | None, acceptance: list[float], drafts: int, gamma: int) -> float:
-    """Expected tokens per ms of a prompt-lookup iteration with `drafts` proposals, verified by the γ graph."""
+def draft_rate(costs: LoopCosts | None, acceptance: list[float], drafts: int) -> float:
+    """Expected tokens per ms of an iteration with `drafts` draft-model steps (per iteration when
+    costs are unknown), verified by the smallest compiled γ that holds them."""
     tokens = expected_tokens(acceptance[:drafts])
-    return tokens if costs is None else tokens / (costs.verify[gamma] + costs.overhead)
+    if costs is None:
+        return tokens
+    gamma = _graph(costs, drafts)
+    return tokens / (costs.draft[gamma] * drafts / gamma + costs.verify[gamma] + costs.overhead)
+
+
+def lookup_rate(costs: LoopCosts | None, acceptance: list[float], drafts: int) -> float:
+    """Expected tokens per ms of an iteration with `drafts` lookup proposals: no draft steps."""
+    tokens = expected_tokens(acceptance[:drafts])
+    if costs is None:
+        return tokens
+    return tokens / (costs.verify[_graph(costs, drafts)] + costs.overhead)
+
+
+def _graph(costs: LoopCosts, drafts: int) -> int:
+    return min((g for g in costs.gammas if g >= drafts), default=max(costs.gammas))

@@ -43,7 +43,7 @@ import numpy as np
 
 from speccompile.core.engine import DecoderEngine, VerifierEngine
 from speccompile.core.gamma_policy import GammaPolicy
-from speccompile.core.proposers import draft_rate, lookup_rate
+from speccompile.core.proposers import draft_rate, lookup_rate, lookup_source
 from speccompile.core.request import AUTO, Request
 
 # (number of decoding requests, their mean context length) -> the γ policy for that load (None: no
@@ -177,6 +177,7 @@ class Scheduler:
         wanted = self._wanted_gamma(rows, policy)
         # None: the draft model drafts (compared at the drafts the row can still use)
         lookups = [self._lookup(r, min(int(w), r.remaining - 1), policy) for r, w in zip(rows, wanted)]
+        sources = ["draft" if lk is None else lookup_source(r.ngram) for r, lk in zip(rows, lookups)]
         wanted = np.array([len(lk) if lk is not None else w for lk, w in zip(lookups, wanted)], dtype=np.int64)
         gamma = self._graph_gamma(rows, wanted)
         # A request near its end drafts only what it still needs (the target adds one token of its
@@ -201,11 +202,11 @@ class Scheduler:
             policy.observe_costs(gamma, draft_ms, verify_ms)
         for row, (request, lookup) in enumerate(zip(rows, lookups)):
             n, d = int(accepted[row]), int(drafts[row])
-            proposer = "draft" if lookup is None else "ngram"
             request.stats.draft_ms += draft_ms
             request.stats.verify_ms += verify_ms
-            request.stats.record_iteration(n, d, proposer)
-            request.acceptance[proposer].observe(d, n)
+            request.stats.record_iteration(n, d, "draft" if lookup is None else "ngram")
+            if d:
+                request.acceptance[sources[row]].observe(d, n)
             if policy is not None and request.gamma == AUTO and d and lookup is None:
                 policy.observe(d, n)
             request.emit([*proposed[row, :n], next_token[row]], self.eos_ids)
@@ -226,8 +227,8 @@ class Scheduler:
         if not lookup:
             return None
         costs = policy.costs if policy is not None else None
-        graph = min((g for g in self.gammas if g >= len(lookup)), default=max(self.gammas))
-        ours = lookup_rate(costs, request.acceptance["ngram"].by_position(len(lookup)), len(lookup), graph)
+        ours = lookup_rate(costs, request.acceptance[lookup_source(request.ngram)].by_position(len(lookup)),
+                           len(lookup))
         if wanted == 0:  # the draft model would not draft: lookup against plain decoding
             return lookup if costs is None or ours > 1 / costs.target_step else None
         theirs_by_position = (policy.acceptance_by_position(wanted) if policy is not None and request.gamma == AUTO

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from speccompile.core.cost_model import predicted_speedup_mixed
+from speccompile.core.proposers import DEFAULT_PROPOSER
 from speccompile.core.stats import pooled
 from speccompile.errors import SpecCompileError
 
@@ -186,7 +187,7 @@ def request_stream(prompts: list[str], count: int, max_new_tokens: int, rate: fl
 def bench_load(runtime, prompts: list[str], concurrencies=(1, 2, 4, 8), requests: int = 16, rate: float | None = None,
                max_new_tokens: int = 64, repeats: int = 3, gamma: int | str | None = "auto",
                always_speculate: bool = False, sampling: dict | None = None,
-               seed: int = 0) -> tuple[list[dict], list[dict]]:
+               seed: int = 0, proposer: str = DEFAULT_PROPOSER) -> tuple[list[dict], list[dict]]:
     """Throughput and latency of serving at each concurrency, autoregressive and speculative.
 
     Returns (rows with exactly LOAD_KEYS, one per concurrency and mode; details behind each row:
@@ -195,7 +196,7 @@ def bench_load(runtime, prompts: list[str], concurrencies=(1, 2, 4, 8), requests
     _check_load(concurrencies, requests, rate, repeats)
     stream = request_stream(prompts, requests, max_new_tokens, rate, seed)
     gamma = "auto" if gamma is None else gamma
-    options = {mode: _mode_options(mode, gamma, always_speculate, sampling or {}) for mode in LOAD_MODES}
+    options = {mode: _mode_options(mode, gamma, always_speculate, sampling or {}, proposer) for mode in LOAD_MODES}
     rows, details = [], []
     for concurrency in concurrencies:
         runs = _runs_at(runtime, stream, concurrency, repeats, options)
@@ -214,12 +215,12 @@ def _check_load(concurrencies, requests: int, rate: float | None, repeats: int) 
         raise SpecCompileError(f"rate must be positive (requests/s), got {rate}")
 
 
-def _mode_options(mode: str, gamma, always_speculate: bool, sampling: dict) -> dict:
+def _mode_options(mode: str, gamma, always_speculate: bool, sampling: dict, proposer: str) -> dict:
     """submit's arguments for a mode. Under γ auto, mode None lets the policy choose plain decoding."""
     if mode == "autoregressive":
         return {"mode": mode, **sampling}
     plain_allowed = gamma == "auto" and not always_speculate
-    return {"mode": None if plain_allowed else "speculative", "gamma": gamma, **sampling}
+    return {"mode": None if plain_allowed else "speculative", "gamma": gamma, "proposer": proposer, **sampling}
 
 
 def _runs_at(runtime, stream: list[LoadRequest], concurrency: int, repeats: int, options: dict) -> dict:

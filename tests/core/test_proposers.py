@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from speccompile.core.gamma_policy import GammaPolicy
 from speccompile.core.proposers import Acceptance, NgramIndex
 from speccompile.core.request import Request
 from speccompile.core.scheduler import Scheduler
@@ -83,13 +84,19 @@ class CheckedScheduler(Scheduler):
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2], [2, 6, 5, 3, 5, 8, 9, 7], [7, 7, 1, 2, 7, 7, 1]]
 
 
+COSTS = {"target_step_ms": 10.0, "draft_step_ms": 1.0, "verify_ms": {g: 10.0 + g for g in (1, 2, 4, 6)},
+         "overhead_ms": 0.5}
+
+
 @pytest.mark.parametrize("proposer", ["draft", "ngram", "auto"])
-@pytest.mark.parametrize("gamma", [2, 6])
+@pytest.mark.parametrize("gamma", [2, 6, "auto"])
 @pytest.mark.parametrize("draft", [lambda: RepeatingEngine(), lambda: AgreeingDraft(3), lambda: FakeEngine(salt=9)],
                          ids=["copy", "sometimes", "unrelated"])
 def test_every_proposer_equals_autoregressive(proposer, gamma, draft):
+    """With a fixed γ and no costs known, and under γ auto with a policy's costs (rates compared)."""
     target = RepeatingEngine()
-    s = CheckedScheduler(target, draft(), 3, 256, [1, 2, 4, 6], set())
+    policy = GammaPolicy(COSTS, [0.8, 0.6, 0.4, 0.3, 0.2, 0.1])
+    s = CheckedScheduler(target, draft(), 3, 256, [1, 2, 4, 6], set(), policy_for=lambda n, context: policy)
     requests = [Request(p, 40, gamma=gamma, proposer=proposer) for p in PROMPTS]
     for request in requests:
         s.add(request)
