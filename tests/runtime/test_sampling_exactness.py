@@ -107,15 +107,17 @@ def test_speculative_samples_follow_the_target_distribution(pair, bundle, temper
 
 @pytest.fixture(scope="module")
 def repeating_prompt(pair) -> list[int]:
-    """[a, c, 2, 7, a] with the (a, c) the target most likely continues with c: the first token
-    then often completes [a, c], which occurred before, and prompt lookup proposes what followed it
-    (2, a point mass: q one-hot); otherwise nothing matches and the iteration is a plain step."""
+    """[11, 13, a, c, 2, 7, 11, 13, a] with the (a, c) the target most likely continues with c: the
+    first token then often completes [11, 13, a, c], which occurred before (a 4-token match, which
+    auto trusts), and prompt lookup proposes what followed it (2, a point mass: q one-hot);
+    otherwise the draft model drafts (auto) or nothing does (ngram)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(pair[0]).eval()
-    candidates = [[a, c, 2, 7, a] for a in range(VOCAB) for c in range(VOCAB) if len({a, c, 2, 7}) == 4]
+    candidates = [[11, 13, a, c, 2, 7, 11, 13, a] for a in range(VOCAB) for c in range(VOCAB)
+                  if len({a, c, 2, 7, 11, 13}) == 6]
     with torch.no_grad():
         probs = torch.softmax(model(torch.tensor(candidates)).logits[:, -1], -1).numpy()
-    best = max(range(len(candidates)), key=lambda i: probs[i, candidates[i][1]])
-    assert probs[best, candidates[best][1]] > 0.2, "no prompt makes a lookup likely"
+    best = max(range(len(candidates)), key=lambda i: probs[i, candidates[i][3]])
+    assert probs[best, candidates[best][3]] > 0.2, "no prompt makes a lookup likely"
     return candidates[best]
 
 
