@@ -14,13 +14,15 @@ __version__ = "0.1.0"
 __all__ = ["SpecCompileError", "load", "build", "__version__"]
 
 
-def load(bundle_dir=None, backend: str = "onnxruntime", threads: int | None = None, shared_threads: bool = False,
-         one_session: bool | None = None, prefill_chunk: int = 64):
+def load(bundle_dir=None, backend: str = "onnxruntime", threads: int | None = None,
+         shared_threads: bool | None = None, one_session: bool | None = None, prefill_chunk: int = 64):
     """Open a bundle (default: the embedded demo pair's) and return a `Runtime` ready to `generate`.
 
     shared_threads=True runs ONNX Runtime on one process-wide thread pool: a much faster speculative
     loop, but every other ONNX Runtime session this process creates must then be made with
-    `use_per_session_threads = False` (see runtime.onnxruntime_engine.shared_thread_pool).
+    `use_per_session_threads = False` (see runtime.onnxruntime_engine.shared_thread_pool). Left
+    unset, the runtime uses a pool per session, safe for any application, and warns once that it
+    runs slower (the demo pair: 25-40%); pass False to choose that silently.
     one_session: each model's calls all run on its one session graph, one copy of its weights in
     memory (True), or on a session per graph, faster for small models (False); default: one session
     for models with 256 MiB of weights or more. prefill_chunk: prompt tokens prefilled per engine

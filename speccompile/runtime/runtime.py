@@ -7,6 +7,7 @@ bad request raises in its caller's thread and never disturbs the ones in flight.
 """
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -46,18 +47,21 @@ class GenerationResult:
 
 class Runtime:
     def __init__(self, bundle: Bundle, backend: str = "onnxruntime", threads: int | None = None,
-                 shared_threads: bool = False, one_session: bool | None = None, prefill_chunk: int = 64):
+                 shared_threads: bool | None = None, one_session: bool | None = None, prefill_chunk: int = 64):
         """shared_threads (ONNX Runtime): run both models on one process-wide thread pool, which is
         much faster for the speculative loop but binds every other ONNX Runtime session in the
         process (see onnxruntime_engine.shared_thread_pool). The CLI always asks for it; so should
         an application that creates no ONNX Runtime sessions of its own. A process that has the pool
-        uses it either way. prefill_chunk: prompt tokens prefilled per iteration while other
-        requests decode (see core/scheduler.py)."""
+        uses it either way; None (the default) is False, with a warning once per process that the
+        loop runs slower on pools per session. prefill_chunk: prompt tokens prefilled per iteration
+        while other requests decode (see core/scheduler.py)."""
         self.bundle, self.backend = bundle, backend
         if backend == "onnxruntime":
             from speccompile.runtime.onnxruntime_engine import OrtModel, shared_thread_pool
 
-            shared = shared_thread_pool(threads, create=shared_threads)
+            shared = shared_thread_pool(threads, create=bool(shared_threads))
+            if shared_threads is None and not shared:
+                _warn_pools_per_session()
             # On pools of their own, a small draft runs faster on one thread: its ops are too short
             # to amortise a pool that competes with the target's for the cores.
             self.target = OrtModel(bundle, "target", threads=threads, shared_pool=shared, one_session=one_session)
@@ -492,7 +496,14 @@ def _stop_strings(stop) -> list[str]:
     return stops
 
 
-def load(bundle_dir, backend: str = "onnxruntime", threads: int | None = None, shared_threads: bool = False,
+@functools.cache
+def _warn_pools_per_session() -> None:
+    log.warning("ONNX Runtime thread pools per session: speculative decoding runs slower than on one shared pool "
+                "(demo pair: 25-40%); pass shared_threads=True if this process's other ONNX Runtime sessions "
+                "use use_per_session_threads=False or there are none, or shared_threads=False to keep this quietly")
+
+
+def load(bundle_dir, backend: str = "onnxruntime", threads: int | None = None, shared_threads: bool | None = None,
          one_session: bool | None = None, prefill_chunk: int = 64) -> Runtime:
     """one_session (ONNX Runtime): run each model's every call on its one session graph, holding one
     copy of its weights (True), or a session per graph, faster for small models (False). Default:

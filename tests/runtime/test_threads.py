@@ -80,3 +80,19 @@ def test_cli_runs_on_the_shared_pool(bundles, tmp_path, command):
     assert "shared pool: True" in result.stdout
     if command[0] == "profile":
         assert "top ops by share" in result.stdout  # per-op profiling sessions join the shared pool too
+
+
+def test_the_default_warns_once_that_pools_per_session_are_slower(bundles, caplog):
+    """Left unset, shared_threads is the safe choice, and says what it costs; chosen, it is silent."""
+    from speccompile.runtime import runtime as runtime_module
+
+    runtime_module._warn_pools_per_session.cache_clear()
+    bundle = bundles("llama", "copy")
+    for _ in range(2):
+        speccompile.load(bundle)
+    speccompile.load(bundle, shared_threads=False)
+    warnings = [r for r in caplog.records if "thread pools per session" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelname == "WARNING"
+    runtime_module._warn_pools_per_session.cache_clear()
+    speccompile.load(bundle, shared_threads=False)
+    assert len([r for r in caplog.records if "thread pools per session" in r.getMessage()]) == 1
