@@ -395,7 +395,7 @@ def profile(bundle, prompts_file, batch_sizes, context_lengths, max_new_tokens, 
                 click.echo(f"  {op:<22} {ms:8.3f} ms  {share:6.1%}")
 
 
-def _profile_table(result: dict) -> str:
+def _profile_table(profile) -> str:
     """Per batch size, context and γ: ms per iteration (target: a plain decoding step; draft: the
     iteration's γ draft steps; loop: its own work), the γ policy's predicted speedup, the measured
     one (steady state), end to end (prefill included, as bench), tokens per iteration (expected from
@@ -406,17 +406,15 @@ def _profile_table(result: dict) -> str:
              f"{'batch':>5} {'context':>7} {'γ':>3} {'target ms':>10} {'draft ms':>9} {'verify ms':>10} {'loop ms':>8} "
              f"{'predicted':>10} {'measured':>9} {'end to end':>11} {'tokens/it':>10}"]
     gaps, cost_gaps = [], []
-    for batch, entry in result["by_batch"].items():
-        for context, point in entry["per_context"].items():
-            lines += _profile_rows(batch, context, point)
-            for g, measured in point["measured_speedup"].items():
-                predicted = point["predicted_speedup"][g]
-                # the cost model's speedup is proportional to tokens per iteration: with the measured
-                # one instead of the acceptance's, what is left of the gap is the costs'
-                expected_tokens = 1 + sum(point["acceptance_by_gamma"][g])
-                costs_only = predicted * point["tokens_per_iteration"][g] / expected_tokens
-                gaps.append((abs(predicted / measured - 1), batch, context, g))
-                cost_gaps.append((abs(costs_only / measured - 1), batch, context, g))
+    for point in profile.points:
+        lines += _profile_rows(point)
+        for g, measured in point.measured_speedup.items():
+            predicted = point.predicted_speedup[g]
+            # the cost model's speedup is proportional to tokens per iteration: with the measured
+            # one instead of the acceptance's, what is left of the gap is the costs'
+            costs_only = predicted * point.tokens_per_iteration[g] / (1 + sum(point.acceptance_by_gamma[g]))
+            gaps.append((abs(predicted / measured - 1), point.batch, point.context, g))
+            cost_gaps.append((abs(costs_only / measured - 1), point.batch, point.context, g))
     lines += [_largest_gap("predicted vs measured", max(gaps)),
               _largest_gap("with the measured tokens per iteration (the costs alone)", max(cost_gaps))]
     return "\n".join(lines)
@@ -427,16 +425,16 @@ def _largest_gap(label: str, gap: tuple) -> str:
     return f"{label}: within {size:.1%} everywhere (the largest gap: batch {batch}, context {context}, γ={gamma})"
 
 
-def _profile_rows(batch: int, context: int, point: dict) -> list[str]:
-    star = {point["best_gamma"]: " <- γ*"}
-    rows = [f"{batch:>5} {context:>7} {0:>3} {point['target_step_ms']:>10.3f} {'':>9} {'':>10} {'':>8} "
-            f"{1.0:>9.2f}x{star.get(0, '')}"]
-    for gamma in sorted(point["measured_speedup"]):
-        tokens = f"{1 + sum(point['acceptance_by_gamma'][gamma]):.2f}/{point['tokens_per_iteration'][gamma]:.2f}"
-        rows.append(f"{batch:>5} {context:>7} {gamma:>3} {'':>10} {point['draft_ms'][gamma]:>9.3f} "
-                    f"{point['verify_ms'][gamma]:>10.3f} {point['overhead_ms']:>8.3f} "
-                    f"{point['predicted_speedup'][gamma]:>9.2f}x {point['measured_speedup'][gamma]:>8.2f}x "
-                    f"{point['end_to_end_speedup'][gamma]:>10.2f}x {tokens:>10}{star.get(gamma, '')}")
+def _profile_rows(point) -> list[str]:
+    star = {point.best_gamma: " <- γ*"}
+    head = f"{point.batch:>5} {point.context:>7}"
+    rows = [f"{head} {0:>3} {point.target_step_ms:>10.3f} {'':>9} {'':>10} {'':>8} {1.0:>9.2f}x{star.get(0, '')}"]
+    for gamma in sorted(point.measured_speedup):
+        tokens = f"{1 + sum(point.acceptance_by_gamma[gamma]):.2f}/{point.tokens_per_iteration[gamma]:.2f}"
+        rows.append(f"{head} {gamma:>3} {'':>10} {point.draft_ms[gamma]:>9.3f} {point.verify_ms[gamma]:>10.3f} "
+                    f"{point.overhead_ms:>8.3f} {point.predicted_speedup[gamma]:>9.2f}x "
+                    f"{point.measured_speedup[gamma]:>8.2f}x {point.end_to_end_speedup[gamma]:>10.2f}x "
+                    f"{tokens:>10}{star.get(gamma, '')}")
     return rows
 
 

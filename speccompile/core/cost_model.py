@@ -77,7 +77,7 @@ class LoopCosts:
 
     @classmethod
     def from_timings(cls, timings: dict) -> "LoopCosts":
-        """From the timings dict of profile.timings_for_batch or measure_costs. Without a per-γ
+        """From the timings dict of GammaProfile.timings or measure_costs. Without a per-γ
         "draft_ms", drafting costs γ · draft_step_ms; without "overhead_ms", nothing."""
         verify = {int(g): ms for g, ms in timings["verify_ms"].items()}
         per_gamma = {int(g): ms for g, ms in timings.get("draft_ms", {}).items()}

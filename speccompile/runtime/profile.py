@@ -18,7 +18,7 @@ sequences drafts poorly past them (the demo draft, distilled on 128-token sequen
 target's greedy token 0.75 of the time at positions under 128 and 0.35 past 192, teacher-forced in
 transformers; its first draft is accepted 0.74 to 0.82 of the time at context 64, 0.26 to 0.57 at
 256). The runtime's γ policy for a load and context
-starts from the nearest point's costs and acceptance (`point_prior`). The predicted speedup of each
+starts from the nearest point's costs and acceptance (`GammaProfile.prior`). The predicted speedup of each
 γ is `GammaPolicy.speedup` with that point's costs and its acceptance at that γ, and γ* the best of
 them: the table prints what the runtime's policy believes at that point before it has observed
 anything. The measured speedup is each round's steady-state rate at γ over the same round's plain
@@ -62,7 +62,7 @@ import json
 import logging
 import statistics
 import time
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -75,8 +75,92 @@ from speccompile.runtime.hardware import fingerprint, fingerprint_key
 
 logger = logging.getLogger(__name__)
 PROFILES_DIR = "profiles"
-PROFILE_VERSION = 2  # 2: costs from loop runs (per-γ draft_ms, overhead_ms), measured speedup per batch size
+PROFILE_VERSION = 3  # 2: costs from loop runs; 3: a list of points, each with its own acceptance
 COST_KEYS = ("target_step_ms", "draft_step_ms", "draft_ms", "verify_ms", "overhead_ms")
+PER_GAMMA = ("draft_ms", "verify_ms", "acceptance_by_gamma", "predicted_speedup", "measured_speedup",
+             "end_to_end_speedup", "tokens_per_iteration")  # {γ: ...} fields, whose keys JSON makes strings
+
+
+@dataclass
+class ProfilePoint:
+    """One batch size and context of a γ profile: the loop's costs there (ms per iteration), the
+    acceptance seen at each γ, and the speedups predicted and measured (see point_entry)."""
+
+    batch: int
+    context: int
+    target_step_ms: float
+    draft_step_ms: float
+    draft_ms: dict[int, float]
+    verify_ms: dict[int, float]
+    overhead_ms: float
+    acceptance_by_gamma: dict[int, list[float]]  # γ -> P_1..P_γ over the runs at that γ
+    predicted_speedup: dict[int, float]  # γ (0: plain decoding) -> the γ policy's prediction
+    best_gamma: int
+    measured_speedup: dict[int, float]  # steady state
+    end_to_end_speedup: dict[int, float]
+    tokens_per_iteration: dict[int, float]  # measured, per request
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """P_k at the largest γ (k <= γ: the γ policy's prior at this point)."""
+        return self.acceptance_by_gamma[max(self.acceptance_by_gamma)]
+
+    def timings(self) -> dict:
+        """The costs, as GammaPolicy and LoopCosts.from_timings take them."""
+        return {key: getattr(self, key) for key in COST_KEYS}
+
+    @classmethod
+    def from_json(cls, fields_: dict) -> "ProfilePoint":
+        return cls(**{k: {int(g): v for g, v in value.items()} if k in PER_GAMMA else value
+                      for k, value in fields_.items()})
+
+
+@dataclass
+class GammaProfile:
+    """What `speccompile profile` measured on one machine (its fingerprint) for one bundle."""
+
+    fingerprint: dict
+    key: str
+    created: str
+    gammas: list[int]
+    context_lengths: list[int]
+    max_new_tokens: int
+    acceptance_by_position: list[float]  # the mean over points (each alike)
+    points: list[ProfilePoint]
+    version: int = PROFILE_VERSION
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return sorted({p.batch for p in self.points})
+
+    def point(self, batch: int, context: int) -> ProfilePoint:
+        """The point measured at the batch size closest to `batch` (the smaller on a tie) and this
+        profiled context."""
+        nearest = min(self.batch_sizes, key=lambda b: (abs(b - batch), b))
+        return next(p for p in self.points if p.batch == nearest and p.context == context)
+
+    def timings(self, batch: int, context: int) -> dict:
+        """Loop costs at the batch size closest to `batch`, interpolated linearly between the
+        measured contexts (held at the nearest one outside them): attention and cache reads make
+        every step grow with context, and a request's costs are those at its own lengths."""
+        contexts = sorted(self.context_lengths)
+        context = min(max(context, contexts[0]), contexts[-1])
+        upper = next(c for c in contexts if c >= context)
+        lower = max(c for c in contexts if c <= context)
+        w = 0.0 if upper == lower else (context - lower) / (upper - lower)
+        return mix_costs([self.point(batch, lower).timings(), self.point(batch, upper).timings()], [1 - w, w])
+
+    def prior(self, batch: int, context: int) -> tuple[dict, list[float]]:
+        """A γ policy's start at a batch size and a profiled context: the costs and the acceptance
+        by position measured there."""
+        return self.timings(batch, context), self.point(batch, context).acceptance_by_position
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, fields_: dict) -> "GammaProfile":
+        return cls(**{**fields_, "points": [ProfilePoint.from_json(p) for p in fields_["points"]]})
 
 # ---------------------------------------------------------------------------------------------
 # quick calibration: step costs in the loop's order, without the loop (no prompts needed)
@@ -243,7 +327,7 @@ def prompts_at(tokens: list[list[int]], batch: int, length: int, offset: int) ->
 
 
 def build_profile(runtime, prompts: list[str], batch_sizes: list[int], context_lengths: list[int],
-                  repeats: int = 1, rounds: int = 3, max_new_tokens: int = 48) -> dict:
+                  repeats: int = 1, rounds: int = 3, max_new_tokens: int = 48) -> GammaProfile:
     """Loop runs at every batch size and context, `rounds` times, and the profile they make. At each
     point every round takes every mode through all prompts `repeats` times, b at a time, so every
     batch size sees the same text (a point measured on one group of b prompts sees those prompts'
@@ -262,14 +346,11 @@ def build_profile(runtime, prompts: list[str], batch_sizes: list[int], context_l
         for (b, c), samples in runs.items():
             groups = [prompts_at(tokens, b, points[c], offset=k * b) for k in range(repeats * -(-len(tokens) // b))]
             samples.append(_run_modes(runtime, groups, max_new_tokens, rotation=r))
-    by_point = {point: point_entry(samples, point[0]) for point, samples in runs.items()}
+    measured = [point_entry(samples, b, c) for (b, c), samples in runs.items()]
     fp = fingerprint(runtime.backend)
-    return {"version": PROFILE_VERSION, "fingerprint": fp, "key": fingerprint_key(fp),
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gammas": runtime.gammas,
-            "context_lengths": list(points), "max_new_tokens": max_new_tokens,
-            "acceptance_by_position": mean_acceptance([e["acceptance_by_position"] for e in by_point.values()]),
-            "by_batch": {b: {**mean_costs([by_point[b, c] for c in points]),
-                             "per_context": {c: by_point[b, c] for c in points}} for b in batch_sizes}}
+    return GammaProfile(fp, fingerprint_key(fp), datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                        runtime.gammas, list(points), max_new_tokens,
+                        mean_acceptance([p.acceptance_by_position for p in measured]), measured)
 
 
 def mean_acceptance(per_point: list[list[float]]) -> list[float]:
@@ -320,7 +401,7 @@ def _run_modes(runtime, groups: list[list], max_new_tokens: int, rotation: int) 
     return summed
 
 
-def point_entry(samples: list[dict[int, LoopRun]], batch: int) -> dict:
+def point_entry(samples: list[dict[int, LoopRun]], batch: int, context: int) -> ProfilePoint:
     """One batch size and context: its costs; its acceptance at each γ (P_k over every request of
     its runs at that γ); the speedup the γ policy predicts for each γ with these costs and the
     acceptance seen at that γ, and γ*, the best of them (GammaPolicy's rule); and the measured
@@ -334,12 +415,11 @@ def point_entry(samples: list[dict[int, LoopRun]], batch: int) -> dict:
     def ratio(gamma: int, rate: str) -> float:
         return statistics.median(getattr(s[gamma], rate) / getattr(s[0], rate) for s in samples)
 
-    return {**costs, "acceptance_by_position": acceptance[max(gammas)], "acceptance_by_gamma": acceptance,
-            "predicted_speedup": predicted, "best_gamma": best_gamma(predicted),
-            "measured_speedup": {g: ratio(g, "rate") for g in gammas},
-            "end_to_end_speedup": {g: ratio(g, "tokens_per_s") for g in gammas},
-            "tokens_per_iteration": {g: statistics.median(s[g].tokens_per_iteration for s in samples) / batch
-                                     for g in gammas}}
+    return ProfilePoint(batch, context, **costs, acceptance_by_gamma=acceptance, predicted_speedup=predicted,
+                        best_gamma=best_gamma(predicted), measured_speedup={g: ratio(g, "rate") for g in gammas},
+                        end_to_end_speedup={g: ratio(g, "tokens_per_s") for g in gammas},
+                        tokens_per_iteration={g: statistics.median(s[g].tokens_per_iteration for s in samples) / batch
+                                              for g in gammas})
 
 
 def point_acceptance(samples: list[dict[int, LoopRun]], gamma: int) -> list[float]:
@@ -366,11 +446,6 @@ def context_costs(samples: list[dict[int, LoopRun]]) -> dict:
             "overhead_ms": statistics.median(relative(g, lambda run: run.overhead_ms) for g in gammas)}
 
 
-def mean_costs(per_context: list[dict]) -> dict:
-    """The mean of several contexts' costs (also: how two contexts are mixed, see interpolate_costs)."""
-    return mix_costs(per_context, [1 / len(per_context)] * len(per_context))
-
-
 def mix_costs(costs: list[dict], weights: list[float]) -> dict:
     """Σ weight · costs, key by key (per-γ keys γ by γ)."""
     mixed = {}
@@ -388,19 +463,20 @@ def mix_costs(costs: list[dict], weights: list[float]) -> dict:
 # gains profiles as it meets new hardware)
 
 
-def write_profile(bundle_path: Path, profile: dict) -> Path:
+def write_profile(bundle_path: Path, profile: GammaProfile) -> Path:
     directory = Path(bundle_path) / PROFILES_DIR
     directory.mkdir(exist_ok=True)
-    path = directory / f"{profile['key']}.json"
+    path = directory / f"{profile.key}.json"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(profile, indent=1))
+    tmp.write_text(json.dumps(profile.to_json(), indent=1))
     tmp.replace(path)
     return path
 
 
-def find_profile(bundle_path: Path, fp: dict | None = None) -> dict | None:
+def find_profile(bundle_path: Path, fp: dict | None = None) -> GammaProfile | None:
     """The bundle's profile measured on hardware with this fingerprint, if any. A profile of an
-    older format is ignored (its costs were steps timed alone): run `speccompile profile` again."""
+    older format is ignored (version 1's costs were steps timed alone; version 2 kept one acceptance
+    for all points): run `speccompile profile` again."""
     fp = fp or fingerprint()
     path = Path(bundle_path) / PROFILES_DIR / f"{fingerprint_key(fp)}.json"
     if not path.is_file():
@@ -408,63 +484,14 @@ def find_profile(bundle_path: Path, fp: dict | None = None) -> dict | None:
     profile = json.loads(path.read_text())
     if profile.get("version") != PROFILE_VERSION or profile.get("fingerprint") != fp:
         return None
-    return _int_keys(profile)
-
-
-def _int_keys(profile: dict) -> dict:
-    """JSON turns int keys into strings; turn batch sizes, contexts and γ back into ints."""
-    by_batch = {}
-    for batch, entry in profile["by_batch"].items():
-        entry = _int_gammas(entry)
-        entry["per_context"] = {int(c): _int_gammas(costs) for c, costs in entry["per_context"].items()}
-        by_batch[int(batch)] = entry
-    return {**profile, "by_batch": by_batch}
-
-
-def _int_gammas(entry: dict) -> dict:
-    return {key: {int(g): v for g, v in value.items()} if isinstance(value, dict) and key != "per_context" else value
-            for key, value in entry.items()}
-
-
-def timings_for_batch(profile: dict, batch: int, context: int | None = None) -> dict:
-    """Loop costs at the measured batch size closest to `batch` (the smaller one on a tie):
-    {"target_step_ms", "draft_step_ms", "draft_ms": {γ: ms}, "verify_ms": {γ: ms}, "overhead_ms"}
-    (GammaPolicy's timings), and without `context` the entry's measured speedups too.
-
-    With `context`, costs are interpolated linearly between the measured context lengths (and held
-    at the nearest one outside them): attention and cache reads make every step grow with context,
-    and a request's costs are those at its own lengths, not the average of the calibration points.
-    """
-    nearest = min(profile["by_batch"], key=lambda b: (abs(b - batch), b))
-    entry = profile["by_batch"][nearest]
-    if context is None:
-        return entry
-    return interpolate_costs(entry["per_context"], context)
-
-
-def point_prior(profile: dict, batch: int, context: int) -> tuple[dict, list[float]]:
-    """A γ policy's prior at a batch size and a profiled context: the costs there (the nearest
-    measured batch size), and the acceptance by position measured there (profiles before per-point
-    acceptance: the profile's own)."""
-    timings = timings_for_batch(profile, batch, context)
-    point = timings_for_batch(profile, batch)["per_context"].get(context, {})
-    return timings, point.get("acceptance_by_position", profile["acceptance_by_position"])
-
-
-def interpolate_costs(per_context: dict[int, dict], context: int) -> dict:
-    points = sorted(per_context)
-    context = min(max(context, points[0]), points[-1])
-    upper = next(c for c in points if c >= context)
-    lower = max(c for c in points if c <= context)
-    w = 0.0 if upper == lower else (context - lower) / (upper - lower)
-    return mix_costs([per_context[lower], per_context[upper]], [1 - w, w])
+    return GammaProfile.from_json(profile)
 
 
 # ---------------------------------------------------------------------------------------------
 # plots, per-op engine profile
 
 
-def save_plots(profile: dict, directory: Path) -> list[Path]:
+def save_plots(profile: GammaProfile, directory: Path) -> list[Path]:
     """speedup vs γ (predicted and measured, per batch size) and cost per iteration vs γ."""
     try:
         import matplotlib
@@ -474,8 +501,8 @@ def save_plots(profile: dict, directory: Path) -> list[Path]:
     except ImportError:
         raise SpecCompileError("plots need matplotlib: pip install 'speccompile[profile]'") from None
     directory.mkdir(parents=True, exist_ok=True)
-    speedup_png = directory / f"{profile['key']}-speedup.png"
-    costs_png = directory / f"{profile['key']}-costs.png"
+    speedup_png = directory / f"{profile.key}-speedup.png"
+    costs_png = directory / f"{profile.key}-costs.png"
     for path, draw in ((speedup_png, _plot_speedups), (costs_png, _plot_costs)):
         fig, ax = plt.subplots(figsize=(6, 4))
         draw(ax, profile)
@@ -485,30 +512,30 @@ def save_plots(profile: dict, directory: Path) -> list[Path]:
     return [speedup_png, costs_png]
 
 
-def _plot_speedups(ax, profile: dict) -> None:
+def _plot_speedups(ax, profile: GammaProfile) -> None:
     """At the shortest context: the others would crowd the plot (the table has them all)."""
-    gammas, context = [0] + sorted(profile["gammas"]), min(profile["context_lengths"])
-    for batch, entry in profile["by_batch"].items():
-        point = entry["per_context"][context]
-        line = ax.plot(gammas, [point["predicted_speedup"][g] for g in gammas], marker="o", label=f"batch {batch}")
-        measured = [1.0] + [point["measured_speedup"][g] for g in gammas[1:]]
+    gammas, context = [0] + sorted(profile.gammas), min(profile.context_lengths)
+    for batch in profile.batch_sizes:
+        point = profile.point(batch, context)
+        line = ax.plot(gammas, [point.predicted_speedup[g] for g in gammas], marker="o", label=f"batch {batch}")
+        measured = [1.0] + [point.measured_speedup[g] for g in gammas[1:]]
         ax.plot(gammas, measured, marker="s", linestyle="--", color=line[0].get_color())
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set(xlabel="γ (draft tokens per iteration)", ylabel="speedup over plain decoding",
            title=f"speedup vs γ at context {context}: predicted (solid), measured (dashed)")
 
 
-def _plot_costs(ax, profile: dict) -> None:
-    batch = min(profile["by_batch"])
-    entry, gammas = profile["by_batch"][batch], sorted(profile["gammas"])
-    draft = [entry["draft_ms"][g] for g in gammas]
-    verify = [entry["verify_ms"][g] for g in gammas]
+def _plot_costs(ax, profile: GammaProfile) -> None:
+    batch, context, gammas = min(profile.batch_sizes), min(profile.context_lengths), sorted(profile.gammas)
+    point = profile.point(batch, context)
+    draft = [point.draft_ms[g] for g in gammas]
+    verify = [point.verify_ms[g] for g in gammas]
     ax.bar(gammas, draft, label="γ draft steps")
     ax.bar(gammas, verify, bottom=draft, label="verification (γ+1 tokens)")
-    ax.bar(gammas, [entry["overhead_ms"]] * len(gammas), bottom=[a + b for a, b in zip(draft, verify)],
+    ax.bar(gammas, [point.overhead_ms] * len(gammas), bottom=[a + b for a, b in zip(draft, verify)],
            label="the loop's own work")
-    ax.axhline(entry["target_step_ms"], color="black", linestyle=":", label="one plain decoding iteration")
-    ax.set(xlabel="γ", ylabel="ms per iteration", title=f"cost per iteration, batch {batch}")
+    ax.axhline(point.target_step_ms, color="black", linestyle=":", label="one plain decoding iteration")
+    ax.set(xlabel="γ", ylabel="ms per iteration", title=f"cost per iteration, batch {batch}, context {context}")
 
 
 def op_profile(bundle, graph: str, feeds_for, runs: int = 5, top: int = 8) -> list[tuple[str, float, float]]:

@@ -216,11 +216,9 @@ class Runtime:
         scheduler then runs the bundle's default γ). Acceptance is learned from the requests served
         at that load and context."""
         if self.profile is not None:
-            from speccompile.runtime.profile import point_prior
-
-            point = min(self.profile["context_lengths"], key=lambda c: (abs(c - context), c))
+            point = min(self.profile.context_lengths, key=lambda c: (abs(c - context), c))
             if (decoding, point) not in self._policies:
-                timings, acceptance = point_prior(self.profile, decoding, point)
+                timings, acceptance = self.profile.prior(decoding, point)
                 self._policies[decoding, point] = GammaPolicy(timings, acceptance)
             return self._policies[decoding, point]
         if self._calibration is None:

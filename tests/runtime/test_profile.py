@@ -1,6 +1,7 @@
 """γ profiles: the steady state of a loop run, the costs and speedups they make, storage and hardware
 matching, the quick calibration, and γ = auto with a profile."""
 
+import dataclasses
 import json
 import shutil
 
@@ -106,48 +107,58 @@ def test_a_point_predicts_with_the_gamma_policy_and_its_own_acceptance_and_measu
                4: run(20.0, 6.4, 5.0, 14.0, tokens_per_s=180, accepted=accepted)},
               {0: run(12.0, 2, tokens_per_s=90), 2: run(18.0, 5.2, 3.6, 13.2, tokens_per_s=150, accepted=accepted),
                4: run(24.0, 6.8, 6.0, 16.8, tokens_per_s=150, accepted=accepted)}]
-    point = prof.point_entry(rounds, batch=2)
-    assert point["acceptance_by_position"] == pytest.approx([0.8, 0.6, 0.4, 0.2])
-    assert point["acceptance_by_gamma"] == {2: pytest.approx([0.8, 0.6]), 4: pytest.approx([0.8, 0.6, 0.4, 0.2])}
+    point = prof.point_entry(rounds, batch=2, context=64)
+    assert (point.batch, point.context) == (2, 64)
+    assert point.acceptance_by_position == pytest.approx([0.8, 0.6, 0.4, 0.2])
+    assert point.acceptance_by_gamma == {2: pytest.approx([0.8, 0.6]), 4: pytest.approx([0.8, 0.6, 0.4, 0.2])}
     # every cost relative to its round's step: draft 0.3 and 0.5, verification 1.1 and 1.4, work 0.1
     # and 0.1, times the median step (10 ms); the speedup as the cost model has it
-    assert point["overhead_ms"] == pytest.approx(1.0)
-    assert point["predicted_speedup"][2] == pytest.approx((1 + 0.8 + 0.6) * 10 / (3 + 11 + 1))
-    assert point["predicted_speedup"][4] == pytest.approx((1 + 0.8 + 0.6 + 0.4 + 0.2) * 10 / (5 + 14 + 1))
-    assert point["best_gamma"] == 2 and point["predicted_speedup"][0] == 1.0
+    assert point.overhead_ms == pytest.approx(1.0)
+    assert point.predicted_speedup[2] == pytest.approx((1 + 0.8 + 0.6) * 10 / (3 + 11 + 1))
+    assert point.predicted_speedup[4] == pytest.approx((1 + 0.8 + 0.6 + 0.4 + 0.2) * 10 / (5 + 14 + 1))
+    assert point.best_gamma == 2 and point.predicted_speedup[0] == 1.0
     # measured: each round's steady rate over its plain run's, median over rounds
-    assert point["measured_speedup"][2] == pytest.approx(4.8 / 15 / (2 / 10))  # rounds: 1.6, 1.4, 1.73
-    assert point["measured_speedup"][4] == pytest.approx(6.4 / 20 / (2 / 10))  # rounds: 1.5, 1.6, 1.7
-    assert point["end_to_end_speedup"] == {2: pytest.approx(1.6), 4: pytest.approx(1.7)}
-    assert point["tokens_per_iteration"] == {2: pytest.approx(4.8 / 2), 4: pytest.approx(6.4 / 2)}
+    assert point.measured_speedup[2] == pytest.approx(4.8 / 15 / (2 / 10))  # rounds: 1.6, 1.4, 1.73
+    assert point.measured_speedup[4] == pytest.approx(6.4 / 20 / (2 / 10))  # rounds: 1.5, 1.6, 1.7
+    assert point.end_to_end_speedup == {2: pytest.approx(1.6), 4: pytest.approx(1.7)}
+    assert point.tokens_per_iteration == {2: pytest.approx(4.8 / 2), 4: pytest.approx(6.4 / 2)}
 
 
 def test_the_policy_prior_weighs_every_point_alike():
     assert prof.mean_acceptance([[0.9, 0.8], [0.1, 0.0]]) == pytest.approx([0.5, 0.4])
 
 
+def point(batch=1, context=64, **fields) -> prof.ProfilePoint:
+    """A profile point with these fields, the others of no consequence."""
+    defaults = {"target_step_ms": 10.0, "draft_step_ms": 1.5, "draft_ms": {2: 3.0}, "verify_ms": {2: 11.0},
+                "overhead_ms": 1.0, "acceptance_by_gamma": {2: [0.8, 0.6]}, "predicted_speedup": {0: 1.0, 2: 1.6},
+                "best_gamma": 2, "measured_speedup": {2: 1.5}, "end_to_end_speedup": {2: 1.4},
+                "tokens_per_iteration": {2: 2.3}}
+    return prof.ProfilePoint(batch, context, **{**defaults, **fields})
+
+
+def profile_of(points: list[prof.ProfilePoint]) -> prof.GammaProfile:
+    return prof.GammaProfile({}, "key", "now", [2], sorted({p.context for p in points}), 48, [0.8, 0.6], points)
+
+
 def test_costs_between_contexts_are_interpolated():
-    at = {16: {"target_step_ms": 2.0, "draft_step_ms": 0.2, "draft_ms": {4: 1.0}, "verify_ms": {4: 5.0},
-               "overhead_ms": 0.2},
-          48: {"target_step_ms": 4.0, "draft_step_ms": 0.6, "draft_ms": {4: 3.0}, "verify_ms": {4: 9.0},
-               "overhead_ms": 0.4}}
-    profile = {"by_batch": {1: {**prof.mean_costs(list(at.values())), "per_context": at}}}
-    middle = prof.timings_for_batch(profile, 1, context=24)
+    profile = profile_of([
+        point(1, 16, target_step_ms=2.0, draft_step_ms=0.2, draft_ms={4: 1.0}, verify_ms={4: 5.0}, overhead_ms=0.2),
+        point(1, 48, target_step_ms=4.0, draft_step_ms=0.6, draft_ms={4: 3.0}, verify_ms={4: 9.0}, overhead_ms=0.4),
+        point(4, 16, target_step_ms=8.0), point(4, 48, target_step_ms=8.0)])
+    middle = profile.timings(1, context=24)
     assert middle == {"target_step_ms": pytest.approx(2.5), "draft_step_ms": pytest.approx(0.3),
                       "draft_ms": {4: pytest.approx(1.5)}, "verify_ms": {4: pytest.approx(6.0)},
                       "overhead_ms": pytest.approx(0.25)}
-    assert prof.timings_for_batch(profile, 1, context=4)["target_step_ms"] == 2.0  # held outside the range
-    assert prof.timings_for_batch(profile, 1, context=500)["verify_ms"][4] == 9.0
-    assert prof.timings_for_batch(profile, 3)["target_step_ms"] == pytest.approx(3.0)  # the nearest batch size
+    assert profile.timings(1, context=4)["target_step_ms"] == 2.0  # held outside the range
+    assert profile.timings(1, context=500)["verify_ms"][4] == 9.0
+    assert profile.timings(2, context=16)["target_step_ms"] == 2.0  # the nearest batch size, the smaller on a tie
+    assert profile.timings(3, context=16)["target_step_ms"] == 8.0
 
 
 def test_the_table_prints_every_batch_size_context_and_gamma_and_the_largest_gap():
-    point = {"target_step_ms": 10.0, "draft_ms": {2: 3.0}, "verify_ms": {2: 11.0}, "overhead_ms": 1.0,
-             "acceptance_by_gamma": {2: [0.8, 0.6]}, "predicted_speedup": {0: 1.0, 2: 1.6},
-             "measured_speedup": {2: 1.5}, "end_to_end_speedup": {2: 1.4}, "tokens_per_iteration": {2: 2.3},
-             "best_gamma": 2}
-    profile = {"by_batch": {1: {"per_context": {64: point, 256: {**point, "measured_speedup": {2: 1.55}}}},
-                            2: {"per_context": {64: {**point, "measured_speedup": {2: 1.6}, "best_gamma": 0}}}}}
+    profile = profile_of([point(1, 64), point(1, 256, measured_speedup={2: 1.55}),
+                          point(2, 64, measured_speedup={2: 1.6}, best_gamma=0)])
     table = _profile_table(profile).splitlines()
     rows = [line.split() for line in table[2:-2]]
     assert [row[:3] for row in rows] == [[b, c, g] for b, c in (("1", "64"), ("1", "256"), ("2", "64"))
@@ -171,18 +182,19 @@ def test_a_copy_draft_s_profile_counts_every_draft_accepted_and_its_policy_choos
     runtime = speccompile.load(bundle)
     profile = prof.build_profile(runtime, PROMPTS, [1, 2], [16], **QUICK)
     runtime.close()
-    assert profile["acceptance_by_position"] == [1.0] * 4
+    assert profile.acceptance_by_position == [1.0] * 4
     prof.write_profile(bundle, profile)
-    loaded = prof.find_profile(bundle)  # through JSON: batch, context and γ keys are ints again
-    assert loaded["by_batch"].keys() == {1, 2} and loaded["by_batch"][1]["per_context"].keys() == {16}
-    for batch, entry in loaded["by_batch"].items():
-        point = entry["per_context"][16]
-        assert point["tokens_per_iteration"] == {1: 2.0, 4: 5.0}
-        assert min(point["target_step_ms"], *point["draft_ms"].values(), *point["verify_ms"].values()) > 0
-        policy = GammaPolicy(prof.timings_for_batch(loaded, batch, context=16), point["acceptance_by_position"])
-        assert point["best_gamma"] == policy.choose()
-        assert point["predicted_speedup"] == {0: 1.0, **{g: pytest.approx(policy.speedup(g)) for g in (1, 4)}}
-        assert point["measured_speedup"].keys() == point["end_to_end_speedup"].keys() == {1, 4}
+    loaded = prof.find_profile(bundle)  # through JSON: γ keys are ints again
+    assert loaded == profile
+    assert loaded.batch_sizes == [1, 2] and loaded.context_lengths == [16]
+    for batch in (1, 2):
+        point = loaded.point(batch, 16)
+        assert point.tokens_per_iteration == {1: 2.0, 4: 5.0}
+        assert min(point.target_step_ms, *point.draft_ms.values(), *point.verify_ms.values()) > 0
+        policy = GammaPolicy(loaded.timings(batch, 16), point.acceptance_by_position)
+        assert point.best_gamma == policy.choose()
+        assert point.predicted_speedup == {0: 1.0, **{g: pytest.approx(policy.speedup(g)) for g in (1, 4)}}
+        assert point.measured_speedup.keys() == point.end_to_end_speedup.keys() == {1, 4}
 
 
 def test_profiles_match_hardware_and_format(random_bundle):
@@ -191,7 +203,7 @@ def test_profiles_match_hardware_and_format(random_bundle):
     runtime.close()
     path = prof.write_profile(random_bundle, profile)
     assert path.name == f"{fingerprint_key(fingerprint())}.json"
-    assert prof.find_profile(random_bundle)["version"] == prof.PROFILE_VERSION
+    assert prof.find_profile(random_bundle).version == prof.PROFILE_VERSION
     assert prof.find_profile(random_bundle, {**fingerprint(), "cpu": "another CPU"}) is None
     older = {**json.loads(path.read_text()), "version": 1}  # steps timed alone: not what the policy needs
     path.write_text(json.dumps(older))
@@ -253,10 +265,11 @@ def write_profile_with(bundle, acceptance: list[float], costs: LoopCosts) -> Non
     runtime.close()
     timings = {"target_step_ms": costs.target_step, "draft_step_ms": costs.draft[max(costs.draft)] / max(costs.draft),
                "draft_ms": costs.draft, "verify_ms": costs.verify, "overhead_ms": costs.overhead}
-    entry = profile["by_batch"][1]
-    entry.update(timings)
-    entry["per_context"] = {c: {**point, **timings} for c, point in entry["per_context"].items()}
-    profile["acceptance_by_position"] = acceptance
+    for point in profile.points:
+        for key, value in timings.items():
+            setattr(point, key, value)
+        point.acceptance_by_gamma = {g: acceptance[:g] for g in point.acceptance_by_gamma}
+    profile.acceptance_by_position = acceptance
     prof.write_profile(bundle, profile)
 
 
@@ -303,7 +316,7 @@ def test_auto_gamma_speculates_at_the_policy_s_gamma_star_with_a_copy_draft(tmp_
     bundle = shutil.copytree(bundles("llama", "copy"), tmp_path / "bundle")
     write_profile_with(bundle, [1.0] * 4, LoopCosts(10.0, {1: 0.1, 4: 0.4}, {1: 11.0, 4: 12.0}, overhead=0.5))
     runtime = speccompile.load(bundle)
-    assert runtime.profile["by_batch"][1]["draft_ms"] == {1: 0.1, 4: 0.4}
+    assert runtime.profile.point(1, 16).draft_ms == {1: 0.1, 4: 0.4}
     [result] = runtime.generate(["import os"], max_new_tokens=20, gamma="auto")
     runtime.close()
     assert result.stats.mode == "speculative" and max(result.stats.gammas_used) == 4
@@ -314,8 +327,8 @@ def test_auto_reads_the_profile_s_costs_at_each_load(random_bundle, monkeypatch)
     write_never_agreeing_profile(random_bundle)
     runtime = speccompile.load(random_bundle)
     asked = []
-    real = prof.timings_for_batch
-    monkeypatch.setattr(prof, "timings_for_batch", lambda p, b, context=None: asked.append(b) or real(p, b, context))
+    real = prof.GammaProfile.timings
+    monkeypatch.setattr(prof.GammaProfile, "timings", lambda p, b, context: asked.append(b) or real(p, b, context))
     runtime.generate([[5, 6, 7], [8, 9, 10, 11, 12]], max_new_tokens=8, gamma="auto")
     runtime.close()
     assert 2 in asked  # both requests decoding: the policy for a load of two
@@ -336,11 +349,12 @@ def test_auto_follows_the_profile_at_the_requests_context(tmp_path, bundles):
     bundle = shutil.copytree(bundles("llama", "copy"), tmp_path / "bundle")
     write_profile_with(bundle, [0.5] * 4, LoopCosts(10.0, {1: 0.1, 4: 0.4}, {1: 11.0, 4: 12.0}, overhead=0.5))
     profile = prof.find_profile(bundle)
-    entry = profile["by_batch"][1]
-    point = entry["per_context"][16]
-    entry["per_context"] = {16: {**point, "acceptance_by_position": [1.0] * 4},
-                            64: {**point, "acceptance_by_position": [0.0] * 4}}
-    profile["context_lengths"] = [16, 64]
+    [short_point] = profile.points
+    gammas = short_point.acceptance_by_gamma
+    never = {g: [0.0] * g for g in gammas}
+    profile.points.append(dataclasses.replace(short_point, context=64, acceptance_by_gamma=never))
+    short_point.acceptance_by_gamma = {g: [1.0] * g for g in gammas}
+    profile.context_lengths = [16, 64]
     prof.write_profile(bundle, profile)
     runtime = speccompile.load(bundle)
     [short] = runtime.generate([[5, 6, 7]], max_new_tokens=8, gamma="auto")
