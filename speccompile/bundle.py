@@ -99,6 +99,22 @@ class Bundle:
     def gammas(self) -> list[int]:
         return list(self.manifest["gammas"])
 
+    @property
+    def default_gamma(self) -> int:
+        return self.manifest["default_gamma"]
+
+    @property
+    def max_seq(self) -> int:
+        return self.manifest["max_seq"]
+
+    @property
+    def max_batch(self) -> int:
+        return self.manifest["max_batch"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.manifest["vocab_size"]
+
     def graph(self, name: str) -> dict:
         return self.manifest["graphs"][name]
 

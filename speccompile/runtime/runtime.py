@@ -74,8 +74,7 @@ class Runtime:
         else:
             raise SpecCompileError(f"unknown backend {backend!r} (available: onnxruntime, tensorrt)")
         self.tokenizer = Tokenizer(bundle.path / bundle.manifest["tokenizer"]["dir"], bundle.manifest["tokenizer"])
-        self.max_seq, self.max_batch = bundle.manifest["max_seq"], bundle.manifest["max_batch"]
-        self.default_gamma = bundle.manifest["default_gamma"]
+        self.max_seq, self.max_batch, self.default_gamma = bundle.max_seq, bundle.max_batch, bundle.default_gamma
         from speccompile.runtime.hardware import fingerprint
         from speccompile.runtime.profile import find_profile
 
