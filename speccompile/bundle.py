@@ -124,6 +124,11 @@ class Bundle:
     def model(self, role: str) -> dict:
         return self.manifest["models"][role]
 
+    @property
+    def has_draft(self) -> bool:
+        """False for a draft-free bundle (built without --draft): its requests speculate with prompt lookup."""
+        return "draft" in self.manifest["models"]
+
 
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()

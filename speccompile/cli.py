@@ -50,7 +50,8 @@ def main():
 
 @main.command()
 @click.option("--target", "target_dir", required=True, type=click.Path(), help="Target HF checkpoint directory.")
-@click.option("--draft", "draft_dir", required=True, type=click.Path(), help="Draft HF checkpoint directory.")
+@click.option("--draft", "draft_dir", default=None, type=click.Path(),
+              help="Draft HF checkpoint directory (without one, a draft-free bundle: prompt lookup proposes).")
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="Bundle directory to write.")
 @click.option("--gamma", "gammas", type=int, multiple=True, default=(4,), show_default=True,
               help="Draft tokens per verification; repeat to compile several.")
@@ -387,8 +388,9 @@ def profile(bundle, prompts_file, batch_sizes, context_lengths, max_new_tokens, 
     if ops:
         from speccompile.bundle import GraphId
 
-        graphs = (GraphId.step("target", sample=False), GraphId.step("draft", sample=False),
-                  GraphId.verification(max(runtime.gammas), sample=False))
+        graphs = (GraphId.step("target", sample=False), GraphId.verification(max(runtime.gammas), sample=False))
+        if runtime.draft is not None:
+            graphs += (GraphId.step("draft", sample=False),)
         for graph in (g.name for g in graphs):
             click.echo(f"\n{graph}: top ops by share (batch 1, context 32)")
             for op, ms, share in prof.op_profile(runtime.bundle, graph, prof.graph_feeds(runtime.bundle, graph)):

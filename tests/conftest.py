@@ -46,8 +46,9 @@ def checkpoints(tmp_path_factory, tokenizer):
 @pytest.fixture(scope="session")
 def bundles(tmp_path_factory, checkpoints):
     """bundles(family, draft, draft_weights) -> path of a built bundle; draft is "copy" (the target
-    itself) or "random"; draft_weights as `speccompile build --draft-weights` (default: float32 for
-    the copy, so that it agrees with the target exactly; int8, the build's default, for random)."""
+    itself), "random" or "none" (a draft-free bundle); draft_weights as `speccompile build
+    --draft-weights` (default: float32 for the copy, so that it agrees with the target exactly; int8,
+    the build's default, for random)."""
     from speccompile.compiler.build import build_bundle
 
     made = {}
@@ -57,7 +58,7 @@ def bundles(tmp_path_factory, checkpoints):
         key = family, draft, draft_weights
         if key not in made:
             target = checkpoints(family, "target")
-            draft_dir = target if draft == "copy" else checkpoints(family, "draft")
+            draft_dir = {"copy": target, "none": None}[draft] if draft != "random" else checkpoints(family, "draft")
             out = tmp_path_factory.mktemp(f"bundle-{family}-{draft}-{draft_weights}") / "bundle"
             made[key] = build_bundle(target, draft_dir, out, gammas=[1, 4], max_seq=96, max_batch=4,
                                      draft_weights=draft_weights)

@@ -44,7 +44,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     by the counts in the draft checkpoint's token_frequencies.json or of `draft_vocab_corpus`.
     `single_sequence`: also write each graph's batch-1 ONNX Runtime variant (fused attention; see
     transformer._fused_attention), which the ONNX Runtime backend runs whenever a batch has one
-    sequence."""
+    sequence. Without `draft_dir`, a draft-free bundle: the target's graphs alone, whose requests
+    speculate with prompt lookup (core/proposers.py)."""
     out_dir = Path(out_dir)
     gammas = _check_options(out_dir, list(gammas), max_seq, max_batch, force, draft_vocab, draft_vocab_corpus)
     for option, value in (("--target-weights", target_weights), ("--draft-weights", draft_weights)):
@@ -56,17 +57,23 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     target = load_checkpoint(target_dir)
     target_tok = load_tokenizer(target.path)
     progress.step("load draft")
-    draft = load_checkpoint(draft_dir)
-    draft_tok = load_tokenizer(draft.path, required=False)
+    draft = load_checkpoint(draft_dir) if draft_dir is not None else None
     progress.step("check compatibility")
-    if draft_tok is None:
-        logger.warning(f"{draft.path} has no tokenizer; assuming the target's")
-    vocab_out = check_compatible(target, draft, target_tok, draft_tok)
-    _warn_draft_size(target, draft)
-    for spec in (target, draft):
+    if draft is None:
+        logger.info("  no draft: the bundle's requests speculate with prompt lookup")
+        vocab_out = check_compatible(target, target, target_tok, None)
+    else:
+        draft_tok = load_tokenizer(draft.path, required=False)
+        if draft_tok is None:
+            logger.warning(f"{draft.path} has no tokenizer; assuming the target's")
+        vocab_out = check_compatible(target, draft, target_tok, draft_tok)
+        _warn_draft_size(target, draft)
+    for spec in [target] + ([draft] if draft else []):
         check_max_seq(spec, max_seq)
     vocab_ids = None
     if draft_vocab is not None:
+        if draft is None:
+            raise SpecCompileError("--draft-vocab cuts the draft's LM head: it needs --draft")
         eos_ids = eos_token_ids(target, target_tok)
         vocab_ids = _draft_vocab_ids(draft, draft_vocab, draft_vocab_corpus, vocab_out, eos_ids, target_tok)
 
@@ -96,7 +103,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         progress.step("write bundle")
         save_tokenizer(target_tok, staging / "tokenizer")
         scored = {"target": vocab_out, "draft": vocab_out if vocab_ids is None else len(vocab_ids)}
-        manifest = _manifest(staging, target, draft, graphs, weight_files, weights, gammas, max_seq, max_batch,
+        models = {role: spec for role, spec, _ in _models(target, draft, vocab_ids)}
+        manifest = _manifest(staging, models, graphs, weight_files, weights, gammas, max_seq, max_batch,
                              vocab_out, scored, target_tok, needs_plugin)
         for name in variants:
             manifest["graphs"][name]["single_sequence"] = _variant_entry(staging, name)
@@ -162,7 +170,7 @@ def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_o
     """name -> (GraphBuilder, GraphId); with single_sequence, the batch-1 variants under the same names,
     for the models ONNX Runtime's fused attention kernel accepts. Graphs hold lazy weights only."""
     graphs = {}
-    for role, spec, ids in (("target", target, None), ("draft", draft, vocab_ids)):
+    for role, spec, ids in _models(target, draft, vocab_ids):
         weights = matmul_weights[role]
         if single_sequence and not fused_attention_supported(spec):
             continue
@@ -192,16 +200,21 @@ def _session_graphs(target: ModelSpec, draft: ModelSpec, max_seq, vocab_out, mat
                     vocab_ids=None) -> dict:
     """role -> (the model's session graph, {kind: id}): what the ONNX Runtime backend runs (session_graph.py)."""
     sessions = {}
-    models = (("target", target, list(KINDS), None), ("draft", draft, ["forward", "sample"], vocab_ids))
-    for role, spec, kinds, ids in models:
+    for role, spec, ids in _models(target, draft, vocab_ids):
+        kinds = list(KINDS) if role == "target" else ["forward", "sample"]
         builder = build_session_graph(spec, f"{role}_session", max_seq, vocab_out, kinds, matmul_weights[role], ids)
         sessions[role] = (builder, {kind: KINDS[kind] for kind in kinds})
     return sessions
 
 
+def _models(target: ModelSpec, draft: ModelSpec | None, vocab_ids) -> list[tuple[str, ModelSpec, list | None]]:
+    """(role, spec, the draft's scored vocabulary) of each model the bundle holds."""
+    return [("target", target, None)] + ([("draft", draft, vocab_ids)] if draft is not None else [])
+
+
 def _write_graphs(staging: Path, graphs: dict, variants: dict, sessions: dict) -> dict[str, WeightFile]:
     """One weights file per model, shared by all of that model's graphs, variants and session graph."""
-    weight_files = {role: WeightFile(f"{role}.weights") for role in ("target", "draft")}
+    weight_files = {role: WeightFile(f"{role}.weights") for role in sessions}
     for builder, graph in [*graphs.values(), *variants.values()]:
         weight_files[graph.model].add(builder.weights)
     for role, (builder, _) in sessions.items():
@@ -281,8 +294,8 @@ def _model_entry(spec: ModelSpec, weight_file: WeightFile, matmul_weights: str, 
     }
 
 
-def _manifest(staging, target, draft, graphs, weight_files, matmul_weights, gammas, max_seq, max_batch, vocab_out,
-              scored, tokenizer, needs_plugin) -> dict:
+def _manifest(staging, models: dict[str, ModelSpec], graphs, weight_files, matmul_weights, gammas, max_seq,
+              max_batch, vocab_out, scored, tokenizer, needs_plugin) -> dict:
     files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
     return {
         "format_version": FORMAT_VERSION,
@@ -295,10 +308,10 @@ def _manifest(staging, target, draft, graphs, weight_files, matmul_weights, gamm
         "max_batch": max_batch,
         "vocab_size": vocab_out,
         "models": {role: _model_entry(spec, weight_files[role], matmul_weights[role], scored[role])
-                   for role, spec in (("target", target), ("draft", draft))},
+                   for role, spec in models.items()},
         "tokenizer": {
             "dir": "tokenizer",
-            "eos_token_ids": eos_token_ids(target, tokenizer),
+            "eos_token_ids": eos_token_ids(models["target"], tokenizer),
             "bos_token_id": tokenizer.bos_token_id,
             "size": len(tokenizer),
         },

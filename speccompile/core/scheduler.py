@@ -53,12 +53,13 @@ PolicyFor = Callable[[int, int], GammaPolicy | None]
 
 
 class Scheduler:
-    def __init__(self, target: VerifierEngine, draft: DecoderEngine, max_batch: int, max_seq: int,
+    def __init__(self, target: VerifierEngine, draft: DecoderEngine | None, max_batch: int, max_seq: int,
                  gammas: list[int], eos_ids: set[int], policy_for: PolicyFor | None = None,
                  profiled: bool = False, prefill_chunk: int = 64, fallback_gamma: int | None = None):
         """profiled: the policies' costs were measured by a profile of this hardware, so the policy may
         choose plain decoding from the start; otherwise only once it has observed acceptance.
-        fallback_gamma: what AUTO requests run while there is no policy (default: the largest γ)."""
+        fallback_gamma: what AUTO requests run while there is no policy (default: the largest γ).
+        draft None: a draft-free bundle, whose requests all speculate with prompt lookup."""
         self.target, self.draft = target, draft
         self.max_batch, self.max_seq, self.gammas = max_batch, max_seq, sorted(gammas)
         self.eos_ids, self.policy_for, self.prefill_chunk = eos_ids, policy_for, prefill_chunk
@@ -99,7 +100,8 @@ class Scheduler:
     def step(self) -> None:
         if not self._started:  # caches for every slot, once
             self.target.start(self.max_batch)
-            self.draft.start(self.max_batch)
+            if self.draft is not None:
+                self.draft.start(self.max_batch)
             self._started = True
         self._retire_cancelled()
         self._prefill()
@@ -144,7 +146,8 @@ class Scheduler:
             return
         slot = len(self.decoding)
         self.target.cache_lengths[slot] = 0
-        self.draft.cache_lengths[slot] = 0
+        if self.draft is not None:
+            self.draft.cache_lengths[slot] = 0
         self.joining = request
 
     def _prefill_chunk(self, request: Request, budget: int) -> int:
@@ -154,7 +157,7 @@ class Scheduler:
         tokens = np.array([request.prompt[start : start + count]], dtype=np.int64)
         counts = np.array([count], dtype=np.int64)
         began = time.perf_counter()
-        if request.gamma != 0:  # the draft reads the prompt too (a plain request never drafts)
+        if request.gamma != 0 and self.draft is not None:  # the draft reads the prompt too (not a plain request)
             self.draft.forward(tokens, counts, first=slot)
         complete = start + count == len(request.prompt)
         if complete and not request.params.greedy:
@@ -164,7 +167,8 @@ class Scheduler:
         request.prefilled += count
         if complete:
             request.emit(token, self.eos_ids)
-            self.draft.cache_lengths[slot] = min(self.draft.cache_lengths[slot], len(request.tokens) - 2)
+            if self.draft is not None:
+                self.draft.cache_lengths[slot] = min(self.draft.cache_lengths[slot], len(request.tokens) - 2)
         request.stats.prefill_ms += (time.perf_counter() - began) * 1e3
         return count
 
@@ -211,8 +215,9 @@ class Scheduler:
                 policy.observe(d, n)
             request.emit([*proposed[row, :n], next_token[row]], self.eos_ids)
         # the draft keeps what it cached of the accepted tokens, re-reading the last two next time
-        lengths = np.array([len(r.tokens) for r in rows], dtype=np.int64)
-        self.draft.cache_lengths[: len(rows)] = np.minimum(self.draft.cache_lengths[: len(rows)], lengths - 2)
+        if self.draft is not None:
+            lengths = np.array([len(r.tokens) for r in rows], dtype=np.int64)
+            self.draft.cache_lengths[: len(rows)] = np.minimum(self.draft.cache_lengths[: len(rows)], lengths - 2)
 
     def _lookup(self, request: Request, wanted: int, policy: GammaPolicy | None) -> list[int] | None:
         """A request's prompt-lookup proposal this iteration (as many as its γ allows), or None when
@@ -222,7 +227,7 @@ class Scheduler:
             return None
         cap = min(self.gamma_cap(request), request.remaining - 1)
         lookup = request.ngram.propose(request.tokens, cap)
-        if request.proposer == "ngram":
+        if request.proposer == "ngram" or self.draft is None:
             return lookup
         if not lookup:
             return None
@@ -367,7 +372,8 @@ class Scheduler:
 
     def _move(self, source: int, destination: int) -> None:
         self.target.move(source, destination)
-        self.draft.move(source, destination)
+        if self.draft is not None:
+            self.draft.move(source, destination)
 
 
 def _pad(token_lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

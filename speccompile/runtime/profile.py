@@ -173,10 +173,11 @@ def measure_costs(runtime, batch: int, context: int, repeats: int = 5, seed: int
     is rolled back, so every repeat sees the same context. Medians over `repeats`, after one warm-up
     round. No loop work is timed: overhead_ms is 0 (`runtime.profile` measures it in loop runs)."""
     rng = np.random.default_rng(seed)
-    for engine in (runtime.target, runtime.draft):
+    for engine in (e for e in (runtime.target, runtime.draft) if e is not None):
         engine.start(batch)
         engine.forward(rng.integers(0, engine.vocab_size, (batch, context)), np.full(batch, context, dtype=np.int64))
-    runtime.draft.cache_lengths[:batch] -= 1  # its first step re-reads the last token, as in the loop
+    if runtime.draft is not None:
+        runtime.draft.cache_lengths[:batch] -= 1  # its first step re-reads the last token, as in the loop
     times = {"target": [], **{g: [] for g in runtime.gammas}}
     for _ in range(repeats + 1):
         for gamma in runtime.gammas:
@@ -193,18 +194,21 @@ def _median_after_warm_up(rounds: list[tuple], i: int) -> float:
 
 
 def _rolled_back(runtime, call):
-    lengths = runtime.target.cache_lengths.copy(), runtime.draft.cache_lengths.copy()
+    engines = [e for e in (runtime.target, runtime.draft) if e is not None]
+    lengths = [e.cache_lengths.copy() for e in engines]
     result = call()
-    runtime.target.cache_lengths, runtime.draft.cache_lengths = lengths
+    for engine, length in zip(engines, lengths):
+        engine.cache_lengths = length
     return result
 
 
 def _iteration(runtime, batch: int, gamma: int, rng) -> tuple[float, float]:
-    """(draft ms, verification ms) of one speculative iteration on random tokens."""
+    """(draft ms, verification ms) of one speculative iteration on random tokens (no draft: 0 ms of it)."""
     start = time.perf_counter()
-    token = runtime.draft.forward(rng.integers(0, runtime.draft.vocab_size, (batch, 2)), np.full(batch, 2))
-    for _ in range(gamma - 1):
-        token = runtime.draft.forward(token[:, None], np.ones(batch, dtype=np.int64))
+    if runtime.draft is not None:
+        token = runtime.draft.forward(rng.integers(0, runtime.draft.vocab_size, (batch, 2)), np.full(batch, 2))
+        for _ in range(gamma - 1):
+            token = runtime.draft.forward(token[:, None], np.ones(batch, dtype=np.int64))
     drafted = time.perf_counter()
     tokens = rng.integers(0, runtime.target.vocab_size, (batch, gamma + 1))
     runtime.target.verify(tokens, np.full(batch, gamma, dtype=np.int64))

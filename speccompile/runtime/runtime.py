@@ -66,11 +66,12 @@ class Runtime:
             # to amortise a pool that competes with the target's for the cores.
             self.target = OrtModel(bundle, "target", threads=threads, shared_pool=shared, one_session=one_session)
             self.draft = OrtModel(bundle, "draft", threads=1 if threads is None else threads, shared_pool=shared,
-                                  one_session=one_session)
+                                  one_session=one_session) if bundle.has_draft else None
         elif backend == "tensorrt":
             from speccompile.runtime.tensorrt_engine import TrtModel
 
-            self.target, self.draft = (TrtModel(bundle, role) for role in ("target", "draft"))
+            self.target = TrtModel(bundle, "target")
+            self.draft = TrtModel(bundle, "draft") if bundle.has_draft else None
         else:
             raise SpecCompileError(f"unknown backend {backend!r} (available: onnxruntime, tensorrt)")
         self.tokenizer = Tokenizer(bundle.path / bundle.manifest["tokenizer"]["dir"], bundle.manifest["tokenizer"])
@@ -199,7 +200,7 @@ class Runtime:
         if request.gamma != 0:
             gammas = self.gammas if request.gamma == AUTO else [request.gamma]
             target += [GraphId.verification(g, sample=sample) for g in gammas]
-            for batch in batches:
+            for batch in batches if self.draft is not None else ():
                 self.draft.load_graphs([GraphId.step("draft", sample=sample), GraphId.step("draft", sample=False)],
                                        batch)
         for batch in batches:
@@ -254,6 +255,11 @@ class Runtime:
                  proposer: str = DEFAULT_PROPOSER) -> Request:
         if proposer not in PROPOSERS:
             raise SpecCompileError(f"proposer must be one of {', '.join(PROPOSERS)}, not {proposer!r}")
+        if self.draft is None and proposer != "ngram":
+            if proposer == "draft":
+                raise SpecCompileError("this bundle has no draft model (it was built without --draft): "
+                                       "its requests speculate with prompt lookup (proposer 'ngram' or 'auto')")
+            proposer = "ngram"
         params = SamplingParams(float(temperature), int(top_k), float(top_p))
         if warn:
             for name in params.without_effect():
