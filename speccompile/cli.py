@@ -296,6 +296,9 @@ def _load_table(rows: list[dict], details: list[dict]) -> str:
 
 
 def _bench_value(value) -> str:
+    if isinstance(value, dict) and all(isinstance(v, dict) for v in value.values()):  # by_proposer
+        return ", ".join(f"{name} {p['draft_tokens']} drafts ({p['acceptance_rate']:.2f} kept)"
+                         for name, p in value.items())
     if isinstance(value, dict):  # gammas_used: γ -> iterations
         return _gamma_counts(value)
     if isinstance(value, list):

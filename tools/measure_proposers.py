@@ -1,6 +1,7 @@
 """Proposers on three workloads of held-out code: speedup, acceptance and mean accepted length each.
 
     python tools/measure_proposers.py [--bundle DIR] [--prompts 12] [--max-new-tokens 64] [--gamma auto]
+        [--proposers draft,ngram,auto]
 
 Every prompt comes from a top-level function (6 to 16 lines) of a held-out standard-library file
 (never seen in training), in one of three workloads:
@@ -80,6 +81,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gamma", default="auto", help="a compiled γ, or auto (the runtime's policy)")
+    parser.add_argument("--proposers", default=",".join(PROPOSERS), help="a draft-free bundle: ngram")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.bundle is None:
@@ -91,7 +93,8 @@ def main() -> None:
     rows = []
     for workload, prompts in workloads(heldout_functions(args.prompts)).items():
         copy = prompt_copy_rate(runtime, prompts, args.max_new_tokens)
-        for summary, _ in bench_proposers(runtime, prompts, PROPOSERS, args.max_new_tokens, args.repeats, gamma):
+        proposers = args.proposers.split(",")
+        for summary, _ in bench_proposers(runtime, prompts, proposers, args.max_new_tokens, args.repeats, gamma):
             rows.append({"workload": workload, "prompt_copy_rate": copy, **summary})
     if args.json:
         print(json.dumps(rows, indent=1))

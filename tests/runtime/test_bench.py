@@ -274,3 +274,21 @@ def test_cli_bench_under_load(bundles, tmp_path):
     assert result.exit_code == 0, result.output
     assert "speculative" in result.stdout and f"plot: {png}" in result.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_bench_compares_proposers_against_the_same_plain_runs(bundles, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a b a b a b\ndef f(x):\n")
+    args = ["bench", str(bundles("llama", "random")), "--prompts", str(prompts), "--max-new-tokens", "8",
+            "--repeats", "1", "--gamma", "4", "--proposer", "draft", "--proposer", "ngram"]
+    result = CliRunner().invoke(main, args + ["--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert [r["proposer"] for r in rows] == ["draft", "ngram"] and all(list(r) == BENCH_KEYS for r in rows)
+    assert rows[0]["ar_tokens_per_s"] == rows[1]["ar_tokens_per_s"]  # one set of plain runs
+    assert set(rows[0]["by_proposer"]) == {"draft"} and set(rows[1]["by_proposer"]) <= {"ngram"}
+    table = CliRunner().invoke(main, args)
+    assert table.exit_code == 0, table.output
+    assert table.stdout.splitlines()[0].startswith("autoregressive:") and "ngram" in table.stdout
+    single = CliRunner().invoke(main, args[:-4] + ["--proposer", "draft"])
+    assert "by_proposer" in single.stdout and "draft " in single.stdout.split("by_proposer")[1].splitlines()[0]
