@@ -374,13 +374,14 @@ def profile(bundle, prompts_file, batch_sizes, context_lengths, max_new_tokens, 
     from pathlib import Path
 
     import speccompile
+    from speccompile.runtime import gamma_profile
     from speccompile.runtime import profile as prof
 
     runtime = speccompile.load(resolve_bundle(bundle), shared_threads=True)  # the process is ours
     batches = _int_list(batch_sizes) if batch_sizes else list(range(1, runtime.max_batch + 1))
     result = prof.build_profile(runtime, read_prompts(prompts_file), batches, _int_list(context_lengths), repeats,
                                 rounds, max_new_tokens)
-    path = prof.write_profile(runtime.bundle.path, result)
+    path = gamma_profile.write_profile(runtime.bundle.path, result)
     click.echo(_profile_table(result))
     click.echo(f"profile written to {path}")
     try:

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import speccompile  # noqa: E402
 from speccompile.corpus import read_texts, stdlib_split  # noqa: E402
 from speccompile.runtime.bench import bench  # noqa: E402
-from speccompile.runtime.profile import measure_costs  # noqa: E402
+from speccompile.runtime.calibration import measure_costs  # noqa: E402
 
 
 def heldout_prompts(count: int, lines: int, from_code: bool = False) -> list[str]:
@@ -55,7 +55,8 @@ def step_times(runtime, contexts=(64, 128, 256), rounds: int = 3) -> dict:
     """Target step, draft step and γ=4 verification (ms) per context: medians over `rounds` rounds of
     `measure_costs` (each a median of 20 calls), so that one slow stretch of the machine moves one
     round, not the result."""
-    measured = [[measure_costs(runtime, batch=1, context=c, repeats=20) for c in contexts] for _ in range(rounds)]
+    engines = runtime.target, runtime.draft, runtime.gammas
+    measured = [[measure_costs(*engines, batch=1, context=c, repeats=20) for c in contexts] for _ in range(rounds)]
     by_context = {}
     for i, context in enumerate(contexts):
         target = statistics.median(r[i]["target_step_ms"] for r in measured)

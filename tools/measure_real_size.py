@@ -23,7 +23,7 @@ import psutil
 def main() -> None:
     import speccompile
     from speccompile.bundle import kv_cache_bytes_per_sequence, open_bundle
-    from speccompile.runtime.profile import measure_costs
+    from speccompile.runtime.calibration import measure_costs
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("bundle", type=Path)
@@ -44,7 +44,8 @@ def main() -> None:
     report["graph_variants_run"] = len(runtime.target.loaded_files) + len(runtime.draft.loaded_files)
     report["kv_cache_bytes_batch2"] = 2 * sum(kv_cache_bytes_per_sequence(runtime.bundle.model(role), runtime.max_seq)
                                               for role in ("target", "draft"))
-    report["step_ms_batch1"] = measure_costs(runtime, batch=1, context=args.context, repeats=args.repeats)
+    report["step_ms_batch1"] = measure_costs(runtime.target, runtime.draft, runtime.gammas, batch=1,
+                                             context=args.context, repeats=args.repeats)
     print(json.dumps(report, indent=1))
 
 

@@ -62,7 +62,7 @@ import json
 import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -71,159 +71,10 @@ import numpy as np
 from speccompile.core.gamma_policy import GammaPolicy, best_gamma
 from speccompile.core.stats import pooled
 from speccompile.errors import SpecCompileError
+from speccompile.runtime.gamma_profile import GammaProfile, ProfilePoint
 from speccompile.runtime.hardware import fingerprint, fingerprint_key
 
 logger = logging.getLogger(__name__)
-PROFILES_DIR = "profiles"
-PROFILE_VERSION = 3  # 2: costs from loop runs; 3: a list of points, each with its own acceptance
-COST_KEYS = ("target_step_ms", "draft_step_ms", "draft_ms", "verify_ms", "overhead_ms")
-PER_GAMMA = ("draft_ms", "verify_ms", "acceptance_by_gamma", "predicted_speedup", "measured_speedup",
-             "end_to_end_speedup", "tokens_per_iteration")  # {γ: ...} fields, whose keys JSON makes strings
-
-
-@dataclass
-class ProfilePoint:
-    """One batch size and context of a γ profile: the loop's costs there (ms per iteration), the
-    acceptance seen at each γ, and the speedups predicted and measured (see point_entry)."""
-
-    batch: int
-    context: int
-    target_step_ms: float
-    draft_step_ms: float
-    draft_ms: dict[int, float]
-    verify_ms: dict[int, float]
-    overhead_ms: float
-    acceptance_by_gamma: dict[int, list[float]]  # γ -> P_1..P_γ over the runs at that γ
-    predicted_speedup: dict[int, float]  # γ (0: plain decoding) -> the γ policy's prediction
-    best_gamma: int
-    measured_speedup: dict[int, float]  # steady state
-    end_to_end_speedup: dict[int, float]
-    tokens_per_iteration: dict[int, float]  # measured, per request
-
-    @property
-    def acceptance_by_position(self) -> list[float]:
-        """P_k at the largest γ (k <= γ: the γ policy's prior at this point)."""
-        return self.acceptance_by_gamma[max(self.acceptance_by_gamma)]
-
-    def timings(self) -> dict:
-        """The costs, as GammaPolicy and LoopCosts.from_timings take them."""
-        return {key: getattr(self, key) for key in COST_KEYS}
-
-    @classmethod
-    def from_json(cls, fields_: dict) -> "ProfilePoint":
-        return cls(**{k: {int(g): v for g, v in value.items()} if k in PER_GAMMA else value
-                      for k, value in fields_.items()})
-
-
-@dataclass
-class GammaProfile:
-    """What `speccompile profile` measured on one machine (its fingerprint) for one bundle."""
-
-    fingerprint: dict
-    key: str
-    created: str
-    gammas: list[int]
-    context_lengths: list[int]
-    max_new_tokens: int
-    acceptance_by_position: list[float]  # the mean over points (each alike)
-    points: list[ProfilePoint]
-    version: int = PROFILE_VERSION
-
-    @property
-    def batch_sizes(self) -> list[int]:
-        return sorted({p.batch for p in self.points})
-
-    def point(self, batch: int, context: int) -> ProfilePoint:
-        """The point measured at the batch size closest to `batch` (the smaller on a tie) and this
-        profiled context."""
-        nearest = min(self.batch_sizes, key=lambda b: (abs(b - batch), b))
-        return next(p for p in self.points if p.batch == nearest and p.context == context)
-
-    def timings(self, batch: int, context: int) -> dict:
-        """Loop costs at the batch size closest to `batch`, interpolated linearly between the
-        measured contexts (held at the nearest one outside them): attention and cache reads make
-        every step grow with context, and a request's costs are those at its own lengths."""
-        contexts = sorted(self.context_lengths)
-        context = min(max(context, contexts[0]), contexts[-1])
-        upper = next(c for c in contexts if c >= context)
-        lower = max(c for c in contexts if c <= context)
-        w = 0.0 if upper == lower else (context - lower) / (upper - lower)
-        return mix_costs([self.point(batch, lower).timings(), self.point(batch, upper).timings()], [1 - w, w])
-
-    def prior(self, batch: int, context: int) -> tuple[dict, list[float]]:
-        """A γ policy's start at a batch size and a profiled context: the costs and the acceptance
-        by position measured there."""
-        return self.timings(batch, context), self.point(batch, context).acceptance_by_position
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, fields_: dict) -> "GammaProfile":
-        return cls(**{**fields_, "points": [ProfilePoint.from_json(p) for p in fields_["points"]]})
-
-# ---------------------------------------------------------------------------------------------
-# quick calibration: step costs in the loop's order, without the loop (no prompts needed)
-
-
-def measure_costs(runtime, batch: int, context: int, repeats: int = 5, seed: int = 0) -> dict:
-    """Step costs at one batch size and context, each call finding the caches as the loop leaves
-    them: per γ, the draft's γ steps (the first over two tokens) and then a verification, as an
-    iteration runs them; the target's steps back to back, as plain decoding runs them. Every call
-    is rolled back, so every repeat sees the same context. Medians over `repeats`, after one warm-up
-    round. No loop work is timed: overhead_ms is 0 (`runtime.profile` measures it in loop runs)."""
-    rng = np.random.default_rng(seed)
-    for engine in (e for e in (runtime.target, runtime.draft) if e is not None):
-        engine.start(batch)
-        engine.forward(rng.integers(0, engine.vocab_size, (batch, context)), np.full(batch, context, dtype=np.int64))
-    if runtime.draft is not None:
-        runtime.draft.cache_lengths[:batch] -= 1  # its first step re-reads the last token, as in the loop
-    times = {"target": [], **{g: [] for g in runtime.gammas}}
-    for _ in range(repeats + 1):
-        for gamma in runtime.gammas:
-            times[gamma].append(_rolled_back(runtime, lambda g=gamma: _iteration(runtime, batch, g, rng)))
-        times["target"].append(_rolled_back(runtime, lambda: _target_steps(runtime.target, batch, rng)))
-    draft = {g: _median_after_warm_up(times[g], 0) for g in runtime.gammas}
-    return {"target_step_ms": _median_after_warm_up(times["target"], 0),
-            "draft_step_ms": sum(draft.values()) / sum(draft), "draft_ms": draft,
-            "verify_ms": {g: _median_after_warm_up(times[g], 1) for g in runtime.gammas}, "overhead_ms": 0.0}
-
-
-def _median_after_warm_up(rounds: list[tuple], i: int) -> float:
-    return statistics.median(r[i] for r in rounds[1:])
-
-
-def _rolled_back(runtime, call):
-    engines = [e for e in (runtime.target, runtime.draft) if e is not None]
-    lengths = [e.cache_lengths.copy() for e in engines]
-    result = call()
-    for engine, length in zip(engines, lengths):
-        engine.cache_lengths = length
-    return result
-
-
-def _iteration(runtime, batch: int, gamma: int, rng) -> tuple[float, float]:
-    """(draft ms, verification ms) of one speculative iteration on random tokens (no draft: 0 ms of it)."""
-    start = time.perf_counter()
-    if runtime.draft is not None:
-        token = runtime.draft.forward(rng.integers(0, runtime.draft.vocab_size, (batch, 2)), np.full(batch, 2))
-        for _ in range(gamma - 1):
-            token = runtime.draft.forward(token[:, None], np.ones(batch, dtype=np.int64))
-    drafted = time.perf_counter()
-    tokens = rng.integers(0, runtime.target.vocab_size, (batch, gamma + 1))
-    runtime.target.verify(tokens, np.full(batch, gamma, dtype=np.int64))
-    return (drafted - start) * 1e3, (time.perf_counter() - drafted) * 1e3
-
-
-def _target_steps(target, batch: int, rng, steps: int = 3) -> tuple[float]:
-    """ms of the last of `steps` plain decoding steps in a row (the first finds the draft's traces)."""
-    token = rng.integers(0, target.vocab_size, (batch, 1))
-    for _ in range(steps):
-        start = time.perf_counter()
-        token = target.forward(token, np.ones(batch, dtype=np.int64))[:, None]
-    return ((time.perf_counter() - start) * 1e3,)
-
-
 # ---------------------------------------------------------------------------------------------
 # loop runs
 
@@ -448,47 +299,6 @@ def context_costs(samples: list[dict[int, LoopRun]]) -> dict:
     return {"target_step_ms": step, "draft_step_ms": sum(draft.values()) / sum(gammas), "draft_ms": draft,
             "verify_ms": {g: relative(g, lambda run: run.per_iteration("verify")) for g in gammas},
             "overhead_ms": statistics.median(relative(g, lambda run: run.overhead_ms) for g in gammas)}
-
-
-def mix_costs(costs: list[dict], weights: list[float]) -> dict:
-    """Σ weight · costs, key by key (per-γ keys γ by γ)."""
-    mixed = {}
-    for key in COST_KEYS:
-        first = costs[0][key]
-        if isinstance(first, dict):
-            mixed[key] = {g: sum(w * c[key][g] for c, w in zip(costs, weights)) for g in first}
-        else:
-            mixed[key] = sum(w * c[key] for c, w in zip(costs, weights))
-    return mixed
-
-
-# ---------------------------------------------------------------------------------------------
-# storage: bundle/profiles/<fingerprint key>.json (outside the manifest's integrity list: a bundle
-# gains profiles as it meets new hardware)
-
-
-def write_profile(bundle_path: Path, profile: GammaProfile) -> Path:
-    directory = Path(bundle_path) / PROFILES_DIR
-    directory.mkdir(exist_ok=True)
-    path = directory / f"{profile.key}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(profile.to_json(), indent=1))
-    tmp.replace(path)
-    return path
-
-
-def find_profile(bundle_path: Path, fp: dict | None = None) -> GammaProfile | None:
-    """The bundle's profile measured on hardware with this fingerprint, if any. A profile of an
-    older format is ignored (version 1's costs were steps timed alone; version 2 kept one acceptance
-    for all points): run `speccompile profile` again."""
-    fp = fp or fingerprint()
-    path = Path(bundle_path) / PROFILES_DIR / f"{fingerprint_key(fp)}.json"
-    if not path.is_file():
-        return None
-    profile = json.loads(path.read_text())
-    if profile.get("version") != PROFILE_VERSION or profile.get("fingerprint") != fp:
-        return None
-    return GammaProfile.from_json(profile)
 
 
 # ---------------------------------------------------------------------------------------------

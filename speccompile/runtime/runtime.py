@@ -76,8 +76,8 @@ class Runtime:
             raise SpecCompileError(f"unknown backend {backend!r} (available: onnxruntime, tensorrt)")
         self.tokenizer = Tokenizer(bundle.path / bundle.manifest["tokenizer"]["dir"], bundle.manifest["tokenizer"])
         self.max_seq, self.max_batch, self.default_gamma = bundle.max_seq, bundle.max_batch, bundle.default_gamma
+        from speccompile.runtime.gamma_profile import find_profile
         from speccompile.runtime.hardware import fingerprint
-        from speccompile.runtime.profile import find_profile
 
         self.profile = find_profile(bundle.path, fingerprint(backend))  # measured on this hardware and backend, if any
         self._policies: dict[tuple, GammaPolicy] = {}  # (decoding requests, context point) -> γ policy
@@ -232,12 +232,12 @@ class Runtime:
         """Time the steps quickly at batch 1 and at the bundle's max batch (costs in between are
         interpolated). It drives the models directly, so only with no request in flight (it would
         overwrite their caches)."""
-        from speccompile.runtime.profile import measure_costs
+        from speccompile.runtime.calibration import measure_costs
 
         assert self.scheduler.active == 0, "calibrating with requests in flight"
         log.warning("no γ profile for this hardware in the bundle (run `speccompile profile`): calibrating quickly")
         context = min(64, self.max_seq // 4)
-        self._calibration = {batch: measure_costs(self, batch, context=context, repeats=3)
+        self._calibration = {batch: measure_costs(self.target, self.draft, self.gammas, batch, context, repeats=3)
                              for batch in sorted({1, self.max_batch})}
 
     def _calibrated_costs(self, batch: int) -> dict:

@@ -13,7 +13,9 @@ from speccompile.cli import _profile_table, main
 from speccompile.core.cost_model import LoopCosts
 from speccompile.core.gamma_policy import GammaPolicy
 from speccompile.core.stats import GenerationStats
+from speccompile.runtime import gamma_profile
 from speccompile.runtime import profile as prof
+from speccompile.runtime.calibration import measure_costs
 from speccompile.runtime.hardware import fingerprint, fingerprint_key
 
 PROMPTS = ["import os", "def f(x):", "class A:"]
@@ -128,17 +130,18 @@ def test_the_policy_prior_weighs_every_point_alike():
     assert prof.mean_acceptance([[0.9, 0.8], [0.1, 0.0]]) == pytest.approx([0.5, 0.4])
 
 
-def point(batch=1, context=64, **fields) -> prof.ProfilePoint:
+def point(batch=1, context=64, **fields) -> gamma_profile.ProfilePoint:
     """A profile point with these fields, the others of no consequence."""
     defaults = {"target_step_ms": 10.0, "draft_step_ms": 1.5, "draft_ms": {2: 3.0}, "verify_ms": {2: 11.0},
                 "overhead_ms": 1.0, "acceptance_by_gamma": {2: [0.8, 0.6]}, "predicted_speedup": {0: 1.0, 2: 1.6},
                 "best_gamma": 2, "measured_speedup": {2: 1.5}, "end_to_end_speedup": {2: 1.4},
                 "tokens_per_iteration": {2: 2.3}}
-    return prof.ProfilePoint(batch, context, **{**defaults, **fields})
+    return gamma_profile.ProfilePoint(batch, context, **{**defaults, **fields})
 
 
-def profile_of(points: list[prof.ProfilePoint]) -> prof.GammaProfile:
-    return prof.GammaProfile({}, "key", "now", [2], sorted({p.context for p in points}), 48, [0.8, 0.6], points)
+def profile_of(points: list[gamma_profile.ProfilePoint]) -> gamma_profile.GammaProfile:
+    contexts = sorted({p.context for p in points})
+    return gamma_profile.GammaProfile({}, "key", "now", [2], contexts, 48, [0.8, 0.6], points)
 
 
 def test_costs_between_contexts_are_interpolated():
@@ -183,8 +186,8 @@ def test_a_copy_draft_s_profile_counts_every_draft_accepted_and_its_policy_choos
     profile = prof.build_profile(runtime, PROMPTS, [1, 2], [16], **QUICK)
     runtime.close()
     assert profile.acceptance_by_position == [1.0] * 4
-    prof.write_profile(bundle, profile)
-    loaded = prof.find_profile(bundle)  # through JSON: γ keys are ints again
+    gamma_profile.write_profile(bundle, profile)
+    loaded = gamma_profile.find_profile(bundle)  # through JSON: γ keys are ints again
     assert loaded == profile
     assert loaded.batch_sizes == [1, 2] and loaded.context_lengths == [16]
     for batch in (1, 2):
@@ -201,16 +204,16 @@ def test_profiles_match_hardware_and_format(random_bundle):
     runtime = speccompile.load(random_bundle)
     profile = prof.build_profile(runtime, PROMPTS, [1], [16], **QUICK)
     runtime.close()
-    path = prof.write_profile(random_bundle, profile)
+    path = gamma_profile.write_profile(random_bundle, profile)
     assert path.name == f"{fingerprint_key(fingerprint())}.json"
-    assert prof.find_profile(random_bundle).version == prof.PROFILE_VERSION
-    assert prof.find_profile(random_bundle, {**fingerprint(), "cpu": "another CPU"}) is None
+    assert gamma_profile.find_profile(random_bundle).version == gamma_profile.PROFILE_VERSION
+    assert gamma_profile.find_profile(random_bundle, {**fingerprint(), "cpu": "another CPU"}) is None
     older = {**json.loads(path.read_text()), "version": 1}  # steps timed alone: not what the policy needs
     path.write_text(json.dumps(older))
-    assert prof.find_profile(random_bundle) is None
+    assert gamma_profile.find_profile(random_bundle) is None
     del older["version"]  # the first format had none
     path.write_text(json.dumps(older))
-    assert prof.find_profile(random_bundle) is None
+    assert gamma_profile.find_profile(random_bundle) is None
 
 
 def test_settings_that_cannot_run_are_refused(random_bundle):
@@ -230,7 +233,7 @@ def test_settings_that_cannot_run_are_refused(random_bundle):
 
 def test_the_quick_calibration_times_every_gamma_in_the_loop_s_order_and_leaves_the_runtime_working(bundles):
     runtime = speccompile.load(bundles("llama", "copy"))
-    costs = prof.measure_costs(runtime, batch=2, context=16, repeats=2)
+    costs = measure_costs(runtime.target, runtime.draft, runtime.gammas, batch=2, context=16, repeats=2)
     assert costs.keys() == {"target_step_ms", "draft_step_ms", "draft_ms", "verify_ms", "overhead_ms"}
     assert costs["draft_ms"].keys() == costs["verify_ms"].keys() == {1, 4}
     assert costs["draft_step_ms"] == pytest.approx(sum(costs["draft_ms"].values()) / 5)
@@ -270,7 +273,7 @@ def write_profile_with(bundle, acceptance: list[float], costs: LoopCosts) -> Non
             setattr(point, key, value)
         point.acceptance_by_gamma = {g: acceptance[:g] for g in point.acceptance_by_gamma}
     profile.acceptance_by_position = acceptance
-    prof.write_profile(bundle, profile)
+    gamma_profile.write_profile(bundle, profile)
 
 
 def write_never_agreeing_profile(bundle) -> None:
@@ -327,8 +330,9 @@ def test_auto_reads_the_profile_s_costs_at_each_load(random_bundle, monkeypatch)
     write_never_agreeing_profile(random_bundle)
     runtime = speccompile.load(random_bundle)
     asked = []
-    real = prof.GammaProfile.timings
-    monkeypatch.setattr(prof.GammaProfile, "timings", lambda p, b, context: asked.append(b) or real(p, b, context))
+    real = gamma_profile.GammaProfile.timings
+    monkeypatch.setattr(gamma_profile.GammaProfile, "timings",
+                        lambda p, b, context: asked.append(b) or real(p, b, context))
     runtime.generate([[5, 6, 7], [8, 9, 10, 11, 12]], max_new_tokens=8, gamma="auto")
     runtime.close()
     assert 2 in asked  # both requests decoding: the policy for a load of two
@@ -348,14 +352,14 @@ def test_auto_follows_the_profile_at_the_requests_context(tmp_path, bundles):
     short sequences behaves past them): a short request speculates, a long one decodes plainly."""
     bundle = shutil.copytree(bundles("llama", "copy"), tmp_path / "bundle")
     write_profile_with(bundle, [0.5] * 4, LoopCosts(10.0, {1: 0.1, 4: 0.4}, {1: 11.0, 4: 12.0}, overhead=0.5))
-    profile = prof.find_profile(bundle)
+    profile = gamma_profile.find_profile(bundle)
     [short_point] = profile.points
     gammas = short_point.acceptance_by_gamma
     never = {g: [0.0] * g for g in gammas}
     profile.points.append(dataclasses.replace(short_point, context=64, acceptance_by_gamma=never))
     short_point.acceptance_by_gamma = {g: [1.0] * g for g in gammas}
     profile.context_lengths = [16, 64]
-    prof.write_profile(bundle, profile)
+    gamma_profile.write_profile(bundle, profile)
     runtime = speccompile.load(bundle)
     [short] = runtime.generate([[5, 6, 7]], max_new_tokens=8, gamma="auto")
     [long] = runtime.generate([list(range(3, 73))], max_new_tokens=8, gamma="auto")

@@ -1,0 +1,72 @@
+"""Quick calibration: step costs in the loop's order, timed on a model pair's engines directly.
+
+What a runtime without a γ profile measures once before `gamma="auto"` can weigh γ (runtime.py),
+and what the measuring tools time; `speccompile profile` measures whole loop runs instead
+(profile.py). It drives the engines only, never a Runtime, so the runtime may call it.
+"""
+
+import statistics
+import time
+
+import numpy as np
+
+
+def measure_costs(target, draft, gammas: list[int], batch: int, context: int, repeats: int = 5,
+                  seed: int = 0) -> dict:
+    """Step costs at one batch size and context, each call finding the caches as the loop leaves
+    them: per γ, the draft's γ steps (the first over two tokens) and then a verification, as an
+    iteration runs them; the target's steps back to back, as plain decoding runs them. Every call
+    is rolled back, so every repeat sees the same context. Medians over `repeats`, after one warm-up
+    round. No loop work is timed: overhead_ms is 0 (`runtime.profile` measures it in loop runs).
+    draft None (a draft-free bundle): iterations have no draft steps."""
+    rng = np.random.default_rng(seed)
+    for engine in (e for e in (target, draft) if e is not None):
+        engine.start(batch)
+        engine.forward(rng.integers(0, engine.vocab_size, (batch, context)), np.full(batch, context, dtype=np.int64))
+    if draft is not None:
+        draft.cache_lengths[:batch] -= 1  # its first step re-reads the last token, as in the loop
+    engines = (target, draft)
+    times = {"target": [], **{g: [] for g in gammas}}
+    for _ in range(repeats + 1):
+        for gamma in gammas:
+            times[gamma].append(_rolled_back(engines, lambda g=gamma: _iteration(target, draft, batch, g, rng)))
+        times["target"].append(_rolled_back(engines, lambda: _target_steps(target, batch, rng)))
+    draft_ms = {g: _median_after_warm_up(times[g], 0) for g in gammas}
+    return {"target_step_ms": _median_after_warm_up(times["target"], 0),
+            "draft_step_ms": sum(draft_ms.values()) / sum(draft_ms), "draft_ms": draft_ms,
+            "verify_ms": {g: _median_after_warm_up(times[g], 1) for g in gammas}, "overhead_ms": 0.0}
+
+
+def _median_after_warm_up(rounds: list[tuple], i: int) -> float:
+    return statistics.median(r[i] for r in rounds[1:])
+
+
+def _rolled_back(engines, call):
+    engines = [e for e in engines if e is not None]
+    lengths = [e.cache_lengths.copy() for e in engines]
+    result = call()
+    for engine, length in zip(engines, lengths):
+        engine.cache_lengths = length
+    return result
+
+
+def _iteration(target, draft, batch: int, gamma: int, rng) -> tuple[float, float]:
+    """(draft ms, verification ms) of one speculative iteration on random tokens (no draft: 0 ms of it)."""
+    start = time.perf_counter()
+    if draft is not None:
+        token = draft.forward(rng.integers(0, draft.vocab_size, (batch, 2)), np.full(batch, 2))
+        for _ in range(gamma - 1):
+            token = draft.forward(token[:, None], np.ones(batch, dtype=np.int64))
+    drafted = time.perf_counter()
+    tokens = rng.integers(0, target.vocab_size, (batch, gamma + 1))
+    target.verify(tokens, np.full(batch, gamma, dtype=np.int64))
+    return (drafted - start) * 1e3, (time.perf_counter() - drafted) * 1e3
+
+
+def _target_steps(target, batch: int, rng, steps: int = 3) -> tuple[float]:
+    """ms of the last of `steps` plain decoding steps in a row (the first finds the draft's traces)."""
+    token = rng.integers(0, target.vocab_size, (batch, 1))
+    for _ in range(steps):
+        start = time.perf_counter()
+        token = target.forward(token, np.ones(batch, dtype=np.int64))[:, None]
+    return ((time.perf_counter() - start) * 1e3,)

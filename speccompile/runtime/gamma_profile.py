@@ -1,0 +1,139 @@
+"""The γ profile's format and storage: what `speccompile profile` measured on one machine for one
+bundle (profile.py measures it), which the runtime reads to choose γ (runtime.py). One module both
+sides import: reading a profile drives nothing.
+"""
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from speccompile.runtime.hardware import fingerprint, fingerprint_key
+
+PROFILES_DIR = "profiles"
+PROFILE_VERSION = 3  # 2: costs from loop runs; 3: a list of points, each with its own acceptance
+COST_KEYS = ("target_step_ms", "draft_step_ms", "draft_ms", "verify_ms", "overhead_ms")
+PER_GAMMA = ("draft_ms", "verify_ms", "acceptance_by_gamma", "predicted_speedup", "measured_speedup",
+             "end_to_end_speedup", "tokens_per_iteration")  # {γ: ...} fields, whose keys JSON makes strings
+
+
+@dataclass
+class ProfilePoint:
+    """One batch size and context of a γ profile: the loop's costs there (ms per iteration), the
+    acceptance seen at each γ, and the speedups predicted and measured (see point_entry)."""
+
+    batch: int
+    context: int
+    target_step_ms: float
+    draft_step_ms: float
+    draft_ms: dict[int, float]
+    verify_ms: dict[int, float]
+    overhead_ms: float
+    acceptance_by_gamma: dict[int, list[float]]  # γ -> P_1..P_γ over the runs at that γ
+    predicted_speedup: dict[int, float]  # γ (0: plain decoding) -> the γ policy's prediction
+    best_gamma: int
+    measured_speedup: dict[int, float]  # steady state
+    end_to_end_speedup: dict[int, float]
+    tokens_per_iteration: dict[int, float]  # measured, per request
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """P_k at the largest γ (k <= γ: the γ policy's prior at this point)."""
+        return self.acceptance_by_gamma[max(self.acceptance_by_gamma)]
+
+    def timings(self) -> dict:
+        """The costs, as GammaPolicy and LoopCosts.from_timings take them."""
+        return {key: getattr(self, key) for key in COST_KEYS}
+
+    @classmethod
+    def from_json(cls, fields_: dict) -> "ProfilePoint":
+        return cls(**{k: {int(g): v for g, v in value.items()} if k in PER_GAMMA else value
+                      for k, value in fields_.items()})
+
+
+@dataclass
+class GammaProfile:
+    """What `speccompile profile` measured on one machine (its fingerprint) for one bundle."""
+
+    fingerprint: dict
+    key: str
+    created: str
+    gammas: list[int]
+    context_lengths: list[int]
+    max_new_tokens: int
+    acceptance_by_position: list[float]  # the mean over points (each alike)
+    points: list[ProfilePoint]
+    version: int = PROFILE_VERSION
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return sorted({p.batch for p in self.points})
+
+    def point(self, batch: int, context: int) -> ProfilePoint:
+        """The point measured at the batch size closest to `batch` (the smaller on a tie) and this
+        profiled context."""
+        nearest = min(self.batch_sizes, key=lambda b: (abs(b - batch), b))
+        return next(p for p in self.points if p.batch == nearest and p.context == context)
+
+    def timings(self, batch: int, context: int) -> dict:
+        """Loop costs at the batch size closest to `batch`, interpolated linearly between the
+        measured contexts (held at the nearest one outside them): attention and cache reads make
+        every step grow with context, and a request's costs are those at its own lengths."""
+        contexts = sorted(self.context_lengths)
+        context = min(max(context, contexts[0]), contexts[-1])
+        upper = next(c for c in contexts if c >= context)
+        lower = max(c for c in contexts if c <= context)
+        w = 0.0 if upper == lower else (context - lower) / (upper - lower)
+        return mix_costs([self.point(batch, lower).timings(), self.point(batch, upper).timings()], [1 - w, w])
+
+    def prior(self, batch: int, context: int) -> tuple[dict, list[float]]:
+        """A γ policy's start at a batch size and a profiled context: the costs and the acceptance
+        by position measured there."""
+        return self.timings(batch, context), self.point(batch, context).acceptance_by_position
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, fields_: dict) -> "GammaProfile":
+        return cls(**{**fields_, "points": [ProfilePoint.from_json(p) for p in fields_["points"]]})
+
+
+def mix_costs(costs: list[dict], weights: list[float]) -> dict:
+    """Σ weight · costs, key by key (per-γ keys γ by γ)."""
+    mixed = {}
+    for key in COST_KEYS:
+        first = costs[0][key]
+        if isinstance(first, dict):
+            mixed[key] = {g: sum(w * c[key][g] for c, w in zip(costs, weights)) for g in first}
+        else:
+            mixed[key] = sum(w * c[key] for c, w in zip(costs, weights))
+    return mixed
+
+
+# ---------------------------------------------------------------------------------------------
+# storage: bundle/profiles/<fingerprint key>.json (outside the manifest's integrity list: a bundle
+# gains profiles as it meets new hardware)
+
+
+def write_profile(bundle_path: Path, profile: GammaProfile) -> Path:
+    directory = Path(bundle_path) / PROFILES_DIR
+    directory.mkdir(exist_ok=True)
+    path = directory / f"{profile.key}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(profile.to_json(), indent=1))
+    tmp.replace(path)
+    return path
+
+
+def find_profile(bundle_path: Path, fp: dict | None = None) -> GammaProfile | None:
+    """The bundle's profile measured on hardware with this fingerprint, if any. A profile of an
+    older format is ignored (version 1's costs were steps timed alone; version 2 kept one acceptance
+    for all points): run `speccompile profile` again."""
+    fp = fp or fingerprint()
+    path = Path(bundle_path) / PROFILES_DIR / f"{fingerprint_key(fp)}.json"
+    if not path.is_file():
+        return None
+    profile = json.loads(path.read_text())
+    if profile.get("version") != PROFILE_VERSION or profile.get("fingerprint") != fp:
+        return None
+    return GammaProfile.from_json(profile)
