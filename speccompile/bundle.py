@@ -21,19 +21,30 @@ from pathlib import Path
 from speccompile.errors import SpecCompileError, read_json_object
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 2  # 2: verification graphs take draft_len [B]
+FORMAT_VERSION = 3  # 2: verification graphs take draft_len [B]; 3: greedy steps output their confidence
 STAMP = ".verified.json"  # not in the manifest's file list: it describes the files, it is not one of them
 
 
 # what a graph computes (see compiler/transformer.py) -> the outputs a runtime reads back; everything
 # else a graph returns is the KV cache, which the runtime binds in place
 GRAPH_OUTPUTS = {
-    "forward": ("next_token",),
+    "forward": ("next_token", "confidence"),
     "sample": ("next_token", "probs"),
     "verify": ("accepted", "next_token", "new_len"),
     "verify_sample": ("accepted", "next_token", "new_len"),
 }
 GRAPH_KINDS = tuple(GRAPH_OUTPUTS)
+# each read-back output's element type, and whether it has a value per vocabulary entry ([B, V]) or
+# one per sequence ([B]); confidence: the probability of the greedy token (softmax over the scored
+# vocabulary), by which a draft stops proposing (core/scheduler.py, p_min)
+OUTPUT_TYPES = {"next_token": ("int64", False), "confidence": ("float32", False), "probs": ("float32", True),
+                "accepted": ("int64", False), "new_len": ("int64", False)}
+
+
+def output_array(name: str, batch: int, vocab_size: int):
+    """(shape, numpy dtype name) of a read-back output for a batch."""
+    dtype, per_vocab = OUTPUT_TYPES[name]
+    return ((batch, vocab_size) if per_vocab else (batch,)), dtype
 
 
 @dataclass(frozen=True)

@@ -161,9 +161,11 @@ def resolve_bundle(bundle):
 @click.option("--proposer", type=click.Choice(PROPOSERS), default=DEFAULT_PROPOSER, show_default=True,
               help="Who drafts: the draft model, prompt lookup in the request's own text (ngram), or per "
               "iteration the one predicted faster (auto).")
+@click.option("--p-min", type=float, default=0.0, show_default=True,
+              help="The draft model stops drafting at a token it gives less probability than this (0: never).")
 @click.option("--json", "as_json", is_flag=True, help="Print results as a JSON list.")
 @user_errors
-def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, top_p, seed, proposer, as_json):
+def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, top_p, seed, proposer, p_min, as_json):
     """Generate text with speculative decoding (or the target alone).
 
     BUNDLE defaults to the embedded demo pair.
@@ -175,7 +177,7 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
     stream = None if as_json else _Streamer(runtime.tokenizer, list(prompts), max_new_tokens)
     results = runtime.generate(list(prompts), max_new_tokens=max_new_tokens, mode=mode, gamma=gamma,
                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, on_tokens=stream,
-                               proposer=proposer)
+                               proposer=proposer, p_min=p_min)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=1))
         return
@@ -207,13 +209,15 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
               help="With --concurrency: PNG of tokens/s and p99 latency vs concurrency "
               "(default: BUNDLE/profiles/load.png; with --json, only when given).")
 @click.option("--proposer", "proposers", type=click.Choice(PROPOSERS), multiple=True,
-              help="Who drafts (default: draft); repeat to compare proposers against the same plain runs.")
+              help="Who drafts (default: auto); repeat to compare proposers against the same plain runs.")
+@click.option("--p-min", type=float, default=0.0, show_default=True,
+              help="Confidence threshold of the draft model's drafts (see generate --p-min).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object with the summary keys (with several --proposer or --concurrency: a "
               "JSON list, one object per proposer, or per concurrency and mode).")
 @user_errors
 def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, concurrency, requests, rate,
-          always_speculate, proposers, plot_path, as_json):
+          always_speculate, proposers, p_min, plot_path, as_json):
     """Speculative vs autoregressive tokens/s on the same prompts (medians over repeats): at batch 1,
     or with --concurrency, serving many requests at once (γ auto by default)."""
     import speccompile
@@ -223,11 +227,12 @@ def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, con
     if concurrency is not None:
         load = {"concurrencies": _int_list(concurrency), "requests": requests, "rate": rate,
                 "max_new_tokens": max_new_tokens, "repeats": repeats, "gamma": _gamma_option(gamma),
-                "always_speculate": always_speculate, "sampling": {"temperature": temperature} if temperature else {},
+                "always_speculate": always_speculate,
+                "sampling": ({"temperature": temperature} if temperature else {}) | ({"p_min": p_min} if p_min else {}),
                 "proposer": proposers[0] if proposers else DEFAULT_PROPOSER}
         _bench_load(runtime, read_prompts(prompts_file), load, as_json, plot_path)
         return
-    sampling = {"temperature": temperature, "seed": 0} if temperature else {}
+    sampling = ({"temperature": temperature, "seed": 0} if temperature else {}) | ({"p_min": p_min} if p_min else {})
     if len(proposers) > 1:
         _bench_proposers(runtime, read_prompts(prompts_file), list(proposers), max_new_tokens, repeats,
                          _gamma_option(gamma), sampling, as_json)

@@ -160,8 +160,11 @@ def test_the_manifest_records_each_graph_as_its_id(bundles):
 
 
 def test_a_bundle_of_the_previous_format_asks_for_a_rebuild(bundle_copy):
-    """Format 1's verification graphs lack draft_len: one error that says to rebuild, before any graph loads."""
+    """Format 2's greedy steps lack their confidence (format 1's verifications, draft_len): one error
+    that says to rebuild, before any graph loads."""
     manifest = json.loads((bundle_copy / "manifest.json").read_text())
-    (bundle_copy / "manifest.json").write_text(json.dumps({**manifest, "format_version": 1}))
-    with pytest.raises(SpecCompileError, match=r"format version 1 is not supported .*reads version 2\); rebuild"):
-        open_bundle(bundle_copy)
+    for old in (1, 2):
+        (bundle_copy / "manifest.json").write_text(json.dumps({**manifest, "format_version": old}))
+        refused = rf"format version {old} is not supported .*reads version 3\); rebuild"
+        with pytest.raises(SpecCompileError, match=refused):
+            open_bundle(bundle_copy)

@@ -33,16 +33,17 @@ the tests compare against); the ONNX Runtime backend runs this one.
 import numpy as np
 from onnx import helper, numpy_helper
 
-from speccompile.bundle import GRAPH_KINDS, GRAPH_OUTPUTS
+from speccompile.bundle import GRAPH_KINDS, GRAPH_OUTPUTS, OUTPUT_TYPES
 from speccompile.compiler.checkpoint import ModelSpec
 from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT64, GraphBuilder
 from speccompile.compiler.spec_accept import OUTPUTS
-from speccompile.compiler.transformer import _decoder, _lm_head, accept, greedy_next, sampled_next
+from speccompile.compiler.transformer import _decoder, _lm_head, accept, greedy_confidence, greedy_next, sampled_next
 
 KINDS = {kind: k for k, kind in enumerate(GRAPH_KINDS)}  # the `kind` input's values, recorded in the manifest
 ALWAYS_FED = {"input_ids", "past_len", "token_count", "kind", "fused"}
 # every output any kind reads back (all but the cache), and its element type
-READ_BACK = {output: FLOAT if output == "probs" else INT64 for outputs in GRAPH_OUTPUTS.values() for output in outputs}
+READ_BACK = {output: FLOAT if OUTPUT_TYPES[output][0] == "float32" else INT64
+             for outputs in GRAPH_OUTPUTS.values() for output in outputs}
 
 
 def build_session_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int, kinds: list[str],
@@ -101,7 +102,8 @@ def _tail(g, kind, logits, logits_subset, vocab_ids, ids, past_len, vocab_out):
     made = {}
     if kind == "forward":
         scores = logits_subset if logits_subset is not None else logits
-        made["next_token"] = greedy_next(b, b.op("Squeeze", scores, b.const([1])), vocab_ids)
+        scores = b.op("Squeeze", scores, b.const([1]))
+        made["next_token"], made["confidence"] = greedy_next(b, scores, vocab_ids), greedy_confidence(b, scores)
     elif kind == "sample":
         made["next_token"], made["probs"] = sampled_next(b, b.op("Squeeze", logits, b.const([1])), vocab_out)
     else:

@@ -53,6 +53,7 @@ def build_forward_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int
         logits = _lm_head(g, spec, hidden_last, vocab_out, vocab_ids)
         g.output(logits, "logits", FLOAT, ["batch", vocab_out if vocab_ids is None else len(vocab_ids)])
         g.output(greedy_next(g, logits, vocab_ids), "next_token", INT64, ["batch"])
+        g.output(greedy_confidence(g, logits), "confidence", FLOAT, ["batch"])
         return g
     assert vocab_ids is None, "sampling graphs score the whole vocabulary (see draft_vocab.py)"
     next_token, probs = sampled_next(g, _lm_head(g, spec, hidden_last, vocab_out), vocab_out)
@@ -83,6 +84,12 @@ def greedy_next(b: GraphBuilder, logits: str, vocab_ids=None) -> str:
     """argmax of logits [B, V'], mapped back to a token id when the head scores a subset `vocab_ids`."""
     best = b.op("ArgMax", logits, axis=-1, keepdims=0)
     return best if vocab_ids is None else b.op("Gather", b.weight("vocab_ids", vocab_ids), best)
+
+
+def greedy_confidence(b: GraphBuilder, logits: str) -> str:
+    """The greedy token's probability [B]: the largest of softmax(logits [B, V']), over the scored
+    vocabulary (a cut draft head's subset, then)."""
+    return b.op("ReduceMax", b.op("Softmax", logits, axis=-1), b.const([-1]), keepdims=0)
 
 
 def sampled_next(b: GraphBuilder, logits: str, vocab_out: int) -> tuple[str, str]:

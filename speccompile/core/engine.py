@@ -31,6 +31,10 @@ class DecoderEngine(Protocol):
         0 real tokens), and advances those slots' cache_lengths by token_count.
         """
 
+    def forward_confident(self, tokens: np.ndarray, token_count: np.ndarray,
+                          first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """forward, returning (next_token [B], its probability [B]: how sure the model is of it)."""
+
     def forward_sample(self, tokens: np.ndarray, token_count: np.ndarray, params: dict, uniform: np.ndarray,
                        first: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Like forward, but the next token is sampled from the distribution that `params`

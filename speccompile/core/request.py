@@ -36,6 +36,7 @@ class Request:
     on_tokens: Callable[[list[int]], None] | None = None  # newly accepted tokens, as they are accepted
     on_finish: Callable[["Request"], None] | None = None
     proposer: str = "draft"  # "draft" (the draft model), "ngram" (prompt lookup) or "auto": see proposers.py
+    p_min: float = 0.0  # the draft model stops drafting at a token it gives less probability (0: never)
     # -- state, written by the scheduler --
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None

@@ -191,13 +191,13 @@ class Scheduler:
         gamma = gamma if drafts.max() > 0 else 0
         began = time.perf_counter()
         if gamma == 0:
-            self._plain_step(rows)
-            elapsed = (time.perf_counter() - began) * 1e3
-            for request in rows:
-                request.stats.decode_ms += elapsed
-                request.stats.record_iteration(0, 0)
+            self._plain_iteration(rows, began)
             return
-        proposed, probs = self._propose(rows, drafts, lookups)
+        proposed, probs, drafts = self._propose(rows, drafts, lookups)
+        if drafts.max() == 0:  # every row stopped before its first draft: a plain step is cheaper
+            self._plain_iteration(rows, began)
+            return
+        gamma = min(g for g in self.gammas if g >= drafts.max())  # fewer drafts: a shorter verification
         drafted = time.perf_counter()
         accepted, next_token = self._verify(rows, drafts, gamma, proposed, probs, lookups)
         verified = time.perf_counter()
@@ -261,6 +261,14 @@ class Scheduler:
         covering = [g for g in fitting if g >= longest]
         return min(covering) if covering else max(fitting, default=0)
 
+    def _plain_iteration(self, rows: list[Request], began: float) -> None:
+        """One plain decoding step of every row, its time (since `began`) counted as decoding."""
+        self._plain_step(rows)
+        elapsed = (time.perf_counter() - began) * 1e3
+        for request in rows:
+            request.stats.decode_ms += elapsed
+            request.stats.record_iteration(0, 0)
+
     def _plain_step(self, rows: list[Request]) -> None:
         last = np.array([[r.tokens[-1]] for r in rows], dtype=np.int64)
         one = np.ones(len(rows), dtype=np.int64)
@@ -277,36 +285,47 @@ class Scheduler:
         propose their lookup; the draft model runs max(its rows' drafts) batched steps over every
         row, and is fed the lookup rows' proposals as their inputs, so that its cache holds their
         tokens too (the rollback keeps what was accepted). A row's proposals past its own count are
-        never verified, and never draw from its random stream."""
+        never verified, and never draw from its random stream.
+
+        Confidence thresholding: a draft-model row stops drafting at the first token the draft gives
+        a probability below the request's p_min (that token is not proposed), and the steps stop
+        once no row drafts on. Returns (proposed, probs, drafts: each row's count after stopping)."""
+        drafts = drafts.copy()
         proposed = np.zeros((len(rows), int(drafts.max())), dtype=np.int64)
         for row, lookup in enumerate(lookups):
             if lookup is not None:
                 proposed[row, : len(lookup)] = lookup
         steps = max((int(d) for d, lk in zip(drafts, lookups) if lk is None), default=0)
         if steps == 0:
-            return proposed, None
+            return proposed, None, drafts
         sampling = not all(r.params.greedy for r in rows)
         params = _params(rows) if sampling else None
         self._catch_up(rows)
         lengths = self.draft.cache_lengths[: len(rows)]
         tokens, counts = _pad([r.tokens[length:] for r, length in zip(rows, lengths)])
+        p_min = np.array([r.p_min for r in rows], dtype=np.float32)
         probs_out = []
         for k in range(steps):
-            drawing = [r.rng is not None and k < d and lk is None for r, d, lk in zip(rows, drafts, lookups)]
+            drafting = [lk is None and k < d for d, lk in zip(drafts, lookups)]
+            if not any(drafting):  # every draft-model row stopped below its p_min
+                break
             if sampling:
-                u = np.array([r.uniforms(1)[0] if draws else 0.5 for r, draws in zip(rows, drawing)],
+                u = np.array([r.uniforms(1)[0] if on and r.rng is not None else 0.5 for r, on in zip(rows, drafting)],
                              dtype=np.float32)
                 token, probs = self.draft.forward_sample(tokens, counts, params, u)
+                confidence = probs[np.arange(len(rows)), token]
                 probs_out.append(probs)
             else:
-                token = self.draft.forward(tokens, counts)
+                token, confidence = self.draft.forward_confident(tokens, counts)
             for row, lookup in enumerate(lookups):
-                if lookup is None and k < proposed.shape[1]:
+                if drafting[row] and confidence[row] < p_min[row]:
+                    drafts[row] = k
+                elif drafting[row]:
                     proposed[row, k] = token[row]
                 elif lookup is not None and k < len(lookup):
                     token[row] = lookup[k]
             tokens, counts = token[:, None], np.ones(len(rows), dtype=np.int64)
-        return proposed, (np.stack(probs_out, axis=1) if sampling else None)
+        return proposed, (np.stack(probs_out, axis=1) if sampling else None), drafts
 
     def _catch_up(self, rows: list[Request]) -> None:
         """Feed the draft what it missed (after plain iterations) in chunks, until every row lacks

@@ -30,11 +30,15 @@ class CachedModel:
         self.cache_lengths = np.zeros(self.slots, dtype=np.int64)
 
     def forward(self, tokens: np.ndarray, token_count: np.ndarray, first: int = 0) -> np.ndarray:
+        return self.forward_confident(tokens, token_count, first)[0]
+
+    def forward_confident(self, tokens: np.ndarray, token_count: np.ndarray,
+                          first: int = 0) -> tuple[np.ndarray, np.ndarray]:
         rows = self._rows(first, len(tokens))
         out = self._run(GraphId.step(self.role, sample=False), first, input_ids=tokens,
                         past_len=self.cache_lengths[rows], token_count=token_count)
         self.cache_lengths[rows] += token_count
-        return out["next_token"].copy()
+        return out["next_token"].copy(), out["confidence"].copy()
 
     def forward_sample(self, tokens, token_count, params, uniform, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
         rows = self._rows(first, len(tokens))

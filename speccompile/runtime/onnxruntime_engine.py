@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from speccompile.bundle import Bundle, GraphId, kv_cache_shape
+from speccompile.bundle import Bundle, GraphId, kv_cache_shape, output_array
 from speccompile.errors import SpecCompileError
 from speccompile.runtime.model import CachedModel
 
@@ -253,8 +253,8 @@ class OrtModel(CachedModel):
                 binding.bind_ortvalue_output(f"present_{kind_name}.{i}", cache[2 * i + k])
         arrays = {}
         for name in graph.outputs:
-            shape = (batch, self.vocab_size) if name == "probs" else (batch,)
-            arrays[name] = np.zeros(shape, dtype=np.float32 if name == "probs" else np.int64)
+            shape, dtype = output_array(name, batch, self.vocab_size)
+            arrays[name] = np.zeros(shape, dtype=dtype)
             binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(arrays[name]))
         fed = {}
         if self._session_graph is not None:  # constant for this binding: which call, which attention kernel

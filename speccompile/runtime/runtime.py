@@ -95,7 +95,8 @@ class Runtime:
     # -- requests ---------------------------------------------------------------------------------
     def submit(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed=None, stop: list[str] | None = None, stop_token_ids=(), gamma: int | str | None = None,
-               mode: str | None = None, on_tokens=None, proposer: str = DEFAULT_PROPOSER) -> "RequestHandle":
+               mode: str | None = None, on_tokens=None, proposer: str = DEFAULT_PROPOSER,
+               p_min: float = 0.0) -> "RequestHandle":
         """Queue one request (a string or token ids) and return its handle at once. Thread-safe.
 
         gamma: a compiled γ (at most that many drafts per iteration), "auto" (the default when a γ
@@ -108,9 +109,11 @@ class Runtime:
         it); stop_token_ids end it like EOS. on_tokens(token_ids) is called from the engine thread as
         tokens are accepted. proposer: who drafts, "draft" (the draft model), "ngram" (prompt lookup
         in the request's own text) or "auto" (per iteration, the one predicted faster): see
-        core/proposers.py."""
+        core/proposers.py. p_min: the draft model stops drafting at a token it gives less
+        probability than this (confidence thresholding; 0, the default: never)."""
         handle = RequestHandle(self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop,
-                                             stop_token_ids, gamma, mode, on_tokens, proposer=proposer), self, prompt)
+                                             stop_token_ids, gamma, mode, on_tokens, proposer=proposer, p_min=p_min),
+                               self, prompt)
         self._queue(handle.request)
         return handle
 
@@ -127,8 +130,8 @@ class Runtime:
 
     def generate(self, prompts, max_new_tokens: int = 64, mode: str | None = None, gamma: int | str | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 on_tokens=None, stop: list[str] | None = None,
-                 proposer: str = DEFAULT_PROPOSER) -> list[GenerationResult]:
+                 on_tokens=None, stop: list[str] | None = None, proposer: str = DEFAULT_PROPOSER,
+                 p_min: float = 0.0) -> list[GenerationResult]:
         """Generate for a list of prompts (strings or token-id lists); one result per prompt, in order.
 
         Each prompt is one request (see `submit`); all are checked before any is queued. Prompt i
@@ -143,7 +146,7 @@ class Runtime:
         seeds = np.random.SeedSequence(seed).spawn(len(prompts))
         requests = [self._request(p, max_new_tokens, temperature, top_k, top_p, s, stop, (), gamma, mode,
                                   (lambda ids, i=i: on_tokens(i, ids)) if on_tokens else None, warn=i == 0,
-                                  proposer=proposer)
+                                  proposer=proposer, p_min=p_min)
                     for i, (p, s) in enumerate(zip(prompts, seeds))]
         handles = [RequestHandle(r, self, p) for r, p in zip(requests, prompts)]
         for request in requests:
@@ -252,7 +255,7 @@ class Runtime:
     # -- validation ---------------------------------------------------------------------------
     def _request(self, prompt, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=None,
                  stop_token_ids=(), gamma=None, mode=None, on_tokens=None, warn: bool = True,
-                 proposer: str = DEFAULT_PROPOSER) -> Request:
+                 proposer: str = DEFAULT_PROPOSER, p_min: float = 0.0) -> Request:
         if proposer not in PROPOSERS:
             raise SpecCompileError(f"proposer must be one of {', '.join(PROPOSERS)}, not {proposer!r}")
         if self.draft is None and proposer != "ngram":
@@ -260,6 +263,8 @@ class Runtime:
                 raise SpecCompileError("this bundle has no draft model (it was built without --draft): "
                                        "its requests speculate with prompt lookup (proposer 'ngram' or 'auto')")
             proposer = "ngram"
+        if isinstance(p_min, bool) or not isinstance(p_min, (int, float)) or not 0.0 <= p_min <= 1.0:
+            raise SpecCompileError(f"p_min must be a probability in [0, 1], got {p_min!r}")
         params = SamplingParams(float(temperature), int(top_k), float(top_p))
         if warn:
             for name in params.without_effect():
@@ -271,7 +276,8 @@ class Runtime:
         ids = self._tokens(prompt)
         stop_strings = _stop_strings(stop)
         request = Request(ids, max_new_tokens, params, seed, gamma, allow_plain,
-                          frozenset(self._token_ids(stop_token_ids)), on_tokens=on_tokens, proposer=proposer)
+                          frozenset(self._token_ids(stop_token_ids)), on_tokens=on_tokens, proposer=proposer,
+                          p_min=float(p_min))
         if stop_strings:
             request.stop_check = _StopStrings(self.tokenizer, ids, stop_strings)
         if not self.scheduler.fits(request):

@@ -10,7 +10,7 @@ This module has not been executed on a machine with TensorRT yet (see README: ba
 
 import numpy as np
 
-from speccompile.bundle import Bundle, GraphId, kv_cache_shape
+from speccompile.bundle import Bundle, GraphId, kv_cache_shape, output_array
 from speccompile.errors import SpecCompileError
 from speccompile.runtime.model import CachedModel
 
@@ -93,7 +93,7 @@ class TrtModel(CachedModel):
             context.set_tensor_address(name, device.ptr)
         outputs = {}
         for name in graph.outputs:
-            shape, dtype = ((batch, self.vocab_size), np.float32) if name == "probs" else ((batch,), np.int64)
+            shape, dtype = output_array(name, batch, self.vocab_size)
             outputs[name] = self._scratch(scratch, name, shape, dtype)
             context.set_tensor_address(name, outputs[name].ptr)
         if not context.execute_async_v3(self.stream.ptr):

@@ -96,6 +96,8 @@ def test_session_graph_agrees_with_the_graph_of_every_kind(family, batch, bundle
         expected = run_with_cache(graph_session(bundle, f"target_{kind}", fused), dict(feeds), copied(cache))
         got = run_session(sess, bundle, "target", kind, fused, feeds, copied(cache))
         assert got["next_token"].tolist() == expected["next_token"].tolist(), kind
+        if kind == "forward":
+            np.testing.assert_allclose(got["confidence"], expected["confidence"], atol=1e-6)
         if kind == "sample":
             np.testing.assert_allclose(got["probs"], expected["probs"], atol=1e-6)
 

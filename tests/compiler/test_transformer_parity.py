@@ -18,6 +18,12 @@ def hf_last_logits(model, ids) -> np.ndarray:
         return model(torch.tensor([ids])).logits[0, -1].numpy()
 
 
+def softmax_max(logits: np.ndarray) -> float:
+    """The greedy token's probability, in float64 (the reference for the graphs' confidence)."""
+    z = np.exp(logits.astype(np.float64) - logits.max())
+    return float(z.max() / z.sum())
+
+
 def run_with_cache(session, feeds: dict, cache: dict) -> dict:
     """Run with cache {"key.0": array, ...} as the past_* inputs; the present_* outputs replace it."""
     feeds = {**feeds, **{f"past_{key}": value for key, value in cache.items()}}
@@ -58,6 +64,7 @@ def test_prefill_and_decode_logits_match_hf(family, checkpoints, bundles):
         for row, prompt in enumerate(prompts):
             np.testing.assert_allclose(out["logits"][row], hf_last_logits(hf, prompt), atol=ATOL)
             assert out["next_token"][row] == np.argmax(out["logits"][row])
+            assert out["confidence"][row] == pytest.approx(softmax_max(hf_last_logits(hf, prompt)), abs=1e-5)
 
 
 def draft_logits(bundle_dir, prompt, optimized_model=None) -> np.ndarray:
@@ -117,6 +124,8 @@ def test_draft_vocabulary_logits_are_the_hf_logits_of_the_kept_tokens(family, ch
              if t.name == "vocab_ids"]
     np.testing.assert_allclose(out["logits"][0], expected[ids], atol=ATOL)
     assert out["next_token"][0] == ids[np.argmax(expected[ids])] != np.argmax(expected)
+    # confidence over the scored tokens only: what the draft can know of its own choice
+    assert out["confidence"][0] == pytest.approx(softmax_max(expected[ids]), abs=1e-5)
 
 
 def run_file(bundle, file, feeds_without_cache, cache):

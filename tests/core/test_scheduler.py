@@ -241,3 +241,32 @@ def test_plain_requests_report_their_decode_time():
     run(scheduler(eos={eos}), [a, b])
     assert 0 < a.stats.decode_ms < b.stats.decode_ms
     assert a.stats.mode == b.stats.mode == "autoregressive" and b.stats.draft_tokens == 0
+
+
+@pytest.mark.parametrize("p_min", [0.3, 0.7])
+@pytest.mark.parametrize("draft", [lambda: FakeEngine(), lambda: AgreeingDraft(3), lambda: FakeEngine(salt=99)],
+                         ids=["copy", "sometimes", "unrelated"])
+def test_confidence_thresholding_is_exact_and_drafts_less(p_min, draft):
+    """Rows stop drafting at a token the draft is less sure of than p_min: fewer drafts, the same
+    tokens, and draft steps stop once no row drafts on."""
+    plain, thresholded = [Request(p, 17, gamma=6) for p in PROMPTS], [Request(p, 17, gamma=6, p_min=p_min)
+                                                                       for p in PROMPTS]
+    drafts_alone, drafts_thresholded = draft(), draft()
+    steps_alone = run(scheduler(drafts_alone), plain)
+    steps_thresholded = run(scheduler(drafts_thresholded), thresholded)
+    for a, b, prompt in zip(plain, thresholded, PROMPTS):
+        assert a.generated == b.generated == reference(prompt, 17)
+    drafted = [sum(r.stats.draft_tokens for r in rs) for rs in (plain, thresholded)]
+    assert drafted[1] < drafted[0]
+    assert drafts_thresholded.calls / steps_thresholded < drafts_alone.calls / steps_alone  # steps stop early
+
+
+def test_a_draft_never_sure_enough_leaves_plain_steps():
+    """p_min 1: no token is that sure; every iteration stops at its first draft and decodes plainly."""
+    request = Request(PROMPTS[0], 12, gamma=4, p_min=1.0)
+    draft = FakeEngine()
+    run(scheduler(draft), [request])
+    assert request.generated == reference(PROMPTS[0], 12)
+    assert request.stats.draft_tokens == 0 and request.stats.gammas_used == {0: request.stats.iterations}
+    # the prompt, then one step per iteration but the last (its one token needs no drafts)
+    assert draft.calls == 1 + request.stats.iterations - 1
