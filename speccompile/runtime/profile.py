@@ -124,6 +124,12 @@ class LoopRun:
         return self.iteration_ms - self.per_iteration("draft") - self.per_iteration("verify")
 
 
+def profiled_proposer(runtime) -> str:
+    """What the loop runs propose with: the draft model, whose γ the policy weighs (prompt lookup
+    proposes what matches, whatever the γ); a draft-free bundle's lookup."""
+    return "draft" if runtime.draft is not None else "ngram"
+
+
 def run_loop(runtime, prompts: list, gamma: int, max_new_tokens: int) -> LoopRun:
     """Generate for all `prompts` at once, at `gamma` (0: plain decoding)."""
     events = []  # (time, request, tokens): when each request's tokens came out
@@ -133,7 +139,8 @@ def run_loop(runtime, prompts: list, gamma: int, max_new_tokens: int) -> LoopRun
 
     mode = "speculative" if gamma else "autoregressive"
     start = time.perf_counter()
-    results = runtime.generate(prompts, max_new_tokens, mode=mode, gamma=gamma or None, on_tokens=on_tokens)
+    results = runtime.generate(prompts, max_new_tokens, mode=mode, gamma=gamma or None, on_tokens=on_tokens,
+                               proposer=profiled_proposer(runtime))
     wall_ms = (time.perf_counter() - start) * 1e3
     first = min(results, key=lambda r: r.stats.total_ms).stats
     return LoopRun(*steady_state(events, len(prompts)), first.draft_ms, first.verify_ms, first.iterations,
@@ -238,7 +245,7 @@ def _warm_up(runtime, prompts) -> None:
     """Sessions, bindings and first-run allocations of every mode at this batch size, untimed."""
     runtime.generate(prompts, 8, mode="autoregressive")
     for gamma in runtime.gammas:
-        runtime.generate(prompts, 8, mode="speculative", gamma=gamma)
+        runtime.generate(prompts, 8, mode="speculative", gamma=gamma, proposer=profiled_proposer(runtime))
 
 
 def _run_modes(runtime, groups: list[list], max_new_tokens: int, rotation: int) -> dict[int, LoopRun]:

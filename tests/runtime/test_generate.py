@@ -9,6 +9,7 @@ import transformers
 
 import speccompile
 from speccompile.bundle import GraphId
+from speccompile.errors import SpecCompileError
 from tests.conftest import FAMILIES
 
 PROMPTS = [[5, 17, 33, 2, 9, 100, 7], [8, 9, 10, 11], [200], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
@@ -133,6 +134,23 @@ def test_prompt_lookup_and_auto_match_hf(family, proposer, bundles, hf_reference
     assert [r.token_ids for r in batched] == expected and [r.token_ids for r in alone] == expected
     lookups = sum(r.stats.by_proposer.get("ngram", [0, 0, 0])[1] for r in batched + alone)
     assert lookups > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_confidence_thresholding_matches_hf(family, bundles, hf_reference):
+    """The random draft is unsure of most tokens: at p_min 0.05 it drafts fewer, and the tokens are HF's."""
+    runtime = speccompile.load(bundles(family, "random"))
+    expected = [hf_reference(family, i) for i in range(len(PROMPTS))]
+    full, thresholded = (runtime.generate(PROMPTS, max_new_tokens=MAX_NEW, gamma=4, proposer="draft", p_min=p)
+                         for p in (0.0, 0.05))
+    assert [r.token_ids for r in thresholded] == [r.token_ids for r in full] == expected
+    assert sum(r.stats.draft_tokens for r in thresholded) < sum(r.stats.draft_tokens for r in full)
+
+
+@pytest.mark.parametrize("p_min", [-0.1, 1.5, "high", True])
+def test_p_min_must_be_a_probability(bundles, p_min):
+    with pytest.raises(SpecCompileError, match="p_min must be a probability"):
+        speccompile.load(bundles("llama", "copy")).generate([PROMPTS[0]], max_new_tokens=4, p_min=p_min)
 
 
 def test_one_sequence_runs_the_fused_variants_and_a_batch_the_standard_graphs(bundles, hf_reference):

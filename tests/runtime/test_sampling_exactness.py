@@ -54,12 +54,13 @@ def exact_joint(target_dir, temperature, top_k, top_p, prompt=PROMPT) -> np.ndar
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def speculative_samples(bundle, temperature, top_k, top_p, prompt=PROMPT, proposer="draft", stats=None) -> np.ndarray:
+def speculative_samples(bundle, temperature, top_k, top_p, prompt=PROMPT, proposer="draft", stats=None,
+                        p_min=0.0) -> np.ndarray:
     runtime = speccompile.load(bundle)
     samples = []
     for seed in range(SEEDS):
         results = runtime.generate([prompt] * BATCH, max_new_tokens=3, gamma=GAMMA, temperature=temperature,
-                                   top_k=top_k, top_p=top_p, seed=seed, proposer=proposer)
+                                   top_k=top_k, top_p=top_p, seed=seed, proposer=proposer, p_min=p_min)
         samples += [r.token_ids for r in results]
         if stats is not None:
             stats += [r.stats for r in results]
@@ -130,6 +131,18 @@ def test_lookup_proposals_sample_the_target_distribution(pair, bundle, repeating
     kept = sum(s.by_proposer.get("ngram", [0, 0, 0])[2] for s in stats)
     assert lookups > 500 and 0 < kept < lookups, (lookups, kept)  # proposed often, and sometimes rejected
     rejected, verdicts = check(samples, exact_joint(pair[0], 1.0, 0, 1.0, prompt=repeating_prompt))
+    assert not rejected, verdicts
+
+
+@pytest.mark.slow
+def test_thresholded_drafts_sample_the_target_distribution(pair, bundle):
+    """A row that stops drafting at an unsure token verifies fewer drafts: still exact."""
+    stats = []
+    samples = speculative_samples(bundle, 1.0, 0, 1.0, stats=stats, p_min=0.3)
+    # unthresholded, every request drafts in its first iteration (2 tokens to go: 1 draft)
+    none, some = sum(s.draft_tokens == 0 for s in stats), sum(s.draft_tokens > 0 for s in stats)
+    assert none > 0 and some > 0, (none, some)
+    rejected, verdicts = check(samples, exact_joint(pair[0], 1.0, 0, 1.0))
     assert not rejected, verdicts
 
 
