@@ -161,8 +161,9 @@ def resolve_bundle(bundle):
 @click.option("--proposer", type=click.Choice(PROPOSERS), default=DEFAULT_PROPOSER, show_default=True,
               help="Who drafts: the draft model, prompt lookup in the request's own text (ngram), or per "
               "iteration the one predicted faster (auto).")
-@click.option("--p-min", type=float, default=0.0, show_default=True,
-              help="The draft model stops drafting at a token it gives less probability than this (0: never).")
+@click.option("--p-min", type=float, default=None,
+              help="The draft model stops drafting at a token it gives less probability than this (0: never; "
+              "default: the γ profile's measured threshold, else 0).")
 @click.option("--json", "as_json", is_flag=True, help="Print results as a JSON list.")
 @user_errors
 def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, top_p, seed, proposer, p_min, as_json):
@@ -210,7 +211,7 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
               "(default: BUNDLE/profiles/load.png; with --json, only when given).")
 @click.option("--proposer", "proposers", type=click.Choice(PROPOSERS), multiple=True,
               help="Who drafts (default: auto); repeat to compare proposers against the same plain runs.")
-@click.option("--p-min", type=float, default=0.0, show_default=True,
+@click.option("--p-min", type=float, default=None,
               help="Confidence threshold of the draft model's drafts (see generate --p-min).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object with the summary keys (with several --proposer or --concurrency: a "
@@ -228,11 +229,11 @@ def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, con
         load = {"concurrencies": _int_list(concurrency), "requests": requests, "rate": rate,
                 "max_new_tokens": max_new_tokens, "repeats": repeats, "gamma": _gamma_option(gamma),
                 "always_speculate": always_speculate,
-                "sampling": ({"temperature": temperature} if temperature else {}) | ({"p_min": p_min} if p_min else {}),
+                "sampling": ({"temperature": temperature} if temperature else {}) | _p_min_option(p_min),
                 "proposer": proposers[0] if proposers else DEFAULT_PROPOSER}
         _bench_load(runtime, read_prompts(prompts_file), load, as_json, plot_path)
         return
-    sampling = ({"temperature": temperature, "seed": 0} if temperature else {}) | ({"p_min": p_min} if p_min else {})
+    sampling = ({"temperature": temperature, "seed": 0} if temperature else {}) | _p_min_option(p_min)
     if len(proposers) > 1:
         _bench_proposers(runtime, read_prompts(prompts_file), list(proposers), max_new_tokens, repeats,
                          _gamma_option(gamma), sampling, as_json)
@@ -248,6 +249,11 @@ def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, con
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         click.echo(f"{key:<{width}}  {_bench_value(value)}")
+
+
+def _p_min_option(p_min: float | None) -> dict:
+    """bench's generate arguments for --p-min: none when not given (the runtime's default)."""
+    return {} if p_min is None else {"p_min": p_min}
 
 
 def _bench_proposers(runtime, prompts, proposers, max_new_tokens, repeats, gamma, sampling, as_json) -> None:
@@ -428,6 +434,11 @@ def _profile_table(profile) -> str:
             cost_gaps.append((abs(costs_only / measured - 1), point.batch, point.context, g))
     lines += [_largest_gap("predicted vs measured", max(gaps)),
               _largest_gap("with the measured tokens per iteration (the costs alone)", max(cost_gaps))]
+    if profile.p_min_speedups:
+        first = min(profile.points, key=lambda p: (p.batch, p.context))
+        rates = ", ".join(f"{p:g}: {v:.2f}x" for p, v in sorted(profile.p_min_speedups.items()))
+        lines.append(f"confidence threshold at batch {first.batch}, context {first.context}, γ={first.best_gamma} "
+                     f"(rate over p_min 0): {rates}; default p_min {profile.p_min:g}")
     return "\n".join(lines)
 
 

@@ -4,7 +4,7 @@ sides import: reading a profile drives nothing.
 """
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from speccompile.runtime.hardware import fingerprint, fingerprint_key
@@ -62,6 +62,8 @@ class GammaProfile:
     max_new_tokens: int
     acceptance_by_position: list[float]  # the mean over points (each alike)
     points: list[ProfilePoint]
+    p_min: float = 0.0  # the default confidence threshold measured here (0: none paid)
+    p_min_speedups: dict[float, float] = field(default_factory=dict)  # p_min -> rate over p_min 0's
     version: int = PROFILE_VERSION
 
     @property
@@ -95,7 +97,8 @@ class GammaProfile:
 
     @classmethod
     def from_json(cls, fields_: dict) -> "GammaProfile":
-        return cls(**{**fields_, "points": [ProfilePoint.from_json(p) for p in fields_["points"]]})
+        return cls(**{**fields_, "points": [ProfilePoint.from_json(p) for p in fields_["points"]],
+                      "p_min_speedups": {float(p): v for p, v in fields_.get("p_min_speedups", {}).items()}})
 
 
 def mix_costs(costs: list[dict], weights: list[float]) -> dict:

@@ -75,6 +75,8 @@ from speccompile.runtime.gamma_profile import GammaProfile, ProfilePoint
 from speccompile.runtime.hardware import fingerprint, fingerprint_key
 
 logger = logging.getLogger(__name__)
+P_MIN_CANDIDATES = [0.0, 0.05, 0.1, 0.2, 0.3]
+THRESHOLD_MARGIN = 0.03  # a threshold must beat none by this much: runs at one point drift by a few %
 # ---------------------------------------------------------------------------------------------
 # loop runs
 
@@ -130,7 +132,7 @@ def profiled_proposer(runtime) -> str:
     return "draft" if runtime.draft is not None else "ngram"
 
 
-def run_loop(runtime, prompts: list, gamma: int, max_new_tokens: int) -> LoopRun:
+def run_loop(runtime, prompts: list, gamma: int, max_new_tokens: int, p_min: float = 0.0) -> LoopRun:
     """Generate for all `prompts` at once, at `gamma` (0: plain decoding)."""
     events = []  # (time, request, tokens): when each request's tokens came out
 
@@ -140,7 +142,7 @@ def run_loop(runtime, prompts: list, gamma: int, max_new_tokens: int) -> LoopRun
     mode = "speculative" if gamma else "autoregressive"
     start = time.perf_counter()
     results = runtime.generate(prompts, max_new_tokens, mode=mode, gamma=gamma or None, on_tokens=on_tokens,
-                               proposer=profiled_proposer(runtime))
+                               proposer=profiled_proposer(runtime), p_min=p_min)
     wall_ms = (time.perf_counter() - start) * 1e3
     first = min(results, key=lambda r: r.stats.total_ms).stats
     return LoopRun(*steady_state(events, len(prompts)), first.draft_ms, first.verify_ms, first.iterations,
@@ -209,10 +211,39 @@ def build_profile(runtime, prompts: list[str], batch_sizes: list[int], context_l
             groups = [prompts_at(tokens, b, points[c], offset=k * b) for k in range(repeats * -(-len(tokens) // b))]
             samples.append(_run_modes(runtime, groups, max_new_tokens, rotation=r))
     measured = [point_entry(samples, b, c) for (b, c), samples in runs.items()]
+    first = next(p for p in measured if p.batch == min(batch_sizes) and p.context == min(points))
+    thresholds = threshold_speedups(runtime, tokens, first, points[first.context], max_new_tokens, rounds)
     fp = fingerprint(runtime.backend)
     return GammaProfile(fp, fingerprint_key(fp), datetime.now(timezone.utc).isoformat(timespec="seconds"),
                         runtime.gammas, list(points), max_new_tokens,
-                        mean_acceptance([p.acceptance_by_position for p in measured]), measured)
+                        mean_acceptance([p.acceptance_by_position for p in measured]), measured,
+                        p_min=best_threshold(thresholds), p_min_speedups=thresholds)
+
+
+def threshold_speedups(runtime, tokens, point: ProfilePoint, prompt_length: int, max_new_tokens: int,
+                       rounds: int) -> dict[float, float]:
+    """The default p_min's measurement: at the profile's first point (the smallest batch size and
+    context) and its γ*, each of P_MIN_CANDIDATES through all prompts, b at a time, every round
+    (candidates alternating, their order rotated); the median over rounds of each one's steady
+    rate over p_min 0's in the same round. {} where γ* is 0 or there is no draft model."""
+    if point.best_gamma == 0 or runtime.draft is None:
+        return {}
+    groups = [prompts_at(tokens, point.batch, prompt_length, offset=k * point.batch)
+              for k in range(-(-len(tokens) // point.batch))]
+    ratios = {p: [] for p in P_MIN_CANDIDATES}
+    for r in range(rounds):
+        order = P_MIN_CANDIDATES[r % len(P_MIN_CANDIDATES):] + P_MIN_CANDIDATES[:r % len(P_MIN_CANDIDATES)]
+        runs = [{p: run_loop(runtime, group, point.best_gamma, max_new_tokens, p) for p in order} for group in groups]
+        summed = {p: sum((run[p] for run in runs[1:]), runs[0][p]) for p in order}
+        for p in order:
+            ratios[p].append(summed[p].rate / summed[0.0].rate if summed[p].iterations else 0.0)
+    return {p: statistics.median(values) for p, values in ratios.items()}
+
+
+def best_threshold(speedups: dict[float, float]) -> float:
+    """The p_min of the best rate, if it beats no threshold by more than THRESHOLD_MARGIN (noise)."""
+    best = max(speedups, key=lambda p: (speedups[p], -p), default=0.0)
+    return best if speedups and speedups[best] > 1 + THRESHOLD_MARGIN else 0.0
 
 
 def mean_acceptance(per_point: list[list[float]]) -> list[float]:

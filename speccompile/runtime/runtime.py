@@ -96,7 +96,7 @@ class Runtime:
     def submit(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed=None, stop: list[str] | None = None, stop_token_ids=(), gamma: int | str | None = None,
                mode: str | None = None, on_tokens=None, proposer: str = DEFAULT_PROPOSER,
-               p_min: float = 0.0) -> "RequestHandle":
+               p_min: float | None = None) -> "RequestHandle":
         """Queue one request (a string or token ids) and return its handle at once. Thread-safe.
 
         gamma: a compiled γ (at most that many drafts per iteration), "auto" (the default when a γ
@@ -110,7 +110,8 @@ class Runtime:
         tokens are accepted. proposer: who drafts, "draft" (the draft model), "ngram" (prompt lookup
         in the request's own text) or "auto" (per iteration, the one predicted faster): see
         core/proposers.py. p_min: the draft model stops drafting at a token it gives less
-        probability than this (confidence thresholding; 0, the default: never)."""
+        probability than this (confidence thresholding; 0: never; default: the threshold the γ
+        profile measured on this hardware, else 0)."""
         handle = RequestHandle(self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop,
                                              stop_token_ids, gamma, mode, on_tokens, proposer=proposer, p_min=p_min),
                                self, prompt)
@@ -131,7 +132,7 @@ class Runtime:
     def generate(self, prompts, max_new_tokens: int = 64, mode: str | None = None, gamma: int | str | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  on_tokens=None, stop: list[str] | None = None, proposer: str = DEFAULT_PROPOSER,
-                 p_min: float = 0.0) -> list[GenerationResult]:
+                 p_min: float | None = None) -> list[GenerationResult]:
         """Generate for a list of prompts (strings or token-id lists); one result per prompt, in order.
 
         Each prompt is one request (see `submit`); all are checked before any is queued. Prompt i
@@ -255,7 +256,7 @@ class Runtime:
     # -- validation ---------------------------------------------------------------------------
     def _request(self, prompt, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=None,
                  stop_token_ids=(), gamma=None, mode=None, on_tokens=None, warn: bool = True,
-                 proposer: str = DEFAULT_PROPOSER, p_min: float = 0.0) -> Request:
+                 proposer: str = DEFAULT_PROPOSER, p_min: float | None = None) -> Request:
         if proposer not in PROPOSERS:
             raise SpecCompileError(f"proposer must be one of {', '.join(PROPOSERS)}, not {proposer!r}")
         if self.draft is None and proposer != "ngram":
@@ -263,6 +264,8 @@ class Runtime:
                 raise SpecCompileError("this bundle has no draft model (it was built without --draft): "
                                        "its requests speculate with prompt lookup (proposer 'ngram' or 'auto')")
             proposer = "ngram"
+        if p_min is None:
+            p_min = self.profile.p_min if self.profile is not None else 0.0
         if isinstance(p_min, bool) or not isinstance(p_min, (int, float)) or not 0.0 <= p_min <= 1.0:
             raise SpecCompileError(f"p_min must be a probability in [0, 1], got {p_min!r}")
         params = SamplingParams(float(temperature), int(top_k), float(top_p))

@@ -366,3 +366,38 @@ def test_auto_follows_the_profile_at_the_requests_context(tmp_path, bundles):
     runtime.close()
     assert short.stats.mode == "speculative" and max(short.stats.gammas_used) == 4
     assert long.stats.mode == "autoregressive" and long.stats.auto_chose_plain
+
+
+def test_a_threshold_is_the_default_only_where_it_beats_none_by_more_than_noise():
+    assert prof.best_threshold({0.0: 1.0, 0.05: 1.02, 0.1: 1.05}) == 0.1
+    assert prof.best_threshold({0.0: 1.0, 0.05: 1.02}) == 0.0  # within THRESHOLD_MARGIN of none
+    assert prof.best_threshold({0.0: 1.0, 0.2: 0.7}) == 0.0 and prof.best_threshold({}) == 0.0
+
+
+def test_the_profile_measures_thresholds_and_the_runtime_defaults_to_its_choice(tmp_path, bundles):
+    bundle = shutil.copytree(bundles("llama", "copy"), tmp_path / "bundle")
+    runtime = speccompile.load(bundle)
+    tokens = prof.prompt_tokens(runtime, PROMPTS)
+    speedups = prof.threshold_speedups(runtime, tokens, point(1, 16, best_gamma=4), 8, 16, rounds=2)
+    assert speedups.keys() == set(prof.P_MIN_CANDIDATES) and speedups[0.0] == 1.0
+    assert prof.threshold_speedups(runtime, tokens, point(1, 16, best_gamma=0), 8, 16, rounds=1) == {}
+    runtime.close()
+    write_profile_with(bundle, [1.0] * 4, LoopCosts(10.0, {1: 0.1, 4: 0.4}, {1: 11.0, 4: 12.0}, overhead=0.5))
+    profile = gamma_profile.find_profile(bundle)
+    profile.p_min, profile.p_min_speedups = 1.0, {0.0: 1.0, 1.0: 2.0}  # as if no draft were ever sure enough
+    gamma_profile.write_profile(bundle, profile)
+    assert gamma_profile.find_profile(bundle).p_min_speedups == {0.0: 1.0, 1.0: 2.0}  # float keys again
+    runtime = speccompile.load(bundle)
+    [by_default] = runtime.generate(["import os"], max_new_tokens=12, gamma=4, proposer="draft")
+    [asked] = runtime.generate(["import os"], max_new_tokens=12, gamma=4, proposer="draft", p_min=0.0)
+    runtime.close()
+    assert by_default.stats.draft_tokens == 0 < asked.stats.draft_tokens
+    assert by_default.token_ids == asked.token_ids
+
+
+def test_the_table_ends_with_the_thresholds_measured():
+    profile = profile_of([point(1, 64, best_gamma=2)])
+    profile.p_min, profile.p_min_speedups = 0.05, {0.0: 1.0, 0.05: 1.04, 0.1: 0.97}
+    assert _profile_table(profile).splitlines()[-1] == (
+        "confidence threshold at batch 1, context 64, γ=2 (rate over p_min 0): 0: 1.00x, 0.05: 1.04x, 0.1: 0.97x; "
+        "default p_min 0.05")
