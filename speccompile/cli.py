@@ -434,6 +434,11 @@ def _profile_table(profile) -> str:
             cost_gaps.append((abs(costs_only / measured - 1), point.batch, point.context, g))
     lines += [_largest_gap("predicted vs measured", max(gaps)),
               _largest_gap("with the measured tokens per iteration (the costs alone)", max(cost_gaps))]
+    if profile.lookup_speedup:
+        first = min(profile.points, key=lambda p: (p.batch, p.context))
+        kept = ", ".join(f"{n}-token match {rate:.2f}" for n, rate in sorted(profile.lookup_priors.items()))
+        lines.append(f"prompt lookup alone at batch {first.batch}, context {first.context}, γ={max(profile.gammas)}: "
+                     f"{profile.lookup_speedup:.2f}x; drafts kept after a {kept or '(no match often enough)'}")
     if profile.p_min_speedups:
         first = min(profile.points, key=lambda p: (p.batch, p.context))
         rates = ", ".join(f"{p:g}: {v:.2f}x" for p, v in sorted(profile.p_min_speedups.items()))

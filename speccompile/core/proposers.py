@@ -104,11 +104,13 @@ class Acceptance:
         return out
 
 
-def new_acceptance() -> dict:
+def new_acceptance(lookup_priors: dict[int, float] | None = None) -> dict:
     """A request's acceptance per proposer, before it has any of its own: the draft model's, and
-    prompt lookup's per matched suffix length ("ngram", n), a longer match being a surer one."""
+    prompt lookup's per matched suffix length ("ngram", n), a longer match being a surer one.
+    lookup_priors: n -> conditional rate, as a γ profile measured them (default NGRAM_PRIORS)."""
+    priors = {**NGRAM_PRIORS, **(lookup_priors or {})}
     return {"draft": Acceptance(DRAFT_PRIOR, DRAFT_PRIOR_WEIGHT),
-            **{("ngram", n): Acceptance(prior, NGRAM_PRIOR_WEIGHT) for n, prior in NGRAM_PRIORS.items()}}
+            **{("ngram", n): Acceptance(prior, NGRAM_PRIOR_WEIGHT) for n, prior in priors.items()}}
 
 
 def lookup_source(index: NgramIndex) -> tuple[str, int]:

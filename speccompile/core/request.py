@@ -37,6 +37,7 @@ class Request:
     on_finish: Callable[["Request"], None] | None = None
     proposer: str = "draft"  # "draft" (the draft model), "ngram" (prompt lookup) or "auto": see proposers.py
     p_min: float = 0.0  # the draft model stops drafting at a token it gives less probability (0: never)
+    lookup_priors: dict[int, float] | None = None  # prompt lookup's kept rate per matched length (a profile's)
     # -- state, written by the scheduler --
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -52,7 +53,7 @@ class Request:
         self.submitted = time.perf_counter()
         self.ngram = NgramIndex() if self.proposer != "draft" else None
         # this request's own acceptance per draft position, per proposer (what "auto" chooses by)
-        self.acceptance = new_acceptance()
+        self.acceptance = new_acceptance(self.lookup_priors)
 
     @property
     def done(self) -> bool:

@@ -211,6 +211,8 @@ class Scheduler:
             request.stats.record_iteration(n, d, "draft" if lookup is None else "ngram")
             if d:
                 request.acceptance[sources[row]].observe(d, n)
+            if d and lookup is not None:
+                request.stats.record_lookup(sources[row][1], d, n)
             if policy is not None and request.gamma == AUTO and d and lookup is None:
                 policy.observe(d, n)
             request.emit([*proposed[row, :n], next_token[row]], self.eos_ids)

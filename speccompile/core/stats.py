@@ -27,6 +27,9 @@ class GenerationStats:
     gammas_used: dict[int, int] = field(default_factory=dict)  # γ -> iterations run at it
     # proposer ("draft", "ngram") -> [iterations it proposed in, drafts proposed, drafts accepted]
     by_proposer: dict[str, list[int]] = field(default_factory=dict)
+    # prompt lookup by matched suffix length n -> [draft positions reached, drafts kept]: their
+    # ratio is the conditional rate at which its drafts are kept (what `profile` seeds "auto" with)
+    lookup_by_match: dict[int, list[int]] = field(default_factory=dict)
     prefill_ms: float = 0.0
     draft_ms: float = 0.0  # speculative phases
     verify_ms: float = 0.0
@@ -48,6 +51,11 @@ class GenerationStats:
         for k in range(gamma):
             self.drafted_at[k] += 1
             self.accepted_at[k] += k < accepted
+
+    def record_lookup(self, matched: int, drafts: int, accepted: int) -> None:
+        """A lookup iteration's drafts, from a suffix of `matched` tokens: positions 1..accepted+1 reached."""
+        counts = self.lookup_by_match.setdefault(matched, [0, 0])
+        counts[0], counts[1] = counts[0] + min(accepted + 1, drafts), counts[1] + accepted
 
     def take_times(self, clock: "Clock") -> None:
         """This sequence is done: its times are the batch's clocks as they stand now."""
@@ -139,6 +147,8 @@ def pooled(stats: list[GenerationStats]) -> GenerationStats:
             total.gammas_used[g] = total.gammas_used.get(g, 0) + n
         for name, counts in s.by_proposer.items():
             total.by_proposer[name] = [a + b for a, b in zip(total.by_proposer.get(name, [0, 0, 0]), counts)]
+        for n, counts in s.lookup_by_match.items():
+            total.lookup_by_match[n] = [a + b for a, b in zip(total.lookup_by_match.get(n, [0, 0]), counts)]
     return total
 
 

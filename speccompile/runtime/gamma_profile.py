@@ -64,6 +64,8 @@ class GammaProfile:
     points: list[ProfilePoint]
     p_min: float = 0.0  # the default confidence threshold measured here (0: none paid)
     p_min_speedups: dict[float, float] = field(default_factory=dict)  # p_min -> rate over p_min 0's
+    lookup_speedup: float = 0.0  # prompt lookup alone at the first point, over plain decoding
+    lookup_priors: dict[int, float] = field(default_factory=dict)  # matched length -> kept rate of its drafts
     version: int = PROFILE_VERSION
 
     @property
@@ -98,7 +100,8 @@ class GammaProfile:
     @classmethod
     def from_json(cls, fields_: dict) -> "GammaProfile":
         return cls(**{**fields_, "points": [ProfilePoint.from_json(p) for p in fields_["points"]],
-                      "p_min_speedups": {float(p): v for p, v in fields_.get("p_min_speedups", {}).items()}})
+                      "p_min_speedups": {float(p): v for p, v in fields_.get("p_min_speedups", {}).items()},
+                      "lookup_priors": {int(n): v for n, v in fields_.get("lookup_priors", {}).items()}})
 
 
 def mix_costs(costs: list[dict], weights: list[float]) -> dict:

@@ -77,6 +77,7 @@ from speccompile.runtime.hardware import fingerprint, fingerprint_key
 logger = logging.getLogger(__name__)
 P_MIN_CANDIDATES = [0.0, 0.05, 0.1, 0.2, 0.3]
 THRESHOLD_MARGIN = 0.03  # a threshold must beat none by this much: runs at one point drift by a few %
+LOOKUP_MIN_REACHED = 20  # draft positions a matched length needs before its measured rate replaces the prior
 # ---------------------------------------------------------------------------------------------
 # loop runs
 
@@ -132,7 +133,8 @@ def profiled_proposer(runtime) -> str:
     return "draft" if runtime.draft is not None else "ngram"
 
 
-def run_loop(runtime, prompts: list, gamma: int, max_new_tokens: int, p_min: float = 0.0) -> LoopRun:
+def run_loop(runtime, prompts: list, gamma: int, max_new_tokens: int, p_min: float = 0.0,
+             proposer: str | None = None) -> LoopRun:
     """Generate for all `prompts` at once, at `gamma` (0: plain decoding)."""
     events = []  # (time, request, tokens): when each request's tokens came out
 
@@ -142,7 +144,7 @@ def run_loop(runtime, prompts: list, gamma: int, max_new_tokens: int, p_min: flo
     mode = "speculative" if gamma else "autoregressive"
     start = time.perf_counter()
     results = runtime.generate(prompts, max_new_tokens, mode=mode, gamma=gamma or None, on_tokens=on_tokens,
-                               proposer=profiled_proposer(runtime), p_min=p_min)
+                               proposer=proposer or profiled_proposer(runtime), p_min=p_min)
     wall_ms = (time.perf_counter() - start) * 1e3
     first = min(results, key=lambda r: r.stats.total_ms).stats
     return LoopRun(*steady_state(events, len(prompts)), first.draft_ms, first.verify_ms, first.iterations,
@@ -213,11 +215,34 @@ def build_profile(runtime, prompts: list[str], batch_sizes: list[int], context_l
     measured = [point_entry(samples, b, c) for (b, c), samples in runs.items()]
     first = next(p for p in measured if p.batch == min(batch_sizes) and p.context == min(points))
     thresholds = threshold_speedups(runtime, tokens, first, points[first.context], max_new_tokens, rounds)
+    lookup_speedup, lookup_priors = lookup_runs(runtime, tokens, first, points[first.context], max_new_tokens, rounds)
     fp = fingerprint(runtime.backend)
     return GammaProfile(fp, fingerprint_key(fp), datetime.now(timezone.utc).isoformat(timespec="seconds"),
                         runtime.gammas, list(points), max_new_tokens,
                         mean_acceptance([p.acceptance_by_position for p in measured]), measured,
-                        p_min=best_threshold(thresholds), p_min_speedups=thresholds)
+                        p_min=best_threshold(thresholds), p_min_speedups=thresholds,
+                        lookup_speedup=lookup_speedup, lookup_priors=lookup_priors)
+
+
+def lookup_runs(runtime, tokens, point: ProfilePoint, prompt_length: int, max_new_tokens: int,
+                rounds: int) -> tuple[float, dict[int, float]]:
+    """Prompt lookup at the profile's first point: proposing up to the largest γ, through all prompts
+    every round, alternating with plain decoding. Returns its steady rate over plain decoding's
+    (median over rounds) and the rate at which its drafts were kept, per matched suffix length,
+    over all rounds (lengths reached at least LOOKUP_MIN_REACHED times): what "auto" starts from."""
+    groups = [prompts_at(tokens, point.batch, prompt_length, offset=k * point.batch)
+              for k in range(-(-len(tokens) // point.batch))]
+    gamma, ratios, stats = max(runtime.gammas), [], []
+    for r in range(rounds):
+        order = [0, gamma] if r % 2 == 0 else [gamma, 0]
+        runs = [{g: run_loop(runtime, group, g, max_new_tokens, proposer="ngram" if g else None) for g in order}
+                for group in groups]
+        summed = {g: sum((run[g] for run in runs[1:]), runs[0][g]) for g in order}
+        ratios.append(summed[gamma].rate / summed[0].rate if summed[gamma].iterations else 0.0)
+        stats += summed[gamma].stats
+    by_match = pooled(stats).lookup_by_match
+    priors = {n: kept / reached for n, (reached, kept) in by_match.items() if reached >= LOOKUP_MIN_REACHED}
+    return statistics.median(ratios), dict(sorted(priors.items()))
 
 
 def threshold_speedups(runtime, tokens, point: ProfilePoint, prompt_length: int, max_new_tokens: int,

@@ -280,7 +280,7 @@ class Runtime:
         stop_strings = _stop_strings(stop)
         request = Request(ids, max_new_tokens, params, seed, gamma, allow_plain,
                           frozenset(self._token_ids(stop_token_ids)), on_tokens=on_tokens, proposer=proposer,
-                          p_min=float(p_min))
+                          p_min=float(p_min), lookup_priors=self.profile.lookup_priors if self.profile else None)
         if stop_strings:
             request.stop_check = _StopStrings(self.tokenizer, ids, stop_strings)
         if not self.scheduler.fits(request):

@@ -401,3 +401,25 @@ def test_the_table_ends_with_the_thresholds_measured():
     assert _profile_table(profile).splitlines()[-1] == (
         "confidence threshold at batch 1, context 64, γ=2 (rate over p_min 0): 0: 1.00x, 0.05: 1.04x, 0.1: 0.97x; "
         "default p_min 0.05")
+
+
+def test_the_profile_measures_prompt_lookup_and_auto_starts_from_it(tmp_path, bundles, monkeypatch):
+    bundle = shutil.copytree(bundles("llama", "random"), tmp_path / "bundle")
+    runtime = speccompile.load(bundle)
+    tokens = [[5, 6, 7, 8] * 6, [9, 10, 11] * 8]  # prompts that repeat themselves: some lookups match
+    monkeypatch.setattr(prof, "LOOKUP_MIN_REACHED", 1)  # the tiny model's own text rarely repeats
+    speedup, priors = prof.lookup_runs(runtime, tokens, point(1, 16, best_gamma=4), 12, 40, rounds=3)
+    runtime.close()
+    assert speedup > 0 and priors and all(isinstance(n, int) and 0 <= rate <= 1 for n, rate in priors.items())
+    write_profile_with(bundle, [0.5] * 4, LoopCosts(10.0, {1: 1.0, 4: 4.0}, {1: 11.0, 4: 12.0}, overhead=0.5))
+    used = {}
+    for trust in (0.0, 1.0):  # lookups never kept, or always
+        profile = gamma_profile.find_profile(bundle)
+        profile.lookup_priors = {n: trust for n in (2, 3, 4)}
+        gamma_profile.write_profile(bundle, profile)
+        assert gamma_profile.find_profile(bundle).lookup_priors == {2: trust, 3: trust, 4: trust}  # int keys again
+        runtime = speccompile.load(bundle)
+        [result] = runtime.generate([[5, 6, 7, 8] * 4], max_new_tokens=12, gamma=4, proposer="auto")
+        runtime.close()
+        used[trust] = result.stats.by_proposer.get("ngram", [0, 0, 0])[1]
+    assert used[0.0] == 0 < used[1.0]
