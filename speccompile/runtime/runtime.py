@@ -86,6 +86,7 @@ class Runtime:
                                    self.tokenizer.eos_token_ids, self._policy_for_load, self.profile is not None,
                                    prefill_chunk, fallback_gamma=self.default_gamma)
         self._engine: _EngineThread | None = None
+        self._submitting = threading.Lock()  # one engine thread, and graph loads one at a time, whoever submits
         self._loaded: set = set()
 
     @property
@@ -156,9 +157,10 @@ class Runtime:
 
     def close(self) -> None:
         """Stop the engine thread; requests still in flight or waiting end as cancelled."""
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
+        with self._submitting:
+            engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
 
     def __enter__(self):
         return self
@@ -178,11 +180,12 @@ class Runtime:
     def _queue(self, request: Request, batched: bool | None = None) -> None:
         """Hand a checked request to the engine thread. batched: whether it will run alongside others
         (default: whether others are in flight now)."""
-        self._load_graphs(request, not self.scheduler.idle if batched is None else batched)
-        request.submitted = time.perf_counter()  # its latency counts from here: loads are the runtime's
-        if self._engine is None:
-            self._engine = _EngineThread(self.scheduler, self._before_step)
-        self._engine.submit(request)
+        with self._submitting:  # threads submitting at once must not start two engines on one scheduler
+            self._load_graphs(request, not self.scheduler.idle if batched is None else batched)
+            request.submitted = time.perf_counter()  # its latency counts from here: loads are the runtime's
+            if self._engine is None:
+                self._engine = _EngineThread(self.scheduler, self._before_step)
+            self._engine.submit(request)
 
     def _before_step(self) -> None:
         """Runs on the engine thread between iterations: the quick calibration that a runtime

@@ -126,3 +126,30 @@ def test_close_cancels_what_is_in_flight(bundles):
     runtime.close()
     reasons = [h.result(timeout=10).finish_reason for h in handles]
     assert "cancelled" in reasons and all(h.done for h in handles)
+
+
+def test_threads_submitting_at_first_use_start_one_engine(bundles):
+    """Eight threads submit at once to a runtime that has no engine thread yet: one starts, and every
+    request is answered as it would be alone."""
+    runtime = speccompile.load(bundles("llama", "random"))
+    expected = runtime.generate([[3, 4, 5]], max_new_tokens=12, gamma=4)[0].token_ids
+    runtime.close()  # no engine thread now
+    barrier, results = threading.Barrier(8), []
+    others = set(engine_threads())  # other runtimes' (of other tests)
+
+    def client():
+        barrier.wait()
+        results.append(runtime.submit([3, 4, 5], max_new_tokens=12, gamma=4).result(timeout=60).token_ids)
+
+    threads = [threading.Thread(target=client) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    started = set(engine_threads()) - others
+    runtime.close()
+    assert results == [expected] * 8 and len(started) == 1
+
+
+def engine_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "speccompile-engine"]
