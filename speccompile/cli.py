@@ -319,6 +319,34 @@ def _bench_value(value) -> str:
 
 @main.command()
 @click.argument("bundle", type=click.Path(), required=False)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback unless told).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--api-key", default=None, help="Require Authorization: Bearer KEY on /v1/ routes.")
+@click.option("--model-name", default=None,
+              help="The model id clients ask for (default: the bundle directory's name; speccompile-demo).")
+@user_errors
+def serve(bundle, host, port, api_key, model_name):
+    """Serve a bundle over an OpenAI-compatible HTTP API (POST /v1/completions, GET /v1/models, /health)."""
+    try:
+        import uvicorn
+
+        from speccompile.serve.app import create_app
+    except ImportError as e:
+        raise SpecCompileError(f"serve needs the serve extra ({e.name} is missing): "
+                               "pip install 'speccompile[serve]'") from None
+    from pathlib import Path
+
+    import speccompile
+
+    path = resolve_bundle(bundle)
+    runtime = speccompile.load(path, shared_threads=True)  # the process is ours
+    app = create_app(runtime, model_name or (Path(path).name if bundle else "speccompile-demo"), api_key=api_key)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+    runtime.close()
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(), required=False)
 @user_errors
 def verify(bundle):
     """Hash every file of a bundle against its manifest (opening a bundle checks only what changed since)."""

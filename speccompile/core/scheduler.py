@@ -69,6 +69,7 @@ class Scheduler:
         self.decoding: list[Request] = []  # slot i holds decoding[i]
         self.joining: Request | None = None  # partly prefilled, in slot len(decoding)
         self._started = False
+        self.last_gamma = 0  # the γ of the last decoding iteration's verification (0: a plain step), for metrics
 
     # -- the queue --------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -188,16 +189,17 @@ class Scheduler:
         # own), but keeps the iteration's graph: switching graphs costs more than the padded slots.
         drafts = np.minimum(wanted, gamma)
         drafts = np.minimum(drafts, np.array([r.remaining - 1 for r in rows], dtype=np.int64))
-        gamma = gamma if drafts.max() > 0 else 0
+        gamma = self.last_gamma = gamma if drafts.max() > 0 else 0
         began = time.perf_counter()
         if gamma == 0:
             self._plain_iteration(rows, began)
             return
         proposed, probs, drafts = self._propose(rows, drafts, lookups)
         if drafts.max() == 0:  # every row stopped before its first draft: a plain step is cheaper
+            self.last_gamma = 0
             self._plain_iteration(rows, began)
             return
-        gamma = min(g for g in self.gammas if g >= drafts.max())  # fewer drafts: a shorter verification
+        gamma = self.last_gamma = min(g for g in self.gammas if g >= drafts.max())  # fewer drafts: a shorter one
         drafted = time.perf_counter()
         accepted, next_token = self._verify(rows, drafts, gamma, proposed, probs, lookups)
         verified = time.perf_counter()

@@ -119,14 +119,15 @@ class Runtime:
         self._queue(handle.request)
         return handle
 
-    def submit_async(self, prompt, **kwargs) -> "AsyncRequestHandle":
+    def submit_async(self, prompt, on_finish=None, **kwargs) -> "AsyncRequestHandle":
         """`submit` for asyncio code: call it in the event loop; await `.result()`, iterate
-        `async for tokens in handle.stream()`."""
+        `async for tokens in handle.stream()`. on_finish(request) is called from the engine thread
+        when the request ends, however it ends."""
         handle = AsyncRequestHandle(asyncio.get_running_loop(), self, prompt)
         user_sink = kwargs.pop("on_tokens", None)
         handle.request = self._request(prompt, on_tokens=handle._push, **kwargs)
         handle.request.on_finish = handle._finished
-        handle.user_sink = user_sink
+        handle.user_sink, handle.user_finish = user_sink, on_finish
         self._queue(handle.request)
         return handle
 
@@ -390,7 +391,11 @@ class AsyncRequestHandle:
         self._tokens: asyncio.Queue = asyncio.Queue()
         self._done = loop.create_future()
         self.request: Request | None = None
-        self.user_sink = None
+        self.user_sink = self.user_finish = None
+
+    @property
+    def done(self) -> bool:
+        return self._done.done()
 
     async def result(self) -> GenerationResult:
         await asyncio.shield(self._done)
@@ -417,6 +422,8 @@ class AsyncRequestHandle:
         self._loop.call_soon_threadsafe(self._tokens.put_nowait, list(tokens))
 
     def _finished(self, request: Request) -> None:  # engine thread
+        if self.user_finish is not None:
+            self.user_finish(request)
         self._loop.call_soon_threadsafe(self._tokens.put_nowait, None)
         self._loop.call_soon_threadsafe(lambda: self._done.done() or self._done.set_result(None))
 

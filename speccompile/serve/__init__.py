@@ -1,0 +1,1 @@
+"""`speccompile serve`: an OpenAI-compatible HTTP server over a Runtime's engine (app.py)."""

@@ -1,0 +1,239 @@
+"""The OpenAI-compatible server on loopback, driven by the official `openai` client and raw HTTP:
+completions identical to `generate`, streams that add up, statistics that add up, and a 4xx with
+OpenAI's error body for every bad request, the server answering normally after each."""
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import uvicorn
+
+import speccompile
+from speccompile.serve.app import _safe_prefix, create_app
+
+KEY = "test-key"
+
+
+def http(method: str, url: str, content: bytes | None = None, headers: dict | None = None) -> tuple[int, dict]:
+    """(status, JSON body) of a raw request: what the openai client would not send."""
+    request = urllib.request.Request(url, data=content, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def start(app) -> tuple[uvicorn.Server, threading.Thread, str]:
+    """A server for `app` on 127.0.0.1 at a free port, on a thread: (server, thread, base URL)."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(500):
+        if server.started:
+            break
+        threading.Event().wait(0.01)
+    return server, thread, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+
+
+def stop(server: uvicorn.Server, thread: threading.Thread) -> None:
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def served(bundles):
+    """(runtime, base URL) of a server with an API key."""
+    runtime = speccompile.load(bundles("llama", "random"))
+    server, thread, url = start(create_app(runtime, "tiny", api_key=KEY))
+    yield runtime, url
+    stop(server, thread)
+    runtime.close()
+
+
+@pytest.fixture
+def client(served):
+    return openai.OpenAI(base_url=served[1] + "/v1", api_key=KEY, max_retries=0, timeout=30)
+
+
+def test_greedy_completions_are_generate_s_and_their_statistics_add_up(served, client):
+    runtime, _ = served
+    [expected] = runtime.generate(["x y x"], max_new_tokens=12, gamma=4, temperature=0.0)
+    response = client.completions.create(model="tiny", prompt="x y x", max_tokens=12, temperature=0)
+    assert response.choices[0].text == expected.text and response.choices[0].finish_reason == "length"
+    assert response.usage.completion_tokens == 12
+    assert response.usage.prompt_tokens == len(runtime.tokenizer.encode("x y x"))
+    extra = response.model_extra
+    assert extra["timings"]["predicted_n"] == 12
+    assert extra["timings"]["draft_n_accepted"] <= extra["timings"]["draft_n"]
+    assert extra["speculative"]["acceptance_rate"] == pytest.approx(
+        extra["timings"]["draft_n_accepted"] / max(1, extra["timings"]["draft_n"]))
+    ids = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=8, temperature=0)
+    assert ids.usage.prompt_tokens == 3
+    assert ids.choices[0].text == runtime.generate([[5, 6, 7]], max_new_tokens=8, temperature=0)[0].text
+
+
+def test_sampled_completions_with_a_seed_are_reproducible(client):
+    def sample():
+        return client.completions.create(model="tiny", prompt="x y", max_tokens=16, temperature=0.9, seed=7)
+
+    assert sample().choices[0].text == sample().choices[0].text
+
+
+def test_the_stream_adds_up_to_the_completion_and_ends_with_usage(client):
+    whole = client.completions.create(model="tiny", prompt="x y x", max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt="x y x", max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+
+
+def test_a_stop_string_ends_the_text_before_it_streamed_or_not(served, client):
+    runtime, _ = served
+    [full] = runtime.generate(["x y x"], max_new_tokens=24, temperature=0)
+    stop = full.text[5:7]  # a string the greedy text contains
+    cut = full.text[: full.text.find(stop)]
+    whole = client.completions.create(model="tiny", prompt="x y x", max_tokens=24, temperature=0, stop=[stop])
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="x y x", max_tokens=24, temperature=0, stop=[stop], stream=True))
+    assert whole.choices[0].text == streamed == cut and whole.choices[0].finish_reason == "stop"
+
+
+def test_held_back_text_is_what_a_stop_string_could_still_cut():
+    assert _safe_prefix("abc de", ["de"]) == "abc "
+    assert _safe_prefix("abc d", ["de"]) == "abc "  # "d" may begin "de"
+    assert _safe_prefix("abc", ["de"]) == "abc" and _safe_prefix("abc", []) == "abc"
+
+
+def test_models_and_health(served, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert http("GET", served[1] + "/health") == (200, {"status": "ok"})
+
+
+BAD_REQUESTS = [
+    ("malformed JSON", b"{not json", 400, None),
+    ("wrong type", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("max_tokens 0", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("unknown field", {"prompt": "x", "colour": "blue"}, 400, "colour"),
+    ("unsupported OpenAI field", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("n of 2", {"prompt": "x", "n": 2}, 400, "n"),
+    ("no prompt", {"max_tokens": 4}, 400, "prompt"),
+    ("token id outside the vocabulary", {"prompt": [10**6], "max_tokens": 4}, 400, None),
+    ("prompt too long", {"prompt": list(range(3, 200)), "max_tokens": 4}, 400, None),
+    ("another model", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("name, body, status, param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_every_bad_request_gets_openai_s_error_and_the_server_goes_on(served, client, name, body, status, param):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    got, answer = http("POST", served[1] + "/v1/completions", content, headers)
+    assert got == status, answer
+    error = answer["error"]
+    assert error["type"] == "invalid_request_error" and error["message"] and error["param"] == param
+    if name == "prompt too long":
+        assert "max sequence length 96" in error["message"]
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0).usage.completion_tokens
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}], ids=["missing", "wrong"])
+def test_the_api_key_is_required(served, headers):
+    got, answer = http("POST", served[1] + "/v1/completions", json.dumps({"prompt": "x"}).encode(),
+                       {**headers, "Content-Type": "application/json"})
+    assert got == 401 and answer["error"]["code"] == "invalid_api_key"
+    assert http("GET", served[1] + "/health")[0] == 200  # health needs no key
+
+
+def test_metrics_count_what_the_requests_did(served, client):
+    def value(text: str, name: str) -> float:
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+                   or line.startswith(name + "{"))
+
+    before = urllib.request.urlopen(served[1] + "/metrics", timeout=30).read().decode()
+    response = client.completions.create(model="tiny", prompt="x y", max_tokens=10, temperature=0)
+    after = urllib.request.urlopen(served[1] + "/metrics", timeout=30).read().decode()
+    timings = response.model_extra["timings"]
+    for name, expected in (("speccompile:spec_decode_num_draft_tokens_total", timings["draft_n"]),
+                           ("speccompile:spec_decode_num_accepted_tokens_total", timings["draft_n_accepted"]),
+                           ("speccompile:spec_decode_num_accepted_tokens_per_pos_total", timings["draft_n_accepted"]),
+                           ("speccompile:generation_tokens_total", 10),
+                           ("speccompile:e2e_request_latency_seconds_count", 1)):
+        assert value(after, name) - value(before, name) == expected, name
+    assert value(after, "speccompile:num_requests_running") == 0
+    assert "speccompile:spec_decode_gamma" in after and "speccompile:time_to_first_token_seconds_bucket" in after
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(served):
+    runtime, url = served
+    body = json.dumps({"prompt": "x", "max_tokens": 80, "temperature": 0, "stream": True}).encode()
+    request = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
+                                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    response = urllib.request.urlopen(request, timeout=30)
+    assert response.readline().startswith(b"data: ")  # streaming has begun
+    response.close()  # the client goes away
+    for _ in range(500):
+        if runtime.scheduler.idle:
+            break
+        threading.Event().wait(0.01)
+    assert runtime.scheduler.idle
+
+
+def test_concurrent_clients_each_get_what_they_would_alone(served, client):
+    """8 clients × 25 requests of varied lengths at once: every answer complete and identical to its
+    request alone, and nothing left running."""
+    runtime, _ = served
+    prompts = [[5 + i, 6 + i, 7] for i in range(5)]
+    alone = {(i, n): runtime.generate([prompts[i]], max_new_tokens=n, temperature=0)[0].text
+             for i in range(5) for n in (3, 9, 17)}
+    failures = []
+
+    def worker(w: int):
+        for k in range(25):
+            i, n = (w + k) % 5, (3, 9, 17)[k % 3]
+            try:
+                got = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=n, temperature=0)
+                if got.choices[0].text != alone[i, n] or got.usage.completion_tokens != n:
+                    failures.append((w, k, "different"))
+            except Exception as e:  # noqa: BLE001 (every failure is collected and reported)
+                failures.append((w, k, repr(e)))
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert failures == [] and runtime.scheduler.idle
+
+
+def test_a_full_server_answers_429_with_retry_after_then_serves_again(bundles):
+    runtime = speccompile.load(bundles("llama", "random"))
+    server, thread, url = start(create_app(runtime, "tiny", max_waiting=0))  # no waiting beyond the slots
+    body = json.dumps({"prompt": "x", "max_tokens": 80, "temperature": 0, "stream": True}).encode()
+    streams = []
+    for _ in range(runtime.max_batch):
+        request = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        streams.append(urllib.request.urlopen(request, timeout=30))
+        assert streams[-1].readline().startswith(b"data: ")
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps({"prompt": "x"}).encode(),
+                                     method="POST", headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 429 and refused.value.headers["Retry-After"] == "1"
+    assert json.loads(refused.value.read())["error"]["code"] == "rate_limit_exceeded"
+    for stream in streams:
+        stream.close()
+    for _ in range(500):
+        if runtime.scheduler.idle:
+            break
+        threading.Event().wait(0.01)
+    assert http("POST", url + "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2}).encode(),
+                {"Content-Type": "application/json"})[0] == 200
+    stop(server, thread)
+    runtime.close()
