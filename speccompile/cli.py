@@ -3,6 +3,7 @@
 import functools
 import json
 import logging
+import signal
 import sys
 
 import click
@@ -317,6 +318,9 @@ def _bench_value(value) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
+DRAIN_S = 30  # serve: how long a shutdown waits for requests in flight
+
+
 @main.command()
 @click.argument("bundle", type=click.Path(), required=False)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback unless told).")
@@ -341,8 +345,12 @@ def serve(bundle, host, port, api_key, model_name):
     path = resolve_bundle(bundle)
     runtime = speccompile.load(path, shared_threads=True)  # the process is ours
     app = create_app(runtime, model_name or (Path(path).name if bundle else "speccompile-demo"), api_key=api_key)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
-    runtime.close()
+    # uvicorn drains on SIGTERM or SIGINT (at most DRAIN_S for requests in flight), then raises the
+    # signal again for the handler it found: this one, so that the process ends here, cleanly
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=DRAIN_S)
+    runtime.close()  # what the drain left is cancelled
 
 
 @main.command()

@@ -237,3 +237,38 @@ def test_a_full_server_answers_429_with_retry_after_then_serves_again(bundles):
                 {"Content-Type": "application/json"})[0] == 200
     stop(server, thread)
     runtime.close()
+
+
+@pytest.mark.slow
+def test_sigterm_drains_the_request_in_flight_and_exits_cleanly(bundles):
+    """`speccompile serve` in its own process: a streaming request is in flight when SIGTERM comes;
+    it is answered to its end, and the process exits 0."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "speccompile.cli", "serve", str(bundles("llama", "random")),
+                               "--port", str(port)], stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                threading.Event().wait(0.1)
+        body = json.dumps({"prompt": "x", "max_tokens": 60, "temperature": 0, "stream": True}).encode()
+        request = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        stream = urllib.request.urlopen(request, timeout=30)
+        assert stream.readline().startswith(b"data: ")
+        server.send_signal(signal.SIGTERM)
+        rest = stream.read().decode()
+        assert rest.rstrip().endswith("data: [DONE]")  # drained: the stream ran to its end
+        assert server.wait(30) == 0, server.stderr.read().decode()[-2000:]
+    finally:
+        server.kill()
