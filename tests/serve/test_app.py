@@ -169,19 +169,33 @@ def test_metrics_count_what_the_requests_did(served, client):
     assert "speccompile:spec_decode_gamma" in after and "speccompile:time_to_first_token_seconds_bucket" in after
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_slot(served):
-    runtime, url = served
+def test_a_client_that_leaves_mid_stream_cancels_its_request(bundles):
+    """Each iteration is slowed to 20 ms, so that 80 tokens take over a second: the request ends
+    cancelled soon after its client goes, not at its length."""
+    runtime = speccompile.load(bundles("llama", "random"))
+    real_step = runtime.scheduler.step
+
+    def slow_step():
+        threading.Event().wait(0.02)
+        real_step()
+
+    runtime.scheduler.step = slow_step
+    server, thread, url = start(create_app(runtime, "tiny"))
     body = json.dumps({"prompt": "x", "max_tokens": 80, "temperature": 0, "stream": True}).encode()
     request = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
-                                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json"})
     response = urllib.request.urlopen(request, timeout=30)
     assert response.readline().startswith(b"data: ")  # streaming has begun
     response.close()  # the client goes away
-    for _ in range(500):
-        if runtime.scheduler.idle:
+    cancelled = 'speccompile:request_success_total{finished_reason="cancelled"} 1.0'
+    for _ in range(300):
+        if cancelled in urllib.request.urlopen(url + "/metrics", timeout=30).read().decode():
             break
         threading.Event().wait(0.01)
-    assert runtime.scheduler.idle
+    metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    stop(server, thread)
+    runtime.close()
+    assert cancelled in metrics and runtime.scheduler.idle
 
 
 def test_concurrent_clients_each_get_what_they_would_alone(served, client):
@@ -212,29 +226,39 @@ def test_concurrent_clients_each_get_what_they_would_alone(served, client):
 
 
 def test_a_full_server_answers_429_with_retry_after_then_serves_again(bundles):
+    """The engine is held before its next iteration, so that requests stay in flight: with no room
+    to wait beyond the slots, the request after max_batch of them is refused, and once the engine
+    moves on, served."""
     runtime = speccompile.load(bundles("llama", "random"))
-    server, thread, url = start(create_app(runtime, "tiny", max_waiting=0))  # no waiting beyond the slots
-    body = json.dumps({"prompt": "x", "max_tokens": 80, "temperature": 0, "stream": True}).encode()
-    streams = []
-    for _ in range(runtime.max_batch):
-        request = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
-                                         headers={"Content-Type": "application/json"})
-        streams.append(urllib.request.urlopen(request, timeout=30))
-        assert streams[-1].readline().startswith(b"data: ")
-    request = urllib.request.Request(url + "/v1/completions", data=json.dumps({"prompt": "x"}).encode(),
-                                     method="POST", headers={"Content-Type": "application/json"})
+    gate, real_step = threading.Event(), runtime.scheduler.step
+
+    def held_step():
+        gate.wait(30)
+        real_step()
+
+    runtime.scheduler.step = held_step
+    server, thread, url = start(create_app(runtime, "tiny", max_waiting=0))
+    body, headers = json.dumps({"prompt": "x", "max_tokens": 4}).encode(), {"Content-Type": "application/json"}
+    answers = []
+    clients = [threading.Thread(target=lambda: answers.append(http("POST", url + "/v1/completions", body, headers)))
+               for _ in range(runtime.max_batch)]
+    for client_thread in clients:
+        client_thread.start()
+    for _ in range(500):  # until all of them are in flight
+        metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+        if f"speccompile:num_requests_waiting {float(runtime.max_batch)}" in metrics:
+            break
+        threading.Event().wait(0.01)
+    request = urllib.request.Request(url + "/v1/completions", data=body, method="POST", headers=headers)
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=30)
     assert refused.value.code == 429 and refused.value.headers["Retry-After"] == "1"
     assert json.loads(refused.value.read())["error"]["code"] == "rate_limit_exceeded"
-    for stream in streams:
-        stream.close()
-    for _ in range(500):
-        if runtime.scheduler.idle:
-            break
-        threading.Event().wait(0.01)
-    assert http("POST", url + "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2}).encode(),
-                {"Content-Type": "application/json"})[0] == 200
+    gate.set()
+    for client_thread in clients:
+        client_thread.join(30)
+    assert [status for status, _ in answers] == [200] * runtime.max_batch
+    assert http("POST", url + "/v1/completions", body, headers)[0] == 200
     stop(server, thread)
     runtime.close()
 
