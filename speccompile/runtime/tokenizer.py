@@ -9,11 +9,13 @@ class Tokenizer:
     def __init__(self, directory: Path, info: dict):
         from tokenizers import Tokenizer as _Tokenizer
 
-        self._tok = _Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
+        self.directory = Path(directory)
+        self._tok = _Tokenizer.from_file(str(self.directory / "tokenizer.json"))
         self.eos_token_ids = set(info.get("eos_token_ids", []))
 
-    def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
+        """special_tokens=False for text that writes its own (a rendered chat template)."""
+        ids = self._tok.encode(text, add_special_tokens=special_tokens).ids
         if not ids:
             raise SpecCompileError(f"prompt {text!r} encodes to no tokens")
         return ids
@@ -27,6 +29,24 @@ class Tokenizer:
         here (HF pipelines cut the prompt's text off the whole decoded sequence the same way)."""
         prompt_text = self.decode(prompt_ids) if prompt_text is None else prompt_text
         return self.decode(prompt_ids + ids)[len(prompt_text):]
+
+    def chat_template(self) -> tuple[str, dict] | None:
+        """The checkpoint's chat template as saved with its tokenizer (chat_template.jinja, or the
+        "chat_template" of tokenizer_config.json), and the special tokens it may name; None when
+        there is none."""
+        import json
+
+        config_file = self.directory / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        template_file = self.directory / "chat_template.jinja"
+        template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if not template:
+            return None
+        tokens = {name: (value["content"] if isinstance(value, dict) else value)
+                  for name in ("bos_token", "eos_token") if (value := config.get(name))}
+        return template, tokens
 
     def stream(self, prompt_ids: list[int]) -> "TextStream":
         """An incremental decode_continuation, for printing tokens as they come."""

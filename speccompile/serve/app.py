@@ -1,9 +1,10 @@
 """An OpenAI-compatible HTTP service over one Runtime: every request is a client of its engine.
 
-Routes: POST /v1/completions (OpenAI's shapes, streaming as server-sent events), GET /v1/models,
-GET /health. Every bad request gets a 4xx with OpenAI's error body ({"error": {"message", "type",
-"param", "code"}}) and the server goes on. A client that goes away mid-stream cancels its request,
-which frees its slot at the engine's next iteration.
+Routes: POST /v1/completions and POST /v1/chat/completions (OpenAI's shapes, streaming as
+server-sent events; chat where the bundle's tokenizer has a chat template, rendered as transformers
+renders it), GET /v1/models, GET /health, GET /metrics. Every bad request gets a 4xx with OpenAI's
+error body ({"error": {"message", "type", "param", "code"}}) and the server goes on. A client that
+goes away mid-stream cancels its request, which frees its slot at the engine's next iteration.
 
 Each response carries the request's speculative statistics under llama.cpp's names
 (`timings.draft_n`, `timings.draft_n_accepted`, beside `prompt_n`, `predicted_n`, `prompt_ms`,
@@ -36,11 +37,9 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
         model_config = ConfigDict(extra="forbid")
         include_usage: bool = False
 
-    class CompletionRequest(BaseModel):
+    class Sampling(BaseModel):
         model_config = ConfigDict(extra="forbid")
         model: str | None = None
-        prompt: str | list[int]
-        max_tokens: int = Field(16, ge=1)
         temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default
         top_p: float = Field(1.0, gt=0.0, le=1.0)
         top_k: int = Field(0, ge=0)  # an extension, as vLLM's and llama.cpp's
@@ -51,7 +50,23 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
         n: Literal[1] = 1
         user: str | None = None
 
+    class CompletionRequest(Sampling):
+        prompt: str | list[int]
+        max_tokens: int = Field(16, ge=1)
+
+    class Message(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        role: Literal["system", "user", "assistant"]
+        content: str
+        name: str | None = None
+
+    class ChatRequest(Sampling):
+        messages: list[Message] = Field(min_length=1)
+        max_tokens: int | None = Field(None, ge=1)
+        max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+
     app = FastAPI(title="speccompile", docs_url=None, redoc_url=None)
+    chat_template = runtime.tokenizer.chat_template()
     metrics = Metrics(runtime)
     capacity = runtime.max_batch + (4 * runtime.max_batch if max_waiting is None else max_waiting)
 
@@ -92,6 +107,21 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
+        return await serve_request(body, body.prompt, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest):
+        if chat_template is None:
+            return openai_error(400, "this model has no chat template (its checkpoint's tokenizer has none): "
+                                "use /v1/completions", "messages")
+        try:
+            text = render_chat(chat_template, [m.model_dump(exclude_none=True) for m in body.messages])
+        except Exception as e:  # noqa: BLE001 (the template's own error, e.g. raise_exception, for the caller)
+            return openai_error(400, f"the chat template refused these messages: {e}", "messages")
+        prompt = runtime.tokenizer.encode(text, special_tokens=False)  # the template writes its own
+        return await serve_request(body, prompt, body.max_completion_tokens or body.max_tokens or 16, chat=True)
+
+    async def serve_request(body, prompt, max_tokens: int, chat: bool):
         if body.model is not None and body.model != model_name:
             return openai_error(404, f"model {body.model!r} is not served here (this server serves {model_name!r})",
                                 "model", "model_not_found")
@@ -102,18 +132,18 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
             return response
         metrics.started()  # before the engine can finish it
         try:
-            handle = runtime.submit_async(body.prompt, max_new_tokens=body.max_tokens, temperature=body.temperature,
+            handle = runtime.submit_async(prompt, max_new_tokens=max_tokens, temperature=body.temperature,
                                           top_k=body.top_k, top_p=body.top_p, seed=body.seed, stop=body.stop,
                                           on_finish=metrics.finished)
         except SpecCompileError as e:
             metrics.refused()
             return openai_error(400, str(e), None)
-        completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        shape = Shape(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), model_name, chat)
         if not body.stream:
             result = await handle.result()
-            return completion_body(completion_id, created, model_name, result, len(handle.request.prompt))
+            return shape.body(result, len(handle.request.prompt))
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = stream_events(runtime, handle, completion_id, created, model_name, body.stop, include_usage)
+        events = stream_events(runtime, handle, shape, body.stop, include_usage)
         return StreamingResponse(events, media_type="text/event-stream")
 
     def openai_error(status: int, message: str, param: str | None, code: str | None = None):
@@ -123,11 +153,48 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
     return app
 
 
-def completion_body(completion_id: str, created: int, model: str, result, prompt_tokens: int) -> dict:
-    """A non-streaming completion in OpenAI's shape, with the request's speculative statistics."""
-    return {"id": completion_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": result.text, "finish_reason": finish_reason(result), "logprobs": None}],
-            "usage": usage(result, prompt_tokens), **speculative_stats(result, prompt_tokens)}
+class Shape:
+    """One response's id, creation time, model and kind (text completion or chat), and its bodies in
+    OpenAI's shapes."""
+
+    def __init__(self, response_id: str, created: int, model: str, chat: bool):
+        self.id, self.created, self.model, self.chat = response_id, created, model, chat
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def body(self, result, prompt_tokens: int) -> dict:
+        """A whole completion, with the request's speculative statistics."""
+        choice = {"index": 0, "finish_reason": finish_reason(result), "logprobs": None}
+        choice |= {"message": {"role": "assistant", "content": result.text}} if self.chat else {"text": result.text}
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": usage(result, prompt_tokens), **speculative_stats(result, prompt_tokens)}
+
+    def chunk(self, text: str, reason: str | None, first: bool = False) -> str:
+        """One server-sent event of a stream."""
+        choice = {"index": 0, "finish_reason": reason, "logprobs": None}
+        if self.chat:
+            choice["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+        else:
+            choice["text"] = text
+        return self.event({"choices": [choice]})
+
+    def event(self, fields: dict) -> str:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return "data: " + json.dumps({"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                                      **fields}) + "\n\n"
+
+
+def render_chat(template_and_tokens: tuple[str, dict], messages: list[dict]) -> str:
+    """The chat template rendered as transformers renders it (a sandboxed Jinja environment that
+    trims blocks, with raise_exception), with the generation prompt."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ValueError(message)
+
+    template, tokens = template_and_tokens
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment.globals["raise_exception"] = raise_exception
+    return environment.from_string(template).render(messages=messages, add_generation_prompt=True, **tokens)
 
 
 def finish_reason(result) -> str:
@@ -150,33 +217,26 @@ def speculative_stats(result, prompt_tokens: int) -> dict:
     return {"timings": timings, "speculative": speculative}
 
 
-async def stream_events(runtime, handle, completion_id: str, created: int, model: str, stop, include_usage: bool):
+async def stream_events(runtime, handle, shape: Shape, stop, include_usage: bool):
     """Server-sent events: text deltas as tokens are accepted (held back while they could begin a stop
     string, so that the deltas add up to the final text), the last chunk with the finish reason,
     usage if asked, then [DONE]. A client that disconnects cancels the request."""
     stops = [stop] if isinstance(stop, str) else list(stop or [])
-    decoder, decoded, sent = None, "", ""
-
-    def chunk(text: str, reason: str | None) -> str:
-        return "data: " + json.dumps({"id": completion_id, "object": "text_completion", "created": created,
-                                      "model": model, "choices": [{"index": 0, "text": text, "finish_reason": reason,
-                                                                   "logprobs": None}]}) + "\n\n"
-
+    decoder, decoded, sent, first = None, "", "", True
     try:
         async for token_ids in handle.stream():
             decoder = decoder or runtime.tokenizer.stream(handle.request.prompt)
             decoded += decoder.add(token_ids)
             safe = _safe_prefix(decoded, stops)
-            if len(safe) > len(sent):
-                yield chunk(safe[len(sent):], None)
-                sent = safe
+            if len(safe) > len(sent) or (first and shape.chat):
+                yield shape.chunk(safe[len(sent):], None, first)
+                sent, first = safe, False
         result = await handle.result()
-        yield chunk(result.text[len(sent):], finish_reason(result))
+        yield shape.chunk(result.text[len(sent):], finish_reason(result), first)
         if include_usage:
             prompt_tokens = len(handle.request.prompt)
-            yield "data: " + json.dumps({"id": completion_id, "object": "text_completion", "created": created,
-                                         "model": model, "choices": [], "usage": usage(result, prompt_tokens),
-                                         **speculative_stats(result, prompt_tokens)}) + "\n\n"
+            yield shape.event({"choices": [], "usage": usage(result, prompt_tokens),
+                               **speculative_stats(result, prompt_tokens)})
         yield "data: [DONE]\n\n"
     finally:
         if not handle.done:

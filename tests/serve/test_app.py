@@ -296,3 +296,49 @@ def test_sigterm_drains_the_request_in_flight_and_exits_cleanly(bundles):
         assert server.wait(30) == 0, server.stderr.read().decode()[-2000:]
     finally:
         server.kill()
+
+
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }} says {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant says{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_served(checkpoints, tmp_path_factory):
+    """(runtime, client) of a server over a bundle whose checkpoint's tokenizer has a chat template."""
+    import shutil
+
+    from speccompile.compiler.build import build_bundle
+
+    root = tmp_path_factory.mktemp("chat")
+    target = shutil.copytree(checkpoints("llama"), root / "target")
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    (target / "chat_template.jinja").unlink(missing_ok=True)
+    runtime = speccompile.load(build_bundle(target, target, root / "bundle", gammas=[1, 4], max_seq=96, max_batch=2))
+    server, thread, url = start(create_app(runtime, "tiny"))
+    yield runtime, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+    stop(server, thread)
+    runtime.close()
+
+
+def test_chat_completions_render_the_template_and_stream_deltas(chat_served):
+    runtime, chat = chat_served
+    messages = [{"role": "system", "content": "x y"}, {"role": "user", "content": "x"}]
+    rendered = "system says x y\nuser says x\nassistant says"
+    [expected] = runtime.generate([runtime.tokenizer.encode(rendered, special_tokens=False)], max_new_tokens=10,
+                                  temperature=0)
+    reply = chat.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    assert reply.object == "chat.completion" and reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == expected.text and reply.usage.completion_tokens == 10
+    assert reply.usage.prompt_tokens == len(runtime.tokenizer.encode(rendered, special_tokens=False))
+    chunks = list(chat.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=10,
+                                               temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+
+
+def test_chat_without_a_template_is_a_clear_400(served):
+    got, answer = http("POST", served[1] + "/v1/chat/completions",
+                       json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(),
+                       {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert got == 400 and "no chat template" in answer["error"]["message"] and answer["error"]["param"] == "messages"
