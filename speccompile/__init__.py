@@ -15,7 +15,8 @@ __all__ = ["SpecCompileError", "load", "build", "__version__"]
 
 
 def load(bundle_dir=None, backend: str = "onnxruntime", threads: int | None = None,
-         shared_threads: bool | None = None, one_session: bool | None = None, prefill_chunk: int = 64):
+         shared_threads: bool | None = None, one_session: bool | None = None, prefill_chunk: int = 64,
+         max_batch: int | None = None):
     """Open a bundle (default: the embedded demo pair's) and return a `Runtime` ready to `generate`.
 
     shared_threads=True runs ONNX Runtime on one process-wide thread pool: a much faster speculative
@@ -26,7 +27,8 @@ def load(bundle_dir=None, backend: str = "onnxruntime", threads: int | None = No
     one_session: each model's calls all run on its one session graph, one copy of its weights in
     memory (True), or on a session per graph, faster for small models (False); default: one session
     for models with 256 MiB of weights or more. prefill_chunk: prompt tokens prefilled per engine
-    iteration while other requests decode (see core/scheduler.py).
+    iteration while other requests decode (see core/scheduler.py). max_batch: requests decoding at
+    once, at most the bundle's (its default).
 
     The runtime serves requests on one engine thread, started on first use (`submit`, `generate`);
     `close()` or a `with` block stops it."""
@@ -37,7 +39,7 @@ def load(bundle_dir=None, backend: str = "onnxruntime", threads: int | None = No
 
         bundle_dir = demo_bundle()
     return _load(bundle_dir, backend=backend, threads=threads, shared_threads=shared_threads, one_session=one_session,
-                 prefill_chunk=prefill_chunk)
+                 prefill_chunk=prefill_chunk, max_batch=max_batch)
 
 
 def build(target_dir, draft_dir, out_dir, **options):

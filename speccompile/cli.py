@@ -328,8 +328,12 @@ DRAIN_S = 30  # serve: how long a shutdown waits for requests in flight
 @click.option("--api-key", default=None, help="Require Authorization: Bearer KEY on /v1/ routes.")
 @click.option("--model-name", default=None,
               help="The model id clients ask for (default: the bundle directory's name; speccompile-demo).")
+@click.option("--max-batch", type=int, default=None,
+              help="Requests decoding at once, at most the bundle's (default: the bundle's).")
+@click.option("--gamma", default=None,
+              help="Every request's γ: a compiled one or 'auto' (default: auto with a γ profile, else the bundle's).")
 @user_errors
-def serve(bundle, host, port, api_key, model_name):
+def serve(bundle, host, port, api_key, model_name, max_batch, gamma):
     """Serve a bundle over an OpenAI-compatible HTTP API (POST /v1/completions, GET /v1/models, /health)."""
     try:
         import uvicorn
@@ -343,8 +347,11 @@ def serve(bundle, host, port, api_key, model_name):
     import speccompile
 
     path = resolve_bundle(bundle)
-    runtime = speccompile.load(path, shared_threads=True)  # the process is ours
-    app = create_app(runtime, model_name or (Path(path).name if bundle else "speccompile-demo"), api_key=api_key)
+    runtime = speccompile.load(path, shared_threads=True, max_batch=max_batch)  # the process is ours
+    gamma = _gamma_option(gamma)
+    runtime.check_gamma(gamma)  # a bad --gamma fails here, not in every request
+    app = create_app(runtime, model_name or (Path(path).name if bundle else "speccompile-demo"), api_key=api_key,
+                     gamma=gamma)
     # uvicorn drains on SIGTERM or SIGINT (at most DRAIN_S for requests in flight), then raises the
     # signal again for the handler it found: this one, so that the process ends here, cleanly
     for sig in (signal.SIGTERM, signal.SIGINT):

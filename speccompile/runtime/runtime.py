@@ -47,8 +47,10 @@ class GenerationResult:
 
 class Runtime:
     def __init__(self, bundle: Bundle, backend: str = "onnxruntime", threads: int | None = None,
-                 shared_threads: bool | None = None, one_session: bool | None = None, prefill_chunk: int = 64):
-        """shared_threads (ONNX Runtime): run both models on one process-wide thread pool, which is
+                 shared_threads: bool | None = None, one_session: bool | None = None, prefill_chunk: int = 64,
+                 max_batch: int | None = None):
+        """max_batch: requests decoding at once, at most the bundle's (default: the bundle's).
+        shared_threads (ONNX Runtime): run both models on one process-wide thread pool, which is
         much faster for the speculative loop but binds every other ONNX Runtime session in the
         process (see onnxruntime_engine.shared_thread_pool). The CLI always asks for it; so should
         an application that creates no ONNX Runtime sessions of its own. A process that has the pool
@@ -75,7 +77,11 @@ class Runtime:
         else:
             raise SpecCompileError(f"unknown backend {backend!r} (available: onnxruntime, tensorrt)")
         self.tokenizer = Tokenizer(bundle.path / bundle.manifest["tokenizer"]["dir"], bundle.manifest["tokenizer"])
-        self.max_seq, self.max_batch, self.default_gamma = bundle.max_seq, bundle.max_batch, bundle.default_gamma
+        self.max_seq, self.default_gamma = bundle.max_seq, bundle.default_gamma
+        self.max_batch = bundle.max_batch if max_batch is None else max_batch
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or \
+                not 1 <= self.max_batch <= bundle.max_batch:
+            raise SpecCompileError(f"max_batch must be 1..{bundle.max_batch} (the bundle's), got {max_batch!r}")
         from speccompile.runtime.gamma_profile import find_profile
         from speccompile.runtime.hardware import fingerprint
 
@@ -293,6 +299,10 @@ class Runtime:
                 f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens + γ={cap} exceeds the bundle's "
                 f"max sequence length {self.max_seq} (rebuild with a larger --max-seq, or ask for fewer tokens)")
         return request
+
+    def check_gamma(self, gamma: int | str | None) -> None:
+        """Raise SpecCompileError unless requests may ask for this γ (None: the default)."""
+        self._request_gamma(None, gamma, warn=False)
 
     def _request_gamma(self, mode, gamma, warn: bool) -> tuple[int | str, bool]:
         """(γ: a compiled γ, AUTO or 0 for plain decoding; may AUTO choose plain decoding)."""
@@ -526,9 +536,9 @@ def _warn_pools_per_session() -> None:
 
 
 def load(bundle_dir, backend: str = "onnxruntime", threads: int | None = None, shared_threads: bool | None = None,
-         one_session: bool | None = None, prefill_chunk: int = 64) -> Runtime:
+         one_session: bool | None = None, prefill_chunk: int = 64, max_batch: int | None = None) -> Runtime:
     """one_session (ONNX Runtime): run each model's every call on its one session graph, holding one
     copy of its weights (True), or a session per graph, faster for small models (False). Default:
     per model, one session from 256 MiB of weights up (onnxruntime_engine.ONE_SESSION_MIN_BYTES)."""
     return Runtime(open_bundle(Path(bundle_dir)), backend=backend, threads=threads, shared_threads=shared_threads,
-                   one_session=one_session, prefill_chunk=prefill_chunk)
+                   one_session=one_session, prefill_chunk=prefill_chunk, max_batch=max_batch)

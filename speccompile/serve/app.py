@@ -24,8 +24,10 @@ from speccompile.errors import SpecCompileError
 UNSUPPORTED = ("best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "presence_penalty", "suffix")
 
 
-def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting: int | None = None):
+def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting: int | None = None,
+               gamma: int | str | None = None):
     """The FastAPI application serving `runtime` as model `model_name` (bearer `api_key` if given).
+    gamma: every request's γ, a compiled one or "auto" (default: the runtime's own default).
     max_waiting: requests beyond the engine's slots that may wait (default: 4 × its max batch);
     past that, 429 with Retry-After rather than a queue without bound."""
     from fastapi import FastAPI, Request
@@ -134,7 +136,7 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
         try:
             handle = runtime.submit_async(prompt, max_new_tokens=max_tokens, temperature=body.temperature,
                                           top_k=body.top_k, top_p=body.top_p, seed=body.seed, stop=body.stop,
-                                          on_finish=metrics.finished)
+                                          gamma=gamma, on_finish=metrics.finished)
         except SpecCompileError as e:
             metrics.refused()
             return openai_error(400, str(e), None)

@@ -12,6 +12,7 @@ import pytest
 import uvicorn
 
 import speccompile
+from speccompile.errors import SpecCompileError
 from speccompile.serve.app import _safe_prefix, create_app
 
 KEY = "test-key"
@@ -342,3 +343,29 @@ def test_chat_without_a_template_is_a_clear_400(served):
                        json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(),
                        {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert got == 400 and "no chat template" in answer["error"]["message"] and answer["error"]["param"] == "messages"
+
+
+def test_the_server_s_gamma_and_max_batch(bundles):
+    runtime = speccompile.load(bundles("llama", "random"), max_batch=2)
+    assert runtime.max_batch == runtime.scheduler.max_batch == 2
+    server, thread, url = start(create_app(runtime, "tiny", gamma=1))
+    status, reply = http("POST", url + "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 12}).encode(),
+                         {"Content-Type": "application/json"})
+    stop(server, thread)
+    runtime.close()
+    assert status == 200 and set(reply["speculative"]["gammas_used"]) <= {"0", "1"}
+    with pytest.raises(SpecCompileError, match="max_batch must be 1..4"):
+        speccompile.load(bundles("llama", "random"), max_batch=5)
+    with pytest.raises(SpecCompileError, match="not compiled"):
+        speccompile.load(bundles("llama", "random")).check_gamma(3)
+
+
+def test_serve_refuses_a_bad_gamma_or_max_batch_before_it_listens(bundles):
+    from click.testing import CliRunner
+
+    from speccompile.cli import main
+
+    bundle = str(bundles("llama", "random"))
+    for args, message in ((["--gamma", "3"], "not compiled"), (["--max-batch", "9"], "max_batch must be 1..4")):
+        result = CliRunner().invoke(main, ["serve", bundle, "--port", "1", *args])
+        assert result.exit_code == 1 and message in result.output, result.output
