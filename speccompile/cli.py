@@ -332,8 +332,10 @@ DRAIN_S = 30  # serve: how long a shutdown waits for requests in flight
               help="Requests decoding at once, at most the bundle's (default: the bundle's).")
 @click.option("--gamma", default=None,
               help="Every request's γ: a compiled one or 'auto' (default: auto with a γ profile, else the bundle's).")
+@click.option("--ray", "on_ray", is_flag=True, help="Serve on Ray Serve (the ray extra), with --replicas replicas.")
+@click.option("--replicas", type=int, default=2, show_default=True, help="With --ray: replicas of the server.")
 @user_errors
-def serve(bundle, host, port, api_key, model_name, max_batch, gamma):
+def serve(bundle, host, port, api_key, model_name, max_batch, gamma, on_ray, replicas):
     """Serve a bundle over an OpenAI-compatible HTTP API (POST /v1/completions, GET /v1/models, /health)."""
     try:
         import uvicorn
@@ -350,14 +352,40 @@ def serve(bundle, host, port, api_key, model_name, max_batch, gamma):
     runtime = speccompile.load(path, shared_threads=True, max_batch=max_batch)  # the process is ours
     gamma = _gamma_option(gamma)
     runtime.check_gamma(gamma)  # a bad --gamma fails here, not in every request
-    app = create_app(runtime, model_name or (Path(path).name if bundle else "speccompile-demo"), api_key=api_key,
-                     gamma=gamma)
+    name = model_name or (Path(path).name if bundle else "speccompile-demo")
+    if on_ray:
+        runtime.close()  # each replica opens its own
+        _serve_on_ray(str(path), name, host, port, api_key, gamma, max_batch, replicas)
+        return
+    app = create_app(runtime, name, api_key=api_key, gamma=gamma)
     # uvicorn drains on SIGTERM or SIGINT (at most DRAIN_S for requests in flight), then raises the
     # signal again for the handler it found: this one, so that the process ends here, cleanly
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=DRAIN_S)
     runtime.close()  # what the drain left is cancelled
+
+
+def _serve_on_ray(bundle: str, name: str, host: str, port: int, api_key, gamma, max_batch, replicas: int) -> None:
+    """serve --ray: a local Ray instance (or the cluster RAY_ADDRESS names) runs `replicas` servers
+    behind Ray Serve's HTTP proxy on host:port, until interrupted."""
+    try:
+        import ray
+        from ray import serve as ray_serve
+
+        from speccompile.serve.ray_app import application
+    except ImportError as e:
+        raise SpecCompileError(f"serve --ray needs the ray extra ({e.name} is missing): "
+                               "pip install 'speccompile[ray]'") from None
+    if replicas < 1:
+        raise SpecCompileError(f"--replicas must be positive, got {replicas}")
+    ray.init(include_dashboard=False)
+    ray_serve.start(http_options={"host": host, "port": port})
+    try:
+        ray_serve.run(application(bundle, replicas, name, api_key, gamma, max_batch), blocking=True)
+    finally:
+        ray_serve.shutdown()
+        ray.shutdown()
 
 
 @main.command()

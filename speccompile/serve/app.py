@@ -13,6 +13,8 @@ iterations per draft count, drafts per proposer).
 """
 
 import json
+import os
+import socket
 import threading
 import time
 import uuid
@@ -68,6 +70,7 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
         max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
 
     app = FastAPI(title="speccompile", docs_url=None, redoc_url=None)
+    server_id = f"{socket.gethostname()}:{os.getpid()}"
     chat_template = runtime.tokenizer.chat_template()
     metrics = Metrics(runtime)
     capacity = runtime.max_batch + (4 * runtime.max_batch if max_waiting is None else max_waiting)
@@ -90,7 +93,9 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
             if request.headers.get("authorization") != f"Bearer {api_key}":
                 return openai_error(401, "missing or incorrect API key (send Authorization: Bearer KEY)", None,
                                     "invalid_api_key")
-        return await call_next(request)
+        response = await call_next(request)
+        response.headers["x-speccompile-server"] = server_id  # which process answered (replicas differ)
+        return response
 
     @app.get("/health")
     async def health():
