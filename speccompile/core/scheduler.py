@@ -9,8 +9,10 @@ Requests arrive at any time (`add`) and wait in a queue. Each `step` is one iter
         their mean context (its profile measured each batch size and context), capped per request
         by its own γ and by the tokens it still needs: rows may carry different numbers of drafts,
         and the verification takes each row's draft length;
-     b. the draft proposes, one batched step at a time; its first step feeds each row the tokens
-        it has not cached yet (normally [prev, last], more after plain iterations);
+     b. each row's proposer proposes (proposers.py): prompt lookup, or the draft model, one batched
+        step at a time, a row stopping at a draft it is less sure of than its p_min; the draft's
+        first step feeds each row the tokens it has not cached yet (normally [prev, last], more
+        after plain iterations), and lookup rows are fed their own proposals;
      c. the target scores [last, d_1..d_γ] of every row in ONE verification pass whose SpecAccept
         keeps each row's longest agreeing prefix (n drafts), returns the target's own next token
         and rolls the target cache back (a length update); or, when γ is 0 for every row, one plain
@@ -206,6 +208,14 @@ class Scheduler:
         draft_ms, verify_ms = (drafted - began) * 1e3, (verified - drafted) * 1e3
         if policy is not None and drafts.max() == gamma and all(lk is None for lk in lookups):
             policy.observe_costs(gamma, draft_ms, verify_ms)
+        self._emit_verified(rows, lookups, sources, proposed, drafts, accepted, next_token, policy,
+                            (draft_ms, verify_ms))
+
+    def _emit_verified(self, rows, lookups, sources, proposed, drafts, accepted, next_token, policy,
+                       phase_ms: tuple[float, float]) -> None:
+        """Each row's accepted drafts and the target's token go out; its statistics, its acceptance
+        per proposer and the γ policy learn from the iteration; the draft's cache is rolled back."""
+        draft_ms, verify_ms = phase_ms
         for row, (request, lookup) in enumerate(zip(rows, lookups)):
             n, d = int(accepted[row]), int(drafts[row])
             request.stats.draft_ms += draft_ms
