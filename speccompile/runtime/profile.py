@@ -210,8 +210,8 @@ def build_profile(runtime, prompts: list[str], batch_sizes: list[int], context_l
         logger.info(f"loop runs, round {r + 1}/{rounds}: batch sizes {batch_sizes}, contexts {list(points)}, "
                     f"γ 0 and {', '.join(map(str, runtime.gammas))}")
         for (b, c), samples in runs.items():
-            groups = [prompts_at(tokens, b, points[c], offset=k * b) for k in range(repeats * -(-len(tokens) // b))]
-            samples.append(_run_modes(runtime, groups, max_new_tokens, rotation=r))
+            samples.append(_run_modes(runtime, prompt_groups(tokens, b, points[c], repeats), max_new_tokens,
+                                      rotation=r))
     measured = [point_entry(samples, b, c) for (b, c), samples in runs.items()]
     first = next(p for p in measured if p.batch == min(batch_sizes) and p.context == min(points))
     thresholds = threshold_speedups(runtime, tokens, first, points[first.context], max_new_tokens, rounds)
@@ -230,14 +230,11 @@ def lookup_runs(runtime, tokens, point: ProfilePoint, prompt_length: int, max_ne
     every round, alternating with plain decoding. Returns its steady rate over plain decoding's
     (median over rounds) and the rate at which its drafts were kept, per matched suffix length,
     over all rounds (lengths reached at least LOOKUP_MIN_REACHED times): what "auto" starts from."""
-    groups = [prompts_at(tokens, point.batch, prompt_length, offset=k * point.batch)
-              for k in range(-(-len(tokens) // point.batch))]
+    groups = prompt_groups(tokens, point.batch, prompt_length)
     gamma, ratios, stats = max(runtime.gammas), [], []
     for r in range(rounds):
-        order = [0, gamma] if r % 2 == 0 else [gamma, 0]
-        runs = [{g: run_loop(runtime, group, g, max_new_tokens, proposer="ngram" if g else None) for g in order}
-                for group in groups]
-        summed = {g: sum((run[g] for run in runs[1:]), runs[0][g]) for g in order}
+        summed = summed_runs(groups, rotated([0, gamma], r), lambda group, g: run_loop(
+            runtime, group, g, max_new_tokens, proposer="ngram" if g else None))
         ratios.append(summed[gamma].rate / summed[0].rate if summed[gamma].iterations else 0.0)
         stats += summed[gamma].stats
     by_match = pooled(stats).lookup_by_match
@@ -253,14 +250,12 @@ def threshold_speedups(runtime, tokens, point: ProfilePoint, prompt_length: int,
     rate over p_min 0's in the same round. {} where γ* is 0 or there is no draft model."""
     if point.best_gamma == 0 or runtime.draft is None:
         return {}
-    groups = [prompts_at(tokens, point.batch, prompt_length, offset=k * point.batch)
-              for k in range(-(-len(tokens) // point.batch))]
+    groups = prompt_groups(tokens, point.batch, prompt_length)
     ratios = {p: [] for p in P_MIN_CANDIDATES}
     for r in range(rounds):
-        order = P_MIN_CANDIDATES[r % len(P_MIN_CANDIDATES):] + P_MIN_CANDIDATES[:r % len(P_MIN_CANDIDATES)]
-        runs = [{p: run_loop(runtime, group, point.best_gamma, max_new_tokens, p) for p in order} for group in groups]
-        summed = {p: sum((run[p] for run in runs[1:]), runs[0][p]) for p in order}
-        for p in order:
+        summed = summed_runs(groups, rotated(P_MIN_CANDIDATES, r),
+                             lambda group, p: run_loop(runtime, group, point.best_gamma, max_new_tokens, p))
+        for p in summed:
             ratios[p].append(summed[p].rate / summed[0.0].rate if summed[p].iterations else 0.0)
     return {p: statistics.median(values) for p, values in ratios.items()}
 
@@ -297,6 +292,23 @@ def run_points(runtime, batch_sizes, context_lengths, repeats, rounds, max_new_t
     return points
 
 
+def prompt_groups(tokens: list[list[int]], batch: int, length: int, passes: int = 1) -> list[list[list[int]]]:
+    """Groups of `batch` prompts of `length` tokens (prompts_at) that take every prompt `passes` times."""
+    return [prompts_at(tokens, batch, length, offset=k * batch) for k in range(passes * -(-len(tokens) // batch))]
+
+
+def rotated(keys: list, rotation: int) -> list:
+    """`keys` from the rotation-th on, so that no key always runs first."""
+    return keys[rotation % len(keys):] + keys[:rotation % len(keys)]
+
+
+def summed_runs(groups: list, keys: list, run) -> dict:
+    """run(group, key) for every key through every group, keys alternating group by group, so that a
+    slow stretch of the machine hits them alike; each key's runs summed (LoopRun +)."""
+    runs = [{key: run(group, key) for key in keys} for group in groups]
+    return {key: sum((r[key] for r in runs[1:]), runs[0][key]) for key in keys}
+
+
 def _warm_up(runtime, prompts) -> None:
     """Sessions, bindings and first-run allocations of every mode at this batch size, untimed."""
     runtime.generate(prompts, 8, mode="autoregressive")
@@ -308,10 +320,8 @@ def _run_modes(runtime, groups: list[list], max_new_tokens: int, rotation: int) 
     """Every mode (0: plain decoding, then each γ) through every group of prompts, summed per mode.
     Modes alternate group by group, so a slow stretch of the machine hits them alike; their order is
     rotated, so no mode always runs first after another batch size's runs."""
-    modes = [0, *runtime.gammas]
-    modes = modes[rotation % len(modes):] + modes[:rotation % len(modes)]
-    runs = [{g: run_loop(runtime, group, g, max_new_tokens) for g in modes} for group in groups]
-    summed = {g: sum((run[g] for run in runs[1:]), runs[0][g]) for g in modes}
+    summed = summed_runs(groups, rotated([0, *runtime.gammas], rotation),
+                         lambda group, g: run_loop(runtime, group, g, max_new_tokens))
     for gamma, run in summed.items():
         if not run.iterations:
             raise SpecCompileError(f"no run at γ={gamma} lasted a whole iteration after every request began "
