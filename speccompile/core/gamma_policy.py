@@ -21,10 +21,57 @@ the target's weights: a verification right after another γ's finds its weights 
 the margin, estimates hovering near a tie flip γ every few iterations and pay that each time.
 """
 
+from dataclasses import dataclass, field
+
 from speccompile.core.cost_model import LoopCosts
 
 SWITCH_MARGIN = 0.05
 COST_PRIOR_WEIGHT = 4.0
+
+
+@dataclass
+class Acceptance:
+    """Per draft position k, how often position k was reached and its draft kept: observed
+    iterations on top of a prior worth `weight` iterations at the conditional rates `prior` (its
+    last rate for positions beyond it). What the γ policy learns, and each request per proposer."""
+
+    prior: list[float]
+    weight: float
+    reached: list[float] = field(default_factory=list)
+    kept: list[float] = field(default_factory=list)
+    observed: list[int] = field(default_factory=list)  # iterations (not the prior's) that reached k
+
+    def __post_init__(self):
+        self._cover(len(self.prior) - 1)
+
+    def prior_at(self, k: int) -> float:
+        return self.prior[min(k, len(self.prior) - 1)]
+
+    def observe(self, drafts: int, accepted: int) -> None:
+        """One iteration: `drafts` proposed, the first `accepted` kept (positions 1..accepted+1 reached)."""
+        for k in range(min(accepted + 1, drafts)):
+            self._cover(k)
+            self.reached[k] += 1
+            self.kept[k] += k < accepted
+            self.observed[k] += 1
+
+    def conditional(self, k: int) -> float:
+        """P(draft k+1 kept | drafts 1..k kept), index k from 0."""
+        return self.kept[k] / self.reached[k] if k < len(self.reached) else self.prior_at(k)
+
+    def by_position(self, drafts: int) -> list[float]:
+        """P_1..P_drafts (unconditional): the products of the conditional rates."""
+        out, running = [], 1.0
+        for k in range(drafts):
+            running *= self.conditional(k)
+            out.append(running)
+        return out
+
+    def _cover(self, k: int) -> None:
+        while len(self.reached) <= k:
+            self.reached.append(self.weight)
+            self.kept.append(self.weight * self.prior_at(len(self.kept)))
+            self.observed.append(0)
 
 
 class GammaPolicy:
@@ -33,14 +80,19 @@ class GammaPolicy:
         optionally "draft_ms": {γ: ms} and "overhead_ms" (see LoopCosts.from_timings)."""
         self.costs = LoopCosts.from_timings(timings)
         self.gammas = self.costs.gammas
-        conditional = _conditional(prior_by_position, max(self.gammas))
-        self.reached = [prior_weight] * len(conditional)
-        self.accepted = [prior_weight * c for c in conditional]
+        self.prior = _conditional(prior_by_position, max(self.gammas))
+        self.counts = Acceptance(self.prior, prior_weight)
         self.iterations = 0  # observed so far
-        self.observed = [0] * len(conditional)  # iterations that reached each position
-        self.prior = conditional
         self.current: int | None = None  # the γ chosen last
         self._ratios = {kind: [COST_PRIOR_WEIGHT, COST_PRIOR_WEIGHT] for kind in ("draft", "verify")}  # [sum, count]
+
+    @property
+    def reached(self) -> list[float]:
+        return self.counts.reached
+
+    @property
+    def accepted(self) -> list[float]:
+        return self.counts.kept
 
     def cost_scale(self, kind: str) -> float:
         """Measured over profiled cost, for "draft" or "verify" (1 before any observation)."""
@@ -54,8 +106,8 @@ class GammaPolicy:
         a pessimistic prior would never see that a longer one pays."""
         by_position, running, level = [], 1.0, 1.0
         for k in range(gamma):
-            if self.observed[k]:
-                conditional = self.accepted[k] / self.reached[k]
+            if self.counts.observed[k]:
+                conditional = self.counts.conditional(k)
                 level = conditional / self.prior[k] if self.prior[k] > 0 else 1.0
             else:
                 conditional = min(1.0, self.prior[k] * level)
@@ -91,10 +143,7 @@ class GammaPolicy:
     def observe(self, gamma: int, accepted: int) -> None:
         """One iteration at `gamma` accepted `accepted` drafts: positions 1..min(accepted+1, γ) were reached."""
         self.iterations += 1
-        for k in range(min(accepted + 1, gamma)):
-            self.reached[k] += 1
-            self.accepted[k] += k < accepted
-            self.observed[k] += 1
+        self.counts.observe(gamma, accepted)
 
 
 def best_gamma(speedups: dict[int, float]) -> int:

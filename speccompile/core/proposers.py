@@ -17,9 +17,8 @@ Sampling stays exact with lookup proposals: they are point masses (q = one-hot),
 with probability p(x) and the correction is drawn from p without x (SpecAccept's residual).
 """
 
-from dataclasses import dataclass, field
-
 from speccompile.core.cost_model import LoopCosts, expected_tokens
+from speccompile.core.gamma_policy import Acceptance
 
 PROPOSERS = ("draft", "ngram", "auto")
 DEFAULT_PROPOSER = "auto"
@@ -76,41 +75,13 @@ def _copy(history: list[int], start: int, count: int) -> list[int]:
     return out
 
 
-@dataclass
-class Acceptance:
-    """Per draft position k, how often a proposer's k-th draft was reached and kept (for one
-    request), with a prior of `weight` iterations at conditional rate `prior`."""
-
-    prior: float
-    weight: float
-    reached: list[float] = field(default_factory=list)
-    kept: list[float] = field(default_factory=list)
-
-    def observe(self, drafts: int, accepted: int) -> None:
-        """One iteration: `drafts` proposed, the first `accepted` kept (positions 1..accepted+1 reached)."""
-        for k in range(min(accepted + 1, drafts)):
-            while len(self.reached) <= k:
-                self.reached.append(self.weight)
-                self.kept.append(self.weight * self.prior)
-            self.reached[k] += 1
-            self.kept[k] += k < accepted
-
-    def by_position(self, drafts: int) -> list[float]:
-        """P_1..P_drafts (unconditional): the product of the conditional rates so far."""
-        out, running = [], 1.0
-        for k in range(drafts):
-            running *= self.kept[k] / self.reached[k] if k < len(self.reached) else self.prior
-            out.append(running)
-        return out
-
-
 def new_acceptance(lookup_priors: dict[int, float] | None = None) -> dict:
     """A request's acceptance per proposer, before it has any of its own: the draft model's, and
     prompt lookup's per matched suffix length ("ngram", n), a longer match being a surer one.
     lookup_priors: n -> conditional rate, as a γ profile measured them (default NGRAM_PRIORS)."""
     priors = {**NGRAM_PRIORS, **(lookup_priors or {})}
-    return {"draft": Acceptance(DRAFT_PRIOR, DRAFT_PRIOR_WEIGHT),
-            **{("ngram", n): Acceptance(prior, NGRAM_PRIOR_WEIGHT) for n, prior in priors.items()}}
+    return {"draft": Acceptance([DRAFT_PRIOR], DRAFT_PRIOR_WEIGHT),
+            **{("ngram", n): Acceptance([prior], NGRAM_PRIOR_WEIGHT) for n, prior in priors.items()}}
 
 
 def lookup_source(index: NgramIndex) -> tuple[str, int]:

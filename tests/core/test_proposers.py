@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from speccompile.core.gamma_policy import GammaPolicy
-from speccompile.core.proposers import Acceptance, NgramIndex
+from speccompile.core.gamma_policy import Acceptance, GammaPolicy
+from speccompile.core.proposers import NgramIndex
 from speccompile.core.request import Request
 from speccompile.core.scheduler import Scheduler
 from tests.core.fake_engines import AgreeingDraft, FakeEngine, RepeatingEngine
@@ -50,7 +50,7 @@ def test_incremental_lookup_equals_the_definition(seed):
 
 
 def test_acceptance_learns_per_position_from_its_prior():
-    acceptance = Acceptance(prior=0.5, weight=2.0)
+    acceptance = Acceptance(prior=[0.5], weight=2.0)
     assert acceptance.by_position(3) == [0.5, 0.25, 0.125]
     for _ in range(8):
         acceptance.observe(drafts=3, accepted=3)  # every draft kept: positions 1..3 reached and kept
