@@ -32,19 +32,24 @@ GRAPH_OUTPUTS = {
     "sample": ("next_token", "probs"),
     "verify": ("accepted", "next_token", "new_len"),
     "verify_sample": ("accepted", "next_token", "new_len"),
+    # a token tree with Medusa heads (core/tree.py): also which node ended the accepted path, and the
+    # heads' candidates for the next iteration's tree (its root is next_token)
+    "verify_tree": ("accepted", "next_token", "new_len", "best_node", "next_tree"),
+    "verify_tree_typical": ("accepted", "next_token", "new_len", "best_node", "next_tree"),
 }
 GRAPH_KINDS = tuple(GRAPH_OUTPUTS)
-# each read-back output's element type, and whether it has a value per vocabulary entry ([B, V]) or
-# one per sequence ([B]); confidence: the probability of the greedy token (softmax over the scored
-# vocabulary), by which a draft stops proposing (core/scheduler.py, p_min)
-OUTPUT_TYPES = {"next_token": ("int64", False), "confidence": ("float32", False), "probs": ("float32", True),
-                "accepted": ("int64", False), "new_len": ("int64", False)}
+# each read-back output's element type, and whether it has a value per sequence ([B]), per vocabulary
+# entry ([B, V]) or per tree node ([B, N]); confidence: the probability of the greedy token (softmax
+# over the scored vocabulary), by which a draft stops proposing (core/scheduler.py, p_min)
+OUTPUT_TYPES = {"next_token": ("int64", None), "confidence": ("float32", None), "probs": ("float32", "vocab"),
+                "accepted": ("int64", None), "new_len": ("int64", None), "best_node": ("int64", None),
+                "next_tree": ("int64", "tree")}
 
 
-def output_array(name: str, batch: int, vocab_size: int):
+def output_array(name: str, batch: int, vocab_size: int, tree_size: int = 0):
     """(shape, numpy dtype name) of a read-back output for a batch."""
-    dtype, per_vocab = OUTPUT_TYPES[name]
-    return ((batch, vocab_size) if per_vocab else (batch,)), dtype
+    dtype, width = OUTPUT_TYPES[name]
+    return ((batch,) if width is None else (batch, vocab_size if width == "vocab" else tree_size)), dtype
 
 
 @dataclass(frozen=True)
@@ -55,11 +60,11 @@ class GraphId:
 
     model: str  # "target" | "draft"
     kind: str  # one of GRAPH_KINDS
-    gamma: int | None = None  # verifications only
+    gamma: int | None = None  # chain verifications only (a tree's topology is an input of its graph)
 
     def __post_init__(self):
         assert self.kind in GRAPH_KINDS, f"graph kind {self.kind!r} not in {GRAPH_KINDS}"
-        assert (self.gamma is not None) == self.verifies, f"{self.kind} graph with γ={self.gamma}"
+        assert (self.gamma is not None) == (self.verifies and not self.tree), f"{self.kind} graph with γ={self.gamma}"
 
     # Both are cached: the speculative loop asks for its graphs at every step.
     @classmethod
@@ -73,6 +78,12 @@ class GraphId:
     def verification(cls, gamma: int, sample: bool) -> "GraphId":
         return cls("target", "verify_sample" if sample else "verify", int(gamma))
 
+    @classmethod
+    @functools.cache
+    def tree_verification(cls, typical: bool = False) -> "GraphId":
+        """A token tree with the greedy or the typical rule; its topology is an input, any size."""
+        return cls("target", "verify_tree_typical" if typical else "verify_tree")
+
     @property
     def verifies(self) -> bool:
         return self.kind.startswith("verify")
@@ -82,8 +93,12 @@ class GraphId:
         return self.kind in ("sample", "verify_sample")
 
     @property
+    def tree(self) -> bool:
+        return self.kind.startswith("verify_tree")
+
+    @property
     def name(self) -> str:
-        return f"{self.model}_{self.kind}" + (f"_g{self.gamma}" if self.verifies else "")
+        return f"{self.model}_{self.kind}" + (f"_g{self.gamma}" if self.gamma is not None else "")
 
     @property
     def outputs(self) -> tuple[str, ...]:
@@ -134,6 +149,11 @@ class Bundle:
 
     def model(self, role: str) -> dict:
         return self.manifest["models"][role]
+
+    @property
+    def medusa(self) -> dict | None:
+        """A Medusa bundle's heads and token tree (`tree`: its paths, see core/tree.py), else None."""
+        return self.manifest.get("medusa")
 
     @property
     def has_draft(self) -> bool:

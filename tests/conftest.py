@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 
@@ -58,10 +59,32 @@ def bundles(tmp_path_factory, checkpoints):
         key = family, draft, draft_weights
         if key not in made:
             target = checkpoints(family, "target")
-            draft_dir = {"copy": target, "none": None}[draft] if draft != "random" else checkpoints(family, "draft")
+            draft_dir = {"copy": target, "none": None, "medusa": None}[draft] if draft != "random" \
+                else checkpoints(family, "draft")
             out = tmp_path_factory.mktemp(f"bundle-{family}-{draft}-{draft_weights}") / "bundle"
+            medusa = random_medusa_heads(target, out.parent / "heads") if draft == "medusa" else None
             made[key] = build_bundle(target, draft_dir, out, gammas=[1, 4], max_seq=96, max_batch=4,
-                                     draft_weights=draft_weights)
+                                     draft_weights=draft_weights, medusa_dir=medusa)
         return made[key]
 
     return get
+
+
+MEDUSA_HEADS = 3
+
+
+def random_medusa_heads(target_dir, out_dir, heads: int = MEDUSA_HEADS, seed: int = 0):
+    """Medusa heads of random weights for a checkpoint (exactness does not depend on what they
+    propose), with made-up accuracies that grow a branching tree."""
+    import json
+
+    from speccompile.medusa_heads import write_medusa_heads
+
+    config = json.loads((target_dir / "config.json").read_text())
+    hidden = config.get("hidden_size", config.get("n_embd"))
+    rng = np.random.default_rng(seed)
+    weights = [(rng.normal(0, 0.3, (hidden, hidden)), rng.normal(0, 0.3, hidden)) for _ in range(heads)]
+    accuracy = [[0.5 * 0.6**c / (k + 1) for c in range(10)] for k in range(heads)]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return write_medusa_heads(out_dir, {"vocab_size": config["vocab_size"], "target_model_type": config["model_type"],
+                                        "top_k_accuracy": accuracy}, weights)

@@ -23,7 +23,12 @@ from speccompile.compiler.draft_vocab import FREQUENCIES_FILE, corpus_frequencie
 from speccompile.compiler.onnx_graph import MATMUL_WEIGHTS, OPSET, WeightFile
 from speccompile.compiler.session_graph import KINDS, build_session_graph
 from speccompile.compiler.tokenizer import check_compatible, eos_token_ids, load_tokenizer, save_tokenizer
-from speccompile.compiler.transformer import build_forward_graph, build_verify_graph, fused_attention_supported
+from speccompile.compiler.transformer import (
+    build_forward_graph,
+    build_tree_verify_graph,
+    build_verify_graph,
+    fused_attention_supported,
+)
 from speccompile.compiler.trt_rules import check_tensorrt_compatible
 from speccompile.errors import SpecCompileError
 from speccompile.progress import Progress
@@ -35,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 1024, max_batch: int = 8,
                  force: bool = False, draft_weights: str = "int8", draft_vocab: int | None = None,
-                 draft_vocab_corpus=None, single_sequence: bool = True, target_weights: str = "float32") -> Path:
+                 draft_vocab_corpus=None, single_sequence: bool = True, target_weights: str = "float32",
+                 medusa_dir=None) -> Path:
     """`target_weights` / `draft_weights`: how each model's projection and LM-head weights are stored:
     "float32", "float16", "bfloat16" (both computed in fp32) or "int8" (weight-only, per output
     column; see GraphBuilder.matmul). The target's precision is the compiled target's numerics:
@@ -45,7 +51,10 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     `single_sequence`: also write each graph's batch-1 ONNX Runtime variant (fused attention; see
     transformer._fused_attention), which the ONNX Runtime backend runs whenever a batch has one
     sequence. Without `draft_dir`, a draft-free bundle: the target's graphs alone, whose requests
-    speculate with prompt lookup (core/proposers.py)."""
+    speculate with prompt lookup (core/proposers.py). `medusa_dir` (instead of a draft): Medusa heads
+    (`speccompile distill --medusa K`) and the target's token-tree verification graphs that read them
+    (transformer.build_tree_verify_graph): one target pass per iteration verifies the heads' tree
+    and proposes the next one."""
     out_dir = Path(out_dir)
     gammas = _check_options(out_dir, list(gammas), max_seq, max_batch, force, draft_vocab, draft_vocab_corpus)
     for option, value in (("--target-weights", target_weights), ("--draft-weights", draft_weights)):
@@ -57,10 +66,14 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     target = load_checkpoint(target_dir)
     target_tok = load_tokenizer(target.path)
     progress.step("load draft")
+    if draft_dir is not None and medusa_dir is not None:
+        raise SpecCompileError("--medusa heads propose instead of a draft model: pass --draft or --medusa, not both")
     draft = load_checkpoint(draft_dir) if draft_dir is not None else None
+    medusa = _load_medusa(medusa_dir, target) if medusa_dir is not None else None
     progress.step("check compatibility")
     if draft is None:
-        logger.info("  no draft: the bundle's requests speculate with prompt lookup")
+        logger.info("  no draft: the bundle's requests speculate with "
+                    + ("its Medusa heads" if medusa else "prompt lookup"))
         vocab_out = check_compatible(target, target, target_tok, None)
     else:
         draft_tok = load_tokenizer(draft.path, required=False)
@@ -79,7 +92,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
 
     progress.step("export graphs")
     weights = {"target": target_weights, "draft": draft_weights}
-    graphs = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids)
+    heads = medusa[1] if medusa else None
+    graphs = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids, heads=heads)
     variants = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids, single_sequence=True) \
         if single_sequence else {}
     for name, (builder, _) in graphs.items():
@@ -88,7 +102,7 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
 
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     try:
-        sessions = _session_graphs(target, draft, max_seq, vocab_out, weights, vocab_ids)
+        sessions = _session_graphs(target, draft, max_seq, vocab_out, weights, vocab_ids, heads)
         weight_files = _write_graphs(staging, graphs, variants, sessions)
         progress.step("check graphs")
         for builder, _ in sessions.values():
@@ -110,6 +124,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
             manifest["graphs"][name]["single_sequence"] = _variant_entry(staging, name)
         for role, (builder, kinds) in sessions.items():
             manifest["models"][role]["session"] = {"file": f"{builder.name}.onnx", "kinds": kinds}
+        if medusa:
+            manifest["medusa"] = _medusa_entry(medusa[0], medusa_dir)
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
         write_stamp(staging, manifest["files"])  # every file was just hashed: the first open need not
         _move_into_place(staging, out_dir, force)
@@ -165,10 +181,32 @@ def _draft_vocab_ids(draft: ModelSpec, size: int, corpus, vocab_out: int, eos_id
     return ids
 
 
+def _load_medusa(medusa_dir, target: ModelSpec) -> tuple[dict, list]:
+    from speccompile.medusa_heads import load_medusa_heads
+
+    config, heads = load_medusa_heads(medusa_dir)
+    hp = target.hp
+    if config["hidden_size"] != hp["hidden_size"] or config["vocab_size"] != hp["vocab_size"]:
+        raise SpecCompileError(f"--medusa {medusa_dir}: heads for hidden size {config['hidden_size']} and "
+                               f"{config['vocab_size']} tokens do not fit this target ({hp['hidden_size']}, "
+                               f"{hp['vocab_size']})")
+    logger.info(f"  Medusa heads: {len(heads)} from {medusa_dir}")
+    return config, heads
+
+
+def _medusa_entry(config: dict, medusa_dir) -> dict:
+    """What the runtime needs of the heads: how many, and how often each rank of each is right
+    (core/tree.py grows the token tree from these; the runtime sizes it by measured cost)."""
+    return {"num_heads": config["num_heads"], "top_k_accuracy": config["top_k_accuracy"],
+            "source": str(Path(medusa_dir).resolve())}
+
+
 def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_out, matmul_weights: dict[str, str],
-                   vocab_ids=None, single_sequence: bool = False) -> dict:
+                   vocab_ids=None, single_sequence: bool = False, heads: list | None = None) -> dict:
     """name -> (GraphBuilder, GraphId); with single_sequence, the batch-1 variants under the same names,
-    for the models ONNX Runtime's fused attention kernel accepts. Graphs hold lazy weights only."""
+    for the models ONNX Runtime's fused attention kernel accepts. Graphs hold lazy weights only.
+    `heads`: Medusa heads, read by token-tree verification graphs (which have no batch-1 variant: the
+    fused kernel's mask is causal)."""
     graphs = {}
     for role, spec, ids in _models(target, draft, vocab_ids):
         weights = matmul_weights[role]
@@ -186,6 +224,11 @@ def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_o
             graphs[graph.name] = (build_verify_graph(target, graph.name, gamma, max_seq, vocab_out,
                                                      sample=graph.sampling, single_sequence=single_sequence,
                                                      matmul_weights=matmul_weights["target"]), graph)
+    if heads and not single_sequence:
+        for graph in (GraphId.tree_verification(typical=False), GraphId.tree_verification(typical=True)):
+            graphs[graph.name] = (build_tree_verify_graph(target, graph.name, heads, max_seq, vocab_out,
+                                                          typical=graph.kind == "verify_tree_typical",
+                                                          matmul_weights=matmul_weights["target"]), graph)
     return graphs
 
 
@@ -197,12 +240,15 @@ def variant_file(name: str) -> str:
 
 
 def _session_graphs(target: ModelSpec, draft: ModelSpec, max_seq, vocab_out, matmul_weights: dict[str, str],
-                    vocab_ids=None) -> dict:
+                    vocab_ids=None, heads: list | None = None) -> dict:
     """role -> (the model's session graph, {kind: id}): what the ONNX Runtime backend runs (session_graph.py)."""
     sessions = {}
     for role, spec, ids in _models(target, draft, vocab_ids):
-        kinds = list(KINDS) if role == "target" else ["forward", "sample"]
-        builder = build_session_graph(spec, f"{role}_session", max_seq, vocab_out, kinds, matmul_weights[role], ids)
+        kinds = ["forward", "sample"]
+        if role == "target":
+            kinds = [k for k in KINDS if heads or not k.startswith("verify_tree")]
+        builder = build_session_graph(spec, f"{role}_session", max_seq, vocab_out, kinds, matmul_weights[role], ids,
+                                      heads=heads if role == "target" else None)
         sessions[role] = (builder, {kind: KINDS[kind] for kind in kinds})
     return sessions
 

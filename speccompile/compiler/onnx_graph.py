@@ -55,7 +55,9 @@ class GraphBuilder:
 
     # -- tensors ------------------------------------------------------------------------------
     def input(self, name: str, elem_type: int, shape: list) -> str:
-        self.inputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+        """A graph input; asking again for one by its name (several parts read it) returns it."""
+        if all(value.name != name for value in self.inputs):
+            self.inputs.append(helper.make_tensor_value_info(name, elem_type, shape))
         return name
 
     def output(self, tensor: str, name: str, elem_type: int, shape: list) -> str:
@@ -75,8 +77,9 @@ class GraphBuilder:
         self.weights[name] = array
         return name
 
-    def matmul(self, x: str, name: str, weight: np.ndarray | LazyTensor) -> str:
+    def matmul(self, x: str, name: str, weight: np.ndarray | LazyTensor, shared: bool = False) -> str:
         """x @ weight [K, N] (fp32 compute), with the weight stored as this graph's `matmul_weights` say.
+        (`shared`: see BranchBuilder.matmul.)
 
         float16 / bfloat16: stored at half the bytes and cast to fp32 in the graph. ONNX Runtime's
         CPU provider folds that cast when it loads the graph, so this saves disk, not memory.
@@ -201,8 +204,11 @@ class BranchBuilder(GraphBuilder):
     def weight(self, name: str, array) -> str:
         return self.parent.weight(name, array)
 
-    def matmul(self, x: str, name: str, weight) -> str:
-        raise AssertionError(f"{name}: weights are read in the outer graph (ONNX Runtime pre-packs only those)")
+    def matmul(self, x: str, name: str, weight, shared: bool = False) -> str:
+        """Only `shared`: a weight the main body multiplies too, read again here (the LM head, for
+        Medusa heads). A branch's own weight would not be pre-packed by ONNX Runtime."""
+        assert shared, f"{name}: weights are read in the outer graph (ONNX Runtime pre-packs only those)"
+        return super().matmul(x, name, weight)
 
     def op(self, op_type: str, *inputs: str, outputs: int = 1, domain: str = "", out=None, **attrs):
         if out is not None:

@@ -36,8 +36,17 @@ from onnx import helper, numpy_helper
 from speccompile.bundle import GRAPH_KINDS, GRAPH_OUTPUTS, OUTPUT_TYPES
 from speccompile.compiler.checkpoint import ModelSpec
 from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT64, GraphBuilder
-from speccompile.compiler.spec_accept import OUTPUTS
-from speccompile.compiler.transformer import _decoder, _lm_head, accept, greedy_confidence, greedy_next, sampled_next
+from speccompile.compiler.spec_accept import OUTPUTS, TREE_OUTPUTS
+from speccompile.compiler.transformer import (
+    _decoder,
+    _lm_head,
+    accept,
+    accept_tree,
+    greedy_confidence,
+    greedy_next,
+    medusa_candidates,
+    sampled_next,
+)
 
 KINDS = {kind: k for k, kind in enumerate(GRAPH_KINDS)}  # the `kind` input's values, recorded in the manifest
 ALWAYS_FED = {"input_ids", "past_len", "token_count", "kind", "fused"}
@@ -47,14 +56,20 @@ READ_BACK = {output: FLOAT if OUTPUT_TYPES[output][0] == "float32" else INT64
 
 
 def build_session_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int, kinds: list[str],
-                        matmul_weights: str = "float32", vocab_ids: np.ndarray | None = None) -> GraphBuilder:
+                        matmul_weights: str = "float32", vocab_ids: np.ndarray | None = None,
+                        heads: list | None = None) -> GraphBuilder:
+    """`heads`: the Medusa heads of the tree kinds (verify_tree*), which must come last in KINDS."""
     g = GraphBuilder(name, matmul_weights, int8_kernel="MatMulNBits")
     ids = g.input("input_ids", INT64, ["batch", "tokens"])
     past_len = g.input("past_len", INT64, ["batch"])
     token_count = g.input("token_count", INT64, ["batch"])
     kind = g.input("kind", INT64, [])
     fused = g.input("fused", BOOL, [])
-    hidden = _decoder(g, spec, ids, past_len, max_seq, fused_flag=fused)
+    trees = [k for k in kinds if k.startswith("verify_tree")]
+    assert not trees or heads, "tree kinds read the Medusa heads"
+    # the tree kinds are the last kinds: one comparison tells a tree call (positions, mask) from the others
+    tree_flag = g.op("GreaterOrEqual", kind, g.const(min(KINDS[k] for k in trees))) if trees else None
+    hidden = _decoder(g, spec, ids, past_len, max_seq, fused_flag=fused, tree_flag=tree_flag)
     rows = _head_rows(g, hidden, token_count, kind)  # [B, L, H]
     subset = vocab_ids is not None
     # the greedy forward kind of a cut-vocabulary draft scores its subset; every other call the whole head
@@ -65,9 +80,10 @@ def build_session_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int
     logits = _lm_head(g, spec, g.op("Slice", rows, on_subset, g.const([1 << 62]), g.const([1])), vocab_out)
     logits_subset = _lm_head(g, spec, g.op("Slice", rows, g.const([0]), on_subset, g.const([1])), vocab_out,
                              vocab_ids) if subset else None
-    tails = {k: _tail(g, k, logits, logits_subset, vocab_ids, ids, past_len, vocab_out) for k in kinds}
+    tails = {k: _tail(g, spec, k, logits, logits_subset, vocab_ids, ids, past_len, vocab_out, rows, heads)
+             for k in kinds}
     outputs = _dispatch(g, kind, [tails[k] for k in kinds], [KINDS[k] for k in kinds], "")
-    shapes = {"probs": ["batch", vocab_out]}
+    shapes = {"probs": ["batch", vocab_out], "next_tree": ["batch", "tree_nodes"]}
     for tensor, (output, elem_type) in zip(outputs, READ_BACK.items()):
         g.output(tensor, output, elem_type, shapes.get(output, ["batch"]))
     for value in g.inputs:  # inputs only some kinds read: zero defaults, so other calls need not feed them
@@ -96,11 +112,14 @@ def _head_rows(g: GraphBuilder, hidden: str, token_count: str, kind: str) -> str
     return g.op("GatherND", hidden, g.op("Unsqueeze", index, g.const([2])), batch_dims=1)  # [B, L, H]
 
 
-def _tail(g, kind, logits, logits_subset, vocab_ids, ids, past_len, vocab_out):
+def _tail(g, spec, kind, logits, logits_subset, vocab_ids, ids, past_len, vocab_out, rows, heads):
     """The If branch of one kind: what follows the LM head, yielding every READ_BACK output."""
     b = g.branch(kind)
     made = {}
-    if kind == "forward":
+    if kind.startswith("verify_tree"):
+        made.update(zip(TREE_OUTPUTS, accept_tree(b, logits, ids, past_len, typical=kind == "verify_tree_typical")))
+        made["next_tree"] = medusa_candidates(b, spec, rows, made["best_node"], made["next_token"], heads, vocab_out)
+    elif kind == "forward":
         scores = logits_subset if logits_subset is not None else logits
         scores = b.op("Squeeze", scores, b.const([1]))
         made["next_token"], made["confidence"] = greedy_next(b, scores, vocab_ids), greedy_confidence(b, scores)

@@ -1,7 +1,8 @@
 """The speculative ops, as ONNX model-local functions in the `speccompile` domain.
 
   SpecAccept     acceptance + KV-rollback bookkeeping at the end of the verification graph
-                 (mode "greedy": on target logits; mode "sample": on target/draft probabilities)
+                 (mode "greedy": on target logits; mode "sample": on target/draft probabilities;
+                 modes "tree" and "tree_typical": a token tree's longest kept path, see core/tree.py)
   SpecTransform  temperature, top-k, top-p -> probabilities (greedy rows become one-hot)
   SpecSample     inverse-CDF sampling from probabilities with a supplied uniform
 
@@ -38,6 +39,10 @@ ATTRIBUTES = ["plugin_namespace", "plugin_version", "mode"]
 OUTPUTS = ["accepted", "next_token", "new_len"]
 GREEDY_INPUTS = ["target_logits", "draft_tokens", "draft_len", "past_len"]
 SAMPLE_INPUTS = ["target_probs", "draft_probs", "draft_tokens", "draft_len", "u_accept", "u_sample", "past_len"]
+# token trees (core/tree.py): the topology is an input (parents [N], depths [N], ancestor-or-self mask [N, N])
+TREE_OUTPUTS = [*OUTPUTS, "best_node"]
+TREE_INPUTS = ["target_logits", "tree_tokens", "draft_len", "past_len", "tree_parents", "tree_depths", "tree_mask"]
+TYPICAL_INPUTS = [*TREE_INPUTS, "epsilon", "delta"]
 FLOAT32_MIN = float(np.finfo(np.float32).min)
 
 
@@ -139,6 +144,45 @@ def residual_weights(f: FunctionBuilder, p_n: str, q_n: str) -> str:
     return f.op("Where", has_mass, residual, p_n)
 
 
+def spec_accept_tree_function(typical: bool = False) -> onnx.FunctionProto:
+    """Modes "tree" (greedy) and "tree_typical" (see core/tree.py for both rules and the reference)."""
+    f = FunctionBuilder(DOMAIN, "SpecAccept", TYPICAL_INPUTS if typical else TREE_INPUTS, ATTRIBUTES)
+    target_tokens = f.op("ArgMax", "target_logits", axis=-1, keepdims=0)  # [B, N]
+    if typical:
+        ok = _typical_ok(f)
+    else:  # node i holds the target's own choice after its parent
+        ok = f.op("Equal", "tree_tokens", f.op("Gather", target_tokens, "tree_parents", axis=1))
+    nodes = f.op("Range", f.const(0), f.op("Squeeze", f.op("Shape", "tree_tokens", start=1, end=2), f.const([0])),
+                 f.const(1))  # [N]
+    # node i of row b is verified when i <= draft_len[b]; the root is always kept
+    real = f.op("LessOrEqual", f.op("Unsqueeze", nodes, f.const([0])), f.op("Unsqueeze", "draft_len", f.const([1])))
+    kept = f.op("Or", f.op("And", ok, real), f.op("Equal", nodes, f.const(0)))  # [B, N]
+    # a node's path is kept when no ancestor (itself included) is not: all over j of (not mask[i, j]) or kept[j]
+    either = f.op("Or", f.op("Not", f.op("Unsqueeze", "tree_mask", f.const([0]))), f.op("Unsqueeze", kept, f.const([1])))
+    path_kept = f.op("Cast", f.op("ReduceMin", f.op("Cast", either, to=onnx.TensorProto.INT64), f.const([2]),
+                                  keepdims=0), to=onnx.TensorProto.BOOL)  # [B, N]
+    depth = f.op("Cast", f.op("Unsqueeze", "tree_depths", f.const([0])), to=onnx.TensorProto.FLOAT)
+    score = f.op("Where", path_kept, depth, f.const(-1.0, np.float32))
+    best = f.op("ArgMax", score, axis=1, keepdims=0, out="best_node")  # the first deepest kept node
+    accepted = f.op("Gather", "tree_depths", best, out="accepted")
+    next_col = f.op("GatherElements", target_tokens, f.op("Unsqueeze", best, f.const([1])), axis=1)
+    f.op("Squeeze", next_col, f.const([1]), out="next_token")
+    _new_len(f, "past_len", accepted)
+    return f.function(TREE_OUTPUTS, OPSET)
+
+
+def _typical_ok(f: FunctionBuilder) -> str:
+    """[B, N] bool: p(token_i) > min(ε, δ·exp(-H(p))), p the target's distribution after i's parent."""
+    probs = f.op("Softmax", "target_logits", axis=-1)  # [B, N, V]
+    log_probs = f.op("LogSoftmax", "target_logits", axis=-1)
+    entropy = f.op("Neg", f.op("ReduceSum", f.op("Mul", probs, log_probs), f.const([-1]), keepdims=0))  # [B, N]
+    per_row = lambda x: f.op("Unsqueeze", x, f.const([1]))  # noqa: E731
+    threshold = f.op("Min", per_row("epsilon"), f.op("Mul", per_row("delta"), f.op("Exp", f.op("Neg", entropy))))
+    parent_probs = f.op("Gather", probs, "tree_parents", axis=1)  # [B, N, V]
+    p_token = f.op("GatherElements", parent_probs, f.op("Unsqueeze", "tree_tokens", f.const([2])), axis=2)
+    return f.op("Greater", f.op("Squeeze", p_token, f.const([2])), f.op("Gather", threshold, "tree_parents", axis=1))
+
+
 # ---------------------------------------------------------------------------------------------
 # SpecTransform and SpecSample
 
@@ -197,10 +241,13 @@ def spec_sample_function() -> onnx.FunctionProto:
 # adding the ops to a graph
 
 # (op, mode) -> body. A graph holds one SpecAccept: greedy in target_verify_g*, sample in
-# target_verify_sample_g*; the plugin tells them apart by the `mode` attribute.
+# target_verify_sample_g*, tree and tree_typical in the tree graphs; the plugin tells them apart by
+# the `mode` attribute.
 FUNCTIONS = {
     ("SpecAccept", "greedy"): spec_accept_greedy_function,
     ("SpecAccept", "sample"): spec_accept_sample_function,
+    ("SpecAccept", "tree"): spec_accept_tree_function,
+    ("SpecAccept", "tree_typical"): lambda: spec_accept_tree_function(typical=True),
     ("SpecTransform", ""): spec_transform_function,
     ("SpecSample", ""): spec_sample_function,
 }
@@ -219,3 +266,11 @@ def spec_accept_node(builder, target_logits: str, draft_tokens: str, draft_len: 
     """Greedy SpecAccept; its outputs are named `accepted`, `next_token`, `new_len`."""
     return spec_op(builder, "SpecAccept", target_logits, draft_tokens, draft_len, past_len, mode="greedy", outputs=3,
                    out=OUTPUTS)
+
+
+def spec_accept_tree_node(builder, target_logits: str, tree_tokens: str, draft_len: str, past_len: str,
+                          topology: tuple[str, str, str], typical: tuple[str, str] | None = None) -> list[str]:
+    """Tree SpecAccept; topology = (parents, depths, mask) tensors, typical = (epsilon, delta) for the
+    typical rule. Outputs: `accepted`, `next_token`, `new_len`, `best_node`."""
+    return spec_op(builder, "SpecAccept", target_logits, tree_tokens, draft_len, past_len, *topology, *(typical or ()),
+                   mode="tree_typical" if typical else "tree", outputs=4, out=TREE_OUTPUTS)

@@ -26,9 +26,9 @@ import numpy as np
 
 from speccompile.bundle import kv_cache_shape
 from speccompile.compiler.checkpoint import ModelSpec
-from speccompile.compiler.onnx_graph import FLOAT, INT32, INT64, ORT_DOMAIN, GraphBuilder
+from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT32, INT64, ORT_DOMAIN, GraphBuilder
 from speccompile.compiler.rope import Rope, inverse_frequencies
-from speccompile.compiler.spec_accept import OUTPUTS, spec_accept_node, spec_op
+from speccompile.compiler.spec_accept import OUTPUTS, TREE_OUTPUTS, spec_accept_node, spec_accept_tree_node, spec_op
 from speccompile.compiler.tensors import columns, concatenated
 
 
@@ -76,6 +76,28 @@ def build_verify_graph(spec: ModelSpec, name: str, gamma: int, max_seq: int, voc
     return g
 
 
+MEDUSA_CANDIDATES = 10  # each head's top-k that trees choose from (the heads' measured accuracies cover as many)
+
+
+def build_tree_verify_graph(spec: ModelSpec, name: str, heads: list, max_seq: int, vocab_out: int,
+                            typical: bool = False, matmul_weights: str = "float32") -> GraphBuilder:
+    """Score a token tree [B, N] (node 0: the last accepted token) whose topology is an input
+    (tree_parents, tree_depths, tree_ranks [N], tree_mask [N, N]; see core/tree.py), apply the tree
+    SpecAccept, and in the same pass read the Medusa heads at each row's accepted node: the next
+    iteration's tree (next_tree [B, N], rooted at next_token). One target pass per iteration."""
+    g = GraphBuilder(name, matmul_weights)
+    ids = g.input("input_ids", INT64, ["batch", "tree_nodes"])
+    past_len = g.input("past_len", INT64, ["batch"])
+    hidden = _decoder(g, spec, ids, past_len, max_seq, tree=True)
+    logits = _lm_head(g, spec, hidden, vocab_out)  # [B, N, V]
+    accepted, next_token, new_len, best = accept_tree(g, logits, ids, past_len, typical)
+    next_tree = medusa_candidates(g, spec, hidden, best, next_token, heads, vocab_out)
+    for tensor, output in zip((accepted, next_token, new_len, best), TREE_OUTPUTS):
+        g.output(tensor, output, INT64, ["batch"])
+    g.output(next_tree, "next_tree", INT64, ["batch", "tree_nodes"])
+    return g
+
+
 # ---------------------------------------------------------------------------------------------
 # what follows the LM head: shared by the graphs of each kind and the session graph
 
@@ -120,6 +142,43 @@ def accept(b: GraphBuilder, logits: str, ids: str, past_len: str, gamma: int | s
                    mode="sample", outputs=3, out=OUTPUTS)
 
 
+def accept_tree(b: GraphBuilder, logits: str, ids: str, past_len: str, typical: bool) -> list[str]:
+    """Tree SpecAccept over logits [B, N, V] of the tree ids [B, N], of which the first 1 + draft_len
+    nodes are verified: (accepted, next_token, new_len, best_node)."""
+    draft_len = b.input("draft_len", INT64, ["batch"])
+    topology = (b.input("tree_parents", INT64, ["tree_nodes"]), b.input("tree_depths", INT64, ["tree_nodes"]),
+                b.input("tree_mask", BOOL, ["tree_nodes", "tree_nodes"]))
+    rule = (b.input("typical_epsilon", FLOAT, ["batch"]), b.input("typical_delta", FLOAT, ["batch"])) if typical else None
+    return spec_accept_tree_node(b, logits, ids, draft_len, past_len, topology, rule)
+
+
+def medusa_candidates(b: GraphBuilder, spec: ModelSpec, hidden: str, best: str, next_token: str, heads: list,
+                      vocab_out: int, candidates: int = MEDUSA_CANDIDATES) -> str:
+    """The next tree's tokens [B, N]: next_token at the root; node i the rank(i)-th candidate of head
+    depth(i)-1 (ranks < `candidates`), every head reading the final-normed hidden state of the row's
+    accepted node.
+
+    Head k: h + SiLU(h W_k^T + b_k), then the target's own LM head (Medusa-1's residual block).
+    All K heads run in one LM-head multiplication [B, K, H] x [H, V]."""
+    h = _norm(b, spec, b.op("GatherND", hidden, b.op("Unsqueeze", best, b.const([1])), batch_dims=1), "final_norm")
+    blocks = []
+    for k, (weight, bias) in enumerate(heads):
+        z = b.op("Add", b.op("MatMul", h, b.weight(f"medusa{k}_w", np.ascontiguousarray(weight.T, np.float32))),
+                 b.weight(f"medusa{k}_b", np.asarray(bias, np.float32)))
+        blocks.append(b.op("Unsqueeze", b.op("Add", h, b.op("Mul", z, b.op("Sigmoid", z))), b.const([1])))
+    stacked = b.op("Concat", *blocks, axis=1) if len(blocks) > 1 else blocks[0]  # [B, K, H]
+    head_logits = _lm_head_matmul(b, spec, stacked, vocab_out, shared=True)  # [B, K, V]
+    ranks = b.input("tree_ranks", INT64, ["tree_nodes"])
+    depths = b.input("tree_depths", INT64, ["tree_nodes"])
+    top = b.const([candidates])  # a build-time constant: TensorRT's TopK takes no other K
+    ranked = b.op("TopK", head_logits, top, axis=-1, largest=1, sorted=1, outputs=2)[1]  # [B, K, top]
+    flat = b.op("Reshape", ranked, b.const([0, -1]))  # [B, K * top]
+    end = b.const([1 << 62])
+    slots = b.op("Add", b.op("Mul", b.op("Sub", b.op("Slice", depths, b.const([1]), end), b.const(1)), top),
+                 b.op("Slice", ranks, b.const([1]), end))  # [N-1]: node i's place in flat
+    return b.op("Concat", b.op("Unsqueeze", next_token, b.const([1])), b.op("Gather", flat, slots, axis=1), axis=1)
+
+
 def _sampling_inputs(g: GraphBuilder) -> tuple[str, str, str]:
     """Per-sequence sampling controls: temperature (0 = greedy), top_k (0 = off), top_p (1 = off)."""
     return (g.input("temperature", FLOAT, ["batch"]), g.input("top_k", INT64, ["batch"]),
@@ -135,25 +194,27 @@ def cache_shape(spec: ModelSpec, max_seq: int) -> list:
 
 
 def _decoder(g: GraphBuilder, spec: ModelSpec, ids: str, past_len: str, max_seq: int, single_sequence: bool = False,
-             fused_flag: str | None = None) -> str:
+             fused_flag: str | None = None, tree: bool = False, tree_flag: str | None = None) -> str:
     """Embeddings, all blocks and the cache I/O; returns the last block's output [B, T, H].
 
     Attention runs the standard ONNX ops, or with `single_sequence` ONNX Runtime's fused kernel, or
-    with `fused_flag` (a boolean scalar tensor) whichever the flag says, per call (session graphs)."""
+    with `fused_flag` (a boolean scalar tensor) whichever the flag says, per call (session graphs).
+    `tree`: the T tokens are a token tree (core/tree.py) whose depths and ancestor mask are inputs;
+    `tree_flag` (a boolean scalar tensor): they are one when the flag says, per call (session graphs)."""
     hp, w = spec.hp, spec.weights
     num_tokens = g.op("Gather", g.op("Shape", ids), g.const(1))  # scalar T
     positions = None
     if "pos_embed" in w or not single_sequence:
-        steps = g.op("Range", g.const(0), num_tokens, g.const(1))
-        positions = g.op("Add", g.op("Unsqueeze", past_len, g.const([1])), steps)  # [B, T]
+        positions = g.op("Add", g.op("Unsqueeze", past_len, g.const([1])), _offsets(g, num_tokens, tree, tree_flag))
     x = g.op("Gather", g.weight("embed", w["embed"]), ids)
     if "pos_embed" in w:
         x = g.op("Add", x, g.op("Gather", g.weight("pos_embed", w["pos_embed"]), positions))
     rope = _rope_tables(g, spec, max_seq) if spec.arch.block == "llama" else None
     if single_sequence:
+        assert not (tree or tree_flag), "ONNX Runtime's fused attention is causal: trees take the standard ops"
         core = _fused_attention(g, spec, past_len, num_tokens, rope, max_seq)
     else:
-        core = _onnx_attention(g, spec, past_len, num_tokens, positions, rope, max_seq)
+        core = _onnx_attention(g, spec, past_len, num_tokens, positions, rope, max_seq, tree, tree_flag)
         if fused_flag is not None and fused_attention_supported(spec):
             fused = _fused_attention(g, spec, past_len, num_tokens, rope, max_seq)
             core = _either_attention(g, spec, max_seq, fused_flag, fused, core)
@@ -164,11 +225,53 @@ def _decoder(g: GraphBuilder, spec: ModelSpec, ids: str, past_len: str, max_seq:
     return x
 
 
-def _attention_mask(g, past_len, num_tokens, positions):
-    """Keys read: positions [0, max(past_len)+T). Query at position p sees key j iff j <= p."""
+def _offsets(g, num_tokens, tree: bool, tree_flag: str | None) -> str:
+    """[T]: each token's position after past_len: 0..T-1 in a sequence, its depth in a tree."""
+    if tree:
+        return g.input("tree_depths", INT64, ["tree_nodes"])
+    steps = g.op("Range", g.const(0), num_tokens, g.const(1))
+    if tree_flag is None:
+        return steps
+    depths = g.input("tree_depths", INT64, ["tree_nodes"])
+    return _either(g, tree_flag, "offsets", lambda b: b.op("Identity", depths), lambda b: b.op("Identity", steps),
+                   INT64)
+
+
+def _either(g, flag: str, label: str, then, otherwise, elem_type) -> str:
+    """If(flag) over two weight-free computations `then(b)` / `otherwise(b)` of one tensor each."""
+    branches = []
+    for name, make in (("tree", then), ("sequence", otherwise)):
+        branch = g.branch(f"{label}_{name}")
+        branches.append(branch.graph([(make(branch), elem_type)]))
+    return g.op("If", flag, then_branch=branches[0], else_branch=branches[1])
+
+
+def _attention_mask(g, past_len, num_tokens, positions, tree: bool = False, tree_flag: str | None = None):
+    """Keys read: positions [0, max(past_len)+T). Query at position p sees key j iff j <= p; a tree's
+    node i sees the cached prefix and, of the tree (written at past_len..past_len+T-1 in node order),
+    its ancestors and itself."""
     kv_len = g.op("Add", g.op("ReduceMax", past_len, keepdims=1), g.op("Unsqueeze", num_tokens, g.const([0])))
     key_pos = g.op("Range", g.const(0), g.op("Squeeze", kv_len, g.const([0])), g.const(1))  # [L]
-    visible = g.op("LessOrEqual", key_pos, g.op("Unsqueeze", positions, g.const([2])))  # [B, T, L]
+
+    def sequence(b):
+        return b.op("LessOrEqual", key_pos, b.op("Unsqueeze", positions, b.const([2])))  # [B, T, L]
+
+    def token_tree(b):
+        mask = b.input("tree_mask", BOOL, ["tree_nodes", "tree_nodes"])
+        relative = b.op("Sub", b.op("Unsqueeze", key_pos, b.const([0])), b.op("Unsqueeze", past_len, b.const([1])))
+        last = b.op("Sub", b.op("Unsqueeze", num_tokens, b.const([0])), b.const([1]))
+        node = b.op("Min", b.op("Max", relative, b.const([0])), last)  # [B, L]: the node a tree key holds
+        in_tree = b.op("And", b.op("GreaterOrEqual", relative, b.const(0)), b.op("LessOrEqual", relative, last))
+        ancestor = b.op("Transpose", b.op("Gather", mask, node, axis=1), perm=[1, 0, 2])  # [B, T, L]
+        cached = b.op("Unsqueeze", b.op("Less", relative, b.const(0)), b.const([1]))  # [B, 1, L]
+        return b.op("Or", cached, b.op("And", b.op("Unsqueeze", in_tree, b.const([1])), ancestor))
+
+    if tree:
+        visible = token_tree(g)
+    elif tree_flag is not None:
+        visible = _either(g, tree_flag, "mask", token_tree, sequence, BOOL)
+    else:
+        visible = sequence(g)
     return kv_len, g.op("Unsqueeze", visible, g.const([1]))  # [B, 1, T, L]: the same for every head
 
 
@@ -183,7 +286,7 @@ def _block(g, spec, i, x, core):
     return g.op("Add", x, _mlp(g, spec, p, h))
 
 
-def _onnx_attention(g, spec, past_len, num_tokens, positions, rope, max_seq):
+def _onnx_attention(g, spec, past_len, num_tokens, positions, rope, max_seq, tree=False, tree_flag=None):
     """Standard ONNX ops, any batch: RoPE, the cache write, and ONNX Attention (GQA from the shapes),
     after one fused QKV projection.
 
@@ -192,7 +295,7 @@ def _onnx_attention(g, spec, past_len, num_tokens, positions, rope, max_seq):
     """
     hp = spec.hp
     heads, kv_heads, head_dim = hp["num_heads"], hp["num_kv_heads"], hp["head_dim"]
-    kv_len, mask = _attention_mask(g, past_len, num_tokens, positions)
+    kv_len, mask = _attention_mask(g, past_len, num_tokens, positions, tree, tree_flag)
 
     def core(b, i, qkv):
         qkv = b.op("Reshape", qkv, b.const([0, 0, heads + 2 * kv_heads, head_dim]))
@@ -344,11 +447,15 @@ def _gelu_tanh(g, x):
     return g.op("Mul", g.op("Mul", x, g.const(0.5, np.float32)), g.op("Add", tanh, g.const(1.0, np.float32)))
 
 
-def _lm_head(g, spec, hidden, vocab_out, vocab_ids=None):
-    hidden = _norm(g, spec, hidden, "final_norm")
+def _lm_head(g, spec, hidden, vocab_out, vocab_ids=None, shared: bool = False):
+    """Final norm and LM head; `shared`: read from a branch, the weight being the main body's own."""
+    return _lm_head_matmul(g, spec, _norm(g, spec, hidden, "final_norm"), vocab_out, vocab_ids, shared)
+
+
+def _lm_head_matmul(g, spec, hidden, vocab_out, vocab_ids=None, shared: bool = False):
     head, name = spec.weights["lm_head"], "lm_head"
     if vocab_ids is not None:  # its own weight: the model's other graphs keep the whole head
         head, name = columns(head, vocab_ids), f"lm_head_top{len(vocab_ids)}"
     elif head.shape[1] != vocab_out:  # draft and target may pad their embeddings differently
         head = columns(head, slice(0, vocab_out))
-    return g.matmul(hidden, name, head)
+    return g.matmul(hidden, name, head, shared=shared)

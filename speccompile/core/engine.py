@@ -13,6 +13,7 @@ from typing import Protocol
 import numpy as np
 
 from speccompile.bundle import GraphId
+from speccompile.core.tree import TokenTree
 
 
 class DecoderEngine(Protocol):
@@ -62,3 +63,15 @@ class VerifierEngine(DecoderEngine, Protocol):
         """verify with rejection sampling: draft token d_k is accepted with probability
         min(1, p/q) (u_accept [B, γ]); the correction or bonus token is drawn with u_sample [B] from
         the residual or from p (draft_probs [B, γ, V] is q). Same returns and rollback as verify."""
+
+
+class TreeVerifierEngine(VerifierEngine, Protocol):
+    def verify_tree(self, tokens: np.ndarray, draft_len: np.ndarray, tree: TokenTree, typical: tuple | None = None,
+                    first: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Score the token trees tokens [B, N] (topology `tree`, node 0 the last accepted token) in one
+        pass and keep each row's longest accepted path among its first 1 + draft_len[b] nodes (greedy
+        rule, or with typical = (ε, δ) the typical one; core/tree.py); the path's cache entries are
+        moved into place and the slots' cache_lengths set past it.
+
+        Returns (accepted [B], next_token [B], next_tree [B, N]: the Medusa heads' tree for the next
+        iteration, rooted at next_token)."""

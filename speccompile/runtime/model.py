@@ -9,6 +9,7 @@ rollback and the meaning of every call live here, once.
 import numpy as np
 
 from speccompile.bundle import Bundle, GraphId
+from speccompile.core.tree import TokenTree, compaction
 
 
 class CachedModel:
@@ -63,6 +64,22 @@ class CachedModel:
         self.cache_lengths[rows] = out["new_len"]
         return out["accepted"].copy(), out["next_token"].copy()
 
+    def verify_tree(self, tokens: np.ndarray, draft_len: np.ndarray, tree: TokenTree, typical: tuple | None = None,
+                    first: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        rows = self._rows(first, len(tokens))
+        past_len = self.cache_lengths[rows].copy()
+        feeds = {"input_ids": tokens, "past_len": past_len, "draft_len": draft_len, "tree_parents": tree.parents,
+                 "tree_depths": tree.depths, "tree_ranks": tree.ranks, "tree_mask": tree.ancestors}
+        if typical is not None:
+            feeds["typical_epsilon"], feeds["typical_delta"] = (np.full(len(tokens), v, np.float32) for v in typical)
+        out = self._run(GraphId.tree_verification(typical is not None), first, **feeds)
+        for row, node in enumerate(out["best_node"]):  # the accepted path's entries into place (core/tree.py)
+            sources, destinations = compaction(tree, int(node))
+            if len(sources):
+                self._move_positions(first + row, past_len[row] + sources, past_len[row] + destinations)
+        self.cache_lengths[rows] = out["new_len"]
+        return out["accepted"].copy(), out["next_token"].copy(), out["next_tree"].copy()
+
     def move(self, source: int, destination: int) -> None:
         length = int(self.cache_lengths[source])
         self._copy_slot(source, destination, length)
@@ -82,6 +99,11 @@ class CachedModel:
 
     def _copy_slot(self, source: int, destination: int, length: int) -> None:
         """Copy the first `length` cached positions of every layer's K and V."""
+        raise NotImplementedError
+
+    def _move_positions(self, slot: int, sources: np.ndarray, destinations: np.ndarray) -> None:
+        """Copy one slot's cached entries at positions `sources` to `destinations`, in every layer's K
+        and V (in order: core/tree.compaction makes that safe)."""
         raise NotImplementedError
 
     def _rows(self, first: int, batch: int) -> slice:

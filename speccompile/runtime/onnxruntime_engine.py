@@ -194,7 +194,8 @@ class OrtModel(CachedModel):
         return not graph.verifies
 
     def _run(self, graph: GraphId, first: int, **inputs) -> dict[str, np.ndarray]:
-        key = graph, first, len(inputs["input_ids"])
+        # a tree's outputs are as wide as the tree: its bound arrays are per size too
+        key = graph, first, len(inputs["input_ids"]), inputs["input_ids"].shape[1] if graph.tree else 0
         session, binding, outputs, fed = self._calls.get(key) or self._prepare(*key)
         if self._session_graph is not None and "token_count" not in inputs:  # verification: every token is real
             inputs["token_count"] = np.full(key[2], inputs["input_ids"].shape[1], dtype=np.int64)
@@ -203,12 +204,12 @@ class OrtModel(CachedModel):
         session.run_with_iobinding(binding)
         return outputs
 
-    def _prepare(self, graph: GraphId, first: int, batch: int) -> tuple:
+    def _prepare(self, graph: GraphId, first: int, batch: int, width: int) -> tuple:
         """What a call of `graph` on these slots runs on: its session and its binding."""
         session = self._session(graph, batch)
-        binding = self._binding(session, graph, self.graph_file(graph, batch), first, batch)
-        self._calls[graph, first, batch] = (session, *binding)
-        return self._calls[graph, first, batch]
+        binding = self._binding(session, graph, self.graph_file(graph, batch), first, batch, width)
+        self._calls[graph, first, batch, width] = (session, *binding)
+        return self._calls[graph, first, batch, width]
 
     @staticmethod
     def _feed(binding, fed: dict, name: str, value: np.ndarray) -> None:
@@ -231,6 +232,10 @@ class OrtModel(CachedModel):
         for array in self.cache:  # [slots, KV heads, max_seq, head dim]
             array[destination, :, :length] = array[source, :, :length]
 
+    def _move_positions(self, slot: int, sources: np.ndarray, destinations: np.ndarray) -> None:
+        for array in self.cache:
+            array[slot, :, destinations] = array[slot, :, sources]
+
     def _cache_view(self, first: int, batch: int) -> list:
         """Each layer's K and V cache over slots first..first+batch-1, as OrtValues on the cache's own
         memory (a slice of slots is contiguous: slots are the outermost axis)."""
@@ -240,7 +245,7 @@ class OrtModel(CachedModel):
                                          for a in self.cache]
         return self._views[first, batch]
 
-    def _binding(self, session, graph: GraphId, file: str, first: int, batch: int):
+    def _binding(self, session, graph: GraphId, file: str, first: int, batch: int, width: int = 0):
         """An IOBinding with the cache bound in place and the read-back outputs in reusable arrays:
         (binding, outputs, fed inputs). One per graph and slot range: with a session graph, one
         session runs several graphs' calls."""
@@ -253,7 +258,7 @@ class OrtModel(CachedModel):
                 binding.bind_ortvalue_output(f"present_{kind_name}.{i}", cache[2 * i + k])
         arrays = {}
         for name in graph.outputs:
-            shape, dtype = output_array(name, batch, self.vocab_size)
+            shape, dtype = output_array(name, batch, self.vocab_size, width)
             arrays[name] = np.zeros(shape, dtype=dtype)
             binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(arrays[name]))
         fed = {}

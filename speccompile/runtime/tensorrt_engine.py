@@ -53,6 +53,17 @@ class TrtModel(CachedModel):
                                         self._cuda.MemcpyKind.DeviceToDevice, self.stream.ptr)
         self.stream.synchronize()
 
+    def _move_positions(self, slot: int, sources: np.ndarray, destinations: np.ndarray) -> None:
+        """One entry of one head per copy: a slot's positions are strided by head."""
+        entry, slot_offset = self.head_dim * 4, slot * self._slot_bytes()
+        for buffer in self.cache:
+            for head in range(self.kv_heads):
+                base = buffer.ptr + slot_offset + head * self.max_seq * entry
+                for source, destination in zip(sources, destinations):
+                    self._cuda.wrapper().memcpy(base + int(destination) * entry, base + int(source) * entry, entry,
+                                                self._cuda.MemcpyKind.DeviceToDevice, self.stream.ptr)
+        self.stream.synchronize()
+
     # -- execution ----------------------------------------------------------------------------
     def load_graphs(self, graphs: list[GraphId], batch: int | None = None) -> None:
         """Deserialize these engines now, so that no generation times an engine load."""
@@ -93,7 +104,7 @@ class TrtModel(CachedModel):
             context.set_tensor_address(name, device.ptr)
         outputs = {}
         for name in graph.outputs:
-            shape, dtype = output_array(name, batch, self.vocab_size)
+            shape, dtype = output_array(name, batch, self.vocab_size, inputs["input_ids"].shape[1])
             outputs[name] = self._scratch(scratch, name, shape, dtype)
             context.set_tensor_address(name, outputs[name].ptr)
         if not context.execute_async_v3(self.stream.ptr):
