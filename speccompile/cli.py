@@ -120,13 +120,37 @@ def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force, tar
 @click.option("--checkpoint-every", type=int, default=50, show_default=True)
 @click.option("--init", type=click.Path(), default=None,
               help="Start from an existing draft checkpoint (e.g. to keep distilling it).")
+@click.option("--medusa", type=int, default=None,
+              help="Train K Medusa heads on the frozen target instead of a draft (--layers, --hidden, --heads, "
+              "--intermediate and --init do not apply).")
 @user_errors
-def distill(target_dir, corpus, out_dir, **options):
-    """Train a small draft that matches the target's next-token distribution."""
+def distill(target_dir, corpus, out_dir, medusa, **options):
+    """Train a small draft that matches the target's next-token distribution (or, with --medusa, heads
+    on the target that predict the tokens after the next)."""
     from speccompile.training.distill import DistillOptions
     from speccompile.training.distill import distill as run_distill
 
-    run_distill(target_dir, corpus, out_dir, DistillOptions(**options))
+    if medusa is None:
+        run_distill(target_dir, corpus, out_dir, DistillOptions(**options))
+    else:
+        _distill_medusa(target_dir, corpus, out_dir, medusa, options)
+
+
+DRAFT_ONLY = ("layers", "hidden", "heads", "intermediate", "init")  # distill options that shape a draft model
+
+
+def _distill_medusa(target_dir, corpus, out_dir, heads: int, options: dict) -> None:
+    """A draft option given with --medusa is refused rather than ignored: the user expected it to matter."""
+    from click.core import ParameterSource
+
+    from speccompile.training.medusa import MedusaOptions, train_medusa
+
+    context = click.get_current_context()
+    for name in DRAFT_ONLY:
+        if context.get_parameter_source(name) is not ParameterSource.DEFAULT:
+            raise SpecCompileError(f"--{name} shapes a draft; --medusa trains heads on the target (drop --{name})")
+    shared = {name: value for name, value in options.items() if name not in DRAFT_ONLY}
+    train_medusa(target_dir, corpus, out_dir, MedusaOptions(heads=heads, **shared))
 
 
 def read_prompts(prompts_file) -> list[str]:
