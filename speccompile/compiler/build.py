@@ -24,6 +24,7 @@ from speccompile.compiler.onnx_graph import MATMUL_WEIGHTS, OPSET, WeightFile
 from speccompile.compiler.session_graph import KINDS, build_session_graph
 from speccompile.compiler.tokenizer import check_compatible, eos_token_ids, load_tokenizer, save_tokenizer
 from speccompile.compiler.transformer import (
+    MEDUSA_CANDIDATES,
     build_forward_graph,
     build_tree_verify_graph,
     build_verify_graph,
@@ -198,7 +199,7 @@ def _medusa_entry(config: dict, medusa_dir) -> dict:
     """What the runtime needs of the heads: how many, and how often each rank of each is right
     (core/tree.py grows the token tree from these; the runtime sizes it by measured cost)."""
     return {"num_heads": config["num_heads"], "top_k_accuracy": config["top_k_accuracy"],
-            "source": str(Path(medusa_dir).resolve())}
+            "candidates": MEDUSA_CANDIDATES, "source": str(Path(medusa_dir).resolve())}
 
 
 def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_out, matmul_weights: dict[str, str],

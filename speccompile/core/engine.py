@@ -73,5 +73,6 @@ class TreeVerifierEngine(VerifierEngine, Protocol):
         rule, or with typical = (ε, δ) the typical one; core/tree.py); the path's cache entries are
         moved into place and the slots' cache_lengths set past it.
 
-        Returns (accepted [B], next_token [B], next_tree [B, N]: the Medusa heads' tree for the next
-        iteration, rooted at next_token)."""
+        Returns (best_node [B]: where each row's accepted path ends, its depth the accepted count;
+        next_token [B]; next_tree [B, N]: the Medusa heads' tree for the next iteration, rooted at
+        next_token)."""

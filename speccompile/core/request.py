@@ -38,6 +38,10 @@ class Request:
     proposer: str = "draft"  # "draft" (the draft model), "ngram" (prompt lookup) or "auto": see proposers.py
     p_min: float = 0.0  # the draft model stops drafting at a token it gives less probability (0: never)
     lookup_priors: dict[int, float] | None = None  # prompt lookup's kept rate per matched length (a profile's)
+    # Medusa trees (core/tree.py): "exact" (greedy, lossless) or "typical" (approximate, opt-in: its
+    # (epsilon, delta)); a typical request batched with exact ones is verified exactly meanwhile
+    acceptance: str = "exact"
+    typical: tuple[float, float] = (0.09, 0.3)
     # -- state, written by the scheduler --
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -51,7 +55,9 @@ class Request:
         self.rng = None if self.params.greedy else np.random.default_rng(self.seed)
         self.stats = GenerationStats("autoregressive" if self.gamma == 0 else "speculative", self.gamma)
         self.submitted = time.perf_counter()
-        self.ngram = NgramIndex() if self.proposer != "draft" else None
+        self.stats.acceptance = self.acceptance
+        self.ngram = NgramIndex() if self.proposer in ("ngram", "auto") else None
+        self.next_tree = None  # Medusa: the heads' tree from the last verification (None: none yet)
         # this request's own acceptance per draft position, per proposer (what "auto" chooses by)
         self.acceptance = new_acceptance(self.lookup_priors)
 

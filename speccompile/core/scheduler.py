@@ -47,6 +47,7 @@ from speccompile.core.engine import DecoderEngine, VerifierEngine
 from speccompile.core.gamma_policy import GammaPolicy
 from speccompile.core.proposers import draft_rate, lookup_rate, lookup_source
 from speccompile.core.request import AUTO, Request
+from speccompile.core.tree import MAX_TREE_NODES, TokenTree
 
 # (number of decoding requests, their mean context length) -> the γ policy for that load (None: no
 # costs known yet). Context matters as much as load: every step grows with it, and a draft's
@@ -57,11 +58,14 @@ PolicyFor = Callable[[int, int], GammaPolicy | None]
 class Scheduler:
     def __init__(self, target: VerifierEngine, draft: DecoderEngine | None, max_batch: int, max_seq: int,
                  gammas: list[int], eos_ids: set[int], policy_for: PolicyFor | None = None,
-                 profiled: bool = False, prefill_chunk: int = 64, fallback_gamma: int | None = None):
+                 profiled: bool = False, prefill_chunk: int = 64, fallback_gamma: int | None = None,
+                 tree: TokenTree | None = None):
         """profiled: the policies' costs were measured by a profile of this hardware, so the policy may
         choose plain decoding from the start; otherwise only once it has observed acceptance.
         fallback_gamma: what AUTO requests run while there is no policy (default: the largest γ).
-        draft None: a draft-free bundle, whose requests all speculate with prompt lookup."""
+        draft None: a draft-free bundle, whose requests all speculate with prompt lookup, or with
+        `tree` a Medusa bundle's: every iteration is one tree verification (`_tree_iteration`), which
+        the runtime may set or replace between iterations (it sizes the tree by measured cost)."""
         self.target, self.draft = target, draft
         self.max_batch, self.max_seq, self.gammas = max_batch, max_seq, sorted(gammas)
         self.eos_ids, self.policy_for, self.prefill_chunk = eos_ids, policy_for, prefill_chunk
@@ -72,6 +76,7 @@ class Scheduler:
         self.joining: Request | None = None  # partly prefilled, in slot len(decoding)
         self._started = False
         self.last_gamma = 0  # the γ of the last decoding iteration's verification (0: a plain step), for metrics
+        self.tree = tree
 
     # -- the queue --------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -86,6 +91,8 @@ class Scheduler:
     def gamma_cap(self, request: Request) -> int:
         """The most drafts one of this request's iterations may carry: its own γ, or under AUTO the
         largest compiled γ that its length leaves room for (0 if none: it decodes plainly)."""
+        if request.proposer == "medusa" and request.gamma != 0:  # a tree writes all its nodes
+            return (self.tree.size if self.tree is not None else MAX_TREE_NODES) - 1
         if request.gamma != AUTO:
             return request.gamma
         room = self.max_seq - len(request.prompt) - request.max_new_tokens
@@ -178,6 +185,9 @@ class Scheduler:
     # -- decoding ---------------------------------------------------------------------------------
     def _decode(self) -> None:
         rows = self.decoding
+        if any(r.proposer == "medusa" and r.gamma != 0 for r in rows):
+            self._tree_iteration(rows)
+            return
         policy = None
         if self.policy_for and any(r.gamma == AUTO or r.proposer == "auto" for r in rows):
             policy = self.policy_for(len(rows), round(sum(len(r.tokens) for r in rows) / len(rows)))
@@ -232,6 +242,37 @@ class Scheduler:
         if self.draft is not None:
             lengths = np.array([len(r.tokens) for r in rows], dtype=np.int64)
             self.draft.cache_lengths[: len(rows)] = np.minimum(self.draft.cache_lengths[: len(rows)], lengths - 2)
+
+    def _tree_iteration(self, rows: list[Request]) -> None:
+        """Medusa: one target pass verifies each row's token tree (the heads' proposal of the last
+        pass, rooted at its last token) and returns the next one. A row's first iteration, with no
+        proposal yet, and a plain row (γ 0) verify the root alone: a plain step that also reads the
+        heads. A row verifies the prefix of the tree at depths up to its γ and the tokens it still
+        needs; typical acceptance applies when every row asked for it."""
+        tree = self.tree
+        assert tree is not None, "Medusa requests need the runtime's token tree"
+        tokens = np.zeros((len(rows), tree.size), dtype=np.int64)
+        draft_len = np.zeros(len(rows), dtype=np.int64)
+        for row, request in enumerate(rows):
+            tokens[row, 0] = request.tokens[-1]
+            if request.next_tree is not None and request.gamma != 0:
+                tokens[row, 1:] = request.next_tree[1:]
+                cap = request.remaining - 1 if request.gamma == AUTO else min(request.gamma, request.remaining - 1)
+                draft_len[row] = tree.nodes_within(cap)
+        typical = None
+        if all(r.acceptance == "typical" for r in rows):
+            typical = tuple(np.array([r.typical[k] for r in rows], dtype=np.float32) for k in (0, 1))
+        began = time.perf_counter()
+        best, next_token, next_tree = self.target.verify_tree(tokens, draft_len, tree, typical)
+        elapsed = (time.perf_counter() - began) * 1e3
+        self.last_gamma = int(tree.depths[draft_len].max())
+        for row, request in enumerate(rows):
+            path = tree.path_to(int(best[row]))
+            request.stats.verify_ms += elapsed
+            request.stats.record_iteration(len(path), int(tree.depths[draft_len[row]]), "medusa")
+            request.stats.tree_nodes += int(draft_len[row])
+            request.next_tree = next_tree[row]
+            request.emit([*tokens[row, path], next_token[row]], self.eos_ids)
 
     def _lookup(self, request: Request, wanted: int, policy: GammaPolicy | None) -> list[int] | None:
         """A request's prompt-lookup proposal this iteration (as many as its γ allows), or None when

@@ -25,11 +25,13 @@ class GenerationStats:
     accepted_at: list[int] = field(default_factory=list)  # accepted_at[k]: iterations whose draft k+1 was kept
     drafted_at: list[int] = field(default_factory=list)  # drafted_at[k]: iterations that proposed a draft k+1
     gammas_used: dict[int, int] = field(default_factory=dict)  # γ -> iterations run at it
-    # proposer ("draft", "ngram") -> [iterations it proposed in, drafts proposed, drafts accepted]
+    # proposer ("draft", "ngram", "medusa") -> [iterations it proposed in, drafts proposed, drafts accepted]
     by_proposer: dict[str, list[int]] = field(default_factory=dict)
     # prompt lookup by matched suffix length n -> [draft positions reached, drafts kept]: their
     # ratio is the conditional rate at which its drafts are kept (what `profile` seeds "auto" with)
     lookup_by_match: dict[int, list[int]] = field(default_factory=dict)
+    tree_nodes: int = 0  # Medusa: tree nodes verified, the root excluded (draft_tokens counts their depth)
+    acceptance: str = "exact"  # "typical": approximate acceptance was asked for; the output may not be the target's
     prefill_ms: float = 0.0
     draft_ms: float = 0.0  # speculative phases
     verify_ms: float = 0.0
@@ -120,6 +122,8 @@ class GenerationStats:
             "mean_accepted_drafts": self.mean_accepted_drafts,
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_by_position": self.acceptance_by_position,
+            "acceptance": self.acceptance,
+            "tree_nodes": self.tree_nodes,
             "by_proposer": {name: {"iterations": n, "draft_tokens": drafted, "accepted_tokens": kept,
                                    "acceptance_rate": kept / drafted}
                             for name, (n, drafted, kept) in self.by_proposer.items()},
@@ -136,8 +140,9 @@ def pooled(stats: list[GenerationStats]) -> GenerationStats:
     summed times would count the same milliseconds more than once."""
     total = GenerationStats(stats[0].mode if stats else "speculative", stats[0].gamma if stats else 0)
     for s in stats:
-        for name in ("new_tokens", "iterations", "draft_tokens", "accepted_tokens", "prefill_ms", "draft_ms",
-                     "verify_ms", "decode_ms", "total_ms"):
+        total.acceptance = stats[0].acceptance if stats else "exact"
+        for name in ("new_tokens", "iterations", "draft_tokens", "accepted_tokens", "tree_nodes", "prefill_ms",
+                     "draft_ms", "verify_ms", "decode_ms", "total_ms"):
             setattr(total, name, getattr(total, name) + getattr(s, name))
         for mine, theirs in ((total.accepted_at, s.accepted_at), (total.drafted_at, s.drafted_at)):
             mine.extend([0] * (len(theirs) - len(mine)))

@@ -34,6 +34,9 @@ from functools import cached_property
 import numpy as np
 
 TYPICAL_EPSILON, TYPICAL_DELTA = 0.09, 0.3  # Medusa's defaults (posterior_threshold, posterior_alpha)
+ACCEPTANCE_RULES = ("exact", "typical")
+MAX_TREE_NODES = 64  # the largest tree a runtime sizes (root included); more never paid on the hardware measured
+TREE_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the sizes it measures to choose one
 
 
 @dataclass(frozen=True)

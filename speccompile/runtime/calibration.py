@@ -70,3 +70,24 @@ def _target_steps(target, batch: int, rng, steps: int = 3) -> tuple[float]:
         start = time.perf_counter()
         token = target.forward(token, np.ones(batch, dtype=np.int64))[:, None]
     return ((time.perf_counter() - start) * 1e3,)
+
+
+def measure_tree_costs(target, trees: dict, batch: int, context: int, repeats: int = 5, seed: int = 0) -> dict:
+    """ms of one token-tree verification (Medusa heads included) per tree size, {nodes: TokenTree},
+    on random tokens at this batch size and context, every call rolled back. Medians after a warm-up."""
+    rng = np.random.default_rng(seed)
+    target.start(batch)
+    target.forward(rng.integers(0, target.vocab_size, (batch, context)), np.full(batch, context, dtype=np.int64))
+    times = {size: [] for size in trees}
+    for _ in range(repeats + 1):
+        for size, tree in trees.items():
+            tokens = rng.integers(0, target.vocab_size, (batch, tree.size))
+            draft_len = np.full(batch, tree.size - 1, dtype=np.int64)
+            times[size].append(_rolled_back((target,), lambda: _timed(target.verify_tree, tokens, draft_len, tree)))
+    return {size: statistics.median(t[1:]) for size, t in times.items()}
+
+
+def _timed(call, *args) -> float:
+    start = time.perf_counter()
+    call(*args)
+    return (time.perf_counter() - start) * 1e3

@@ -78,7 +78,7 @@ class CachedModel:
             if len(sources):
                 self._move_positions(first + row, past_len[row] + sources, past_len[row] + destinations)
         self.cache_lengths[rows] = out["new_len"]
-        return out["accepted"].copy(), out["next_token"].copy(), out["next_tree"].copy()
+        return out["best_node"].copy(), out["next_token"].copy(), out["next_tree"].copy()
 
     def move(self, source: int, destination: int) -> None:
         length = int(self.cache_lengths[source])

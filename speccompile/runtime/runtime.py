@@ -25,6 +25,7 @@ from speccompile.core.request import AUTO, Request
 from speccompile.core.sampler import SamplingParams
 from speccompile.core.scheduler import Scheduler
 from speccompile.core.stats import GenerationStats
+from speccompile.core.tree import ACCEPTANCE_RULES, MAX_TREE_NODES, TREE_SIZES, TokenTree, best_tree, grow_tree
 from speccompile.errors import SpecCompileError
 from speccompile.runtime.tokenizer import Tokenizer
 
@@ -94,6 +95,7 @@ class Runtime:
         self._engine: _EngineThread | None = None
         self._submitting = threading.Lock()  # one engine thread, and graph loads one at a time, whoever submits
         self._loaded: set = set()
+        self.tree_sizing: dict | None = None  # Medusa: per tree size, the prediction and measured cost it was chosen by
 
     @property
     def gammas(self) -> list[int]:
@@ -103,7 +105,7 @@ class Runtime:
     def submit(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed=None, stop: list[str] | None = None, stop_token_ids=(), gamma: int | str | None = None,
                mode: str | None = None, on_tokens=None, proposer: str = DEFAULT_PROPOSER,
-               p_min: float | None = None) -> "RequestHandle":
+               p_min: float | None = None, acceptance: str = "exact") -> "RequestHandle":
         """Queue one request (a string or token ids) and return its handle at once. Thread-safe.
 
         gamma: a compiled γ (at most that many drafts per iteration), "auto" (the default when a γ
@@ -118,9 +120,12 @@ class Runtime:
         in the request's own text) or "auto" (per iteration, the one predicted faster): see
         core/proposers.py. p_min: the draft model stops drafting at a token it gives less
         probability than this (confidence thresholding; 0: never; default: the threshold the γ
-        profile measured on this hardware, else 0)."""
+        profile measured on this hardware, else 0). On a Medusa bundle the heads propose a token
+        tree (proposer "medusa", or "auto"); acceptance "typical" (Medusa bundles only) accepts
+        plausible tokens the target would not have chosen: faster, approximate, never the default."""
         handle = RequestHandle(self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop,
-                                             stop_token_ids, gamma, mode, on_tokens, proposer=proposer, p_min=p_min),
+                                             stop_token_ids, gamma, mode, on_tokens, proposer=proposer, p_min=p_min,
+                                             acceptance=acceptance),
                                self, prompt)
         self._queue(handle.request)
         return handle
@@ -140,7 +145,7 @@ class Runtime:
     def generate(self, prompts, max_new_tokens: int = 64, mode: str | None = None, gamma: int | str | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  on_tokens=None, stop: list[str] | None = None, proposer: str = DEFAULT_PROPOSER,
-                 p_min: float | None = None) -> list[GenerationResult]:
+                 p_min: float | None = None, acceptance: str = "exact") -> list[GenerationResult]:
         """Generate for a list of prompts (strings or token-id lists); one result per prompt, in order.
 
         Each prompt is one request (see `submit`); all are checked before any is queued. Prompt i
@@ -155,7 +160,7 @@ class Runtime:
         seeds = np.random.SeedSequence(seed).spawn(len(prompts))
         requests = [self._request(p, max_new_tokens, temperature, top_k, top_p, s, stop, (), gamma, mode,
                                   (lambda ids, i=i: on_tokens(i, ids)) if on_tokens else None, warn=i == 0,
-                                  proposer=proposer, p_min=p_min)
+                                  proposer=proposer, p_min=p_min, acceptance=acceptance)
                     for i, (p, s) in enumerate(zip(prompts, seeds))]
         handles = [RequestHandle(r, self, p) for r, p in zip(requests, prompts)]
         for request in requests:
@@ -196,10 +201,52 @@ class Runtime:
 
     def _before_step(self) -> None:
         """Runs on the engine thread between iterations: the quick calibration that a runtime
-        without a profile needs, while no request is in flight (it drives the models directly)."""
-        if self.profile is None and self._calibration is None and self.scheduler.active == 0:
+        without a profile needs, and the sizing of a Medusa bundle's tree, while no request is in
+        flight (both drive the models directly)."""
+        if self.scheduler.active == 0 and self.bundle.medusa and self.scheduler.tree is None:
+            if any(r.proposer == "medusa" for r in self.scheduler.waiting):
+                self._size_tree()
+        elif self.profile is None and self._calibration is None and self.scheduler.active == 0:
             if any(r.gamma == AUTO for r in self.scheduler.waiting):
                 self._calibrate()
+
+    # -- Medusa trees ----------------------------------------------------------------------------
+    def set_tree(self, tree) -> None:
+        """The token tree Medusa requests verify: a TokenTree, "chain" (the heads' top-1 candidates,
+        as deep as there are heads), a number of nodes (the root included; grown from the heads'
+        accuracies) or None (sized at first use by measured cost: `_size_tree`). Only while idle."""
+        if not self.bundle.medusa:
+            raise SpecCompileError("token trees need a bundle built with --medusa")
+        if not self.scheduler.idle:
+            raise SpecCompileError("the token tree can only change while no request is in flight")
+        heads, accuracy = self.bundle.medusa["num_heads"], self.bundle.medusa["top_k_accuracy"]
+        if tree == "chain":
+            tree = TokenTree.chain(heads)
+        elif isinstance(tree, int) and not isinstance(tree, bool):
+            if not 2 <= tree <= MAX_TREE_NODES:
+                raise SpecCompileError(f"a token tree has 2..{MAX_TREE_NODES} nodes, not {tree}")
+            tree = grow_tree(accuracy, tree - 1)
+        elif tree is not None and not isinstance(tree, TokenTree):
+            raise SpecCompileError(f"tree must be a TokenTree, 'chain', a number of nodes or None, not {tree!r}")
+        candidates = self.bundle.medusa["candidates"]
+        if tree is not None and (tree.max_depth > heads or tree.top_k() > candidates):
+            raise SpecCompileError(f"this tree needs {tree.max_depth} heads and {tree.top_k()} candidates per head; "
+                                   f"the bundle has {heads} heads of {candidates} candidates")
+        self.scheduler.tree = tree
+
+    def _size_tree(self) -> None:
+        """Grow trees of every size from the heads' accuracies, time each one's verification here at
+        batch 1, and keep the size with the most expected tokens per millisecond (core/tree.best_tree)."""
+        from speccompile.runtime.calibration import measure_tree_costs
+
+        accuracy = self.bundle.medusa["top_k_accuracy"]
+        context = min(64, self.max_seq // 4)
+        sizes = [n for n in TREE_SIZES if n + context <= self.max_seq]
+        costs = measure_tree_costs(self.target, {n: grow_tree(accuracy, n - 1) for n in sizes}, 1, context, repeats=3)
+        tree, self.tree_sizing = best_tree(accuracy, costs)
+        log.info(f"Medusa token tree: {tree.size} nodes, depth {tree.max_depth} (expected accepted "
+                 f"{tree.expected_accepted(accuracy):.2f}, verification {costs[tree.size]:.2f} ms here)")
+        self.scheduler.tree = tree
 
     def _load_graphs(self, request: Request, batched: bool) -> None:
         """Load every graph a request can run before it is queued, so that no iteration times a
@@ -211,7 +258,10 @@ class Runtime:
             return
         batches = (1, self.max_batch) if batched else (1,)
         target = [GraphId.step("target", sample=sample)]
-        if request.gamma != 0:
+        if request.proposer == "medusa":
+            target += [GraphId.tree_verification(typical=False)]
+            target += [GraphId.tree_verification(typical=True)] if request.acceptance == "typical" else []
+        elif request.gamma != 0:
             gammas = self.gammas if request.gamma == AUTO else [request.gamma]
             target += [GraphId.verification(g, sample=sample) for g in gammas]
             for batch in batches if self.draft is not None else ():
@@ -266,10 +316,11 @@ class Runtime:
     # -- validation ---------------------------------------------------------------------------
     def _request(self, prompt, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=None,
                  stop_token_ids=(), gamma=None, mode=None, on_tokens=None, warn: bool = True,
-                 proposer: str = DEFAULT_PROPOSER, p_min: float | None = None) -> Request:
+                 proposer: str = DEFAULT_PROPOSER, p_min: float | None = None, acceptance: str = "exact") -> Request:
         if proposer not in PROPOSERS:
             raise SpecCompileError(f"proposer must be one of {', '.join(PROPOSERS)}, not {proposer!r}")
-        if self.draft is None and proposer != "ngram":
+        proposer = self._check_medusa(proposer, acceptance, temperature)
+        if self.draft is None and proposer not in ("ngram", "medusa"):
             if proposer == "draft":
                 raise SpecCompileError("this bundle has no draft model (it was built without --draft): "
                                        "its requests speculate with prompt lookup (proposer 'ngram' or 'auto')")
@@ -290,7 +341,8 @@ class Runtime:
         stop_strings = _stop_strings(stop)
         request = Request(ids, max_new_tokens, params, seed, gamma, allow_plain,
                           frozenset(self._token_ids(stop_token_ids)), on_tokens=on_tokens, proposer=proposer,
-                          p_min=float(p_min), lookup_priors=self.profile.lookup_priors if self.profile else None)
+                          p_min=float(p_min), lookup_priors=self.profile.lookup_priors if self.profile else None,
+                          acceptance=acceptance)
         if stop_strings:
             request.stop_check = _StopStrings(self.tokenizer, ids, stop_strings)
         if not self.scheduler.fits(request):
@@ -299,6 +351,25 @@ class Runtime:
                 f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens + γ={cap} exceeds the bundle's "
                 f"max sequence length {self.max_seq} (rebuild with a larger --max-seq, or ask for fewer tokens)")
         return request
+
+    def _check_medusa(self, proposer: str, acceptance: str, temperature) -> str:
+        """The proposer a request runs: on a Medusa bundle its heads ("auto" means them); typical
+        acceptance and Medusa only there, and greedy only (tree sampling would need a multi-candidate
+        rule such as SpecInfer's to stay exact, which speccompile does not implement)."""
+        if acceptance not in ACCEPTANCE_RULES:
+            raise SpecCompileError(f"acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, not {acceptance!r}")
+        if not self.bundle.medusa:
+            if proposer == "medusa" or acceptance != "exact":
+                raise SpecCompileError(f"{'proposer medusa' if proposer == 'medusa' else 'typical acceptance'} needs "
+                                       "a bundle built with --medusa (Medusa heads and token-tree verification)")
+            return proposer
+        if proposer not in ("auto", "medusa"):
+            raise SpecCompileError(f"this bundle speculates with Medusa heads (built with --medusa): proposer "
+                                   f"'medusa' or 'auto', not {proposer!r}")
+        if temperature:
+            raise SpecCompileError("Medusa tree verification is greedy only (temperature 0): sampling from a tree "
+                                   "exactly needs a multi-candidate rule; typical acceptance is the approximate one")
+        return "medusa"
 
     def check_gamma(self, gamma: int | str | None) -> None:
         """Raise SpecCompileError unless requests may ask for this γ (None: the default)."""
