@@ -74,6 +74,9 @@ def main():
 @click.option("--single-sequence/--no-single-sequence", default=True, show_default=True,
               help="Also write batch-1 ONNX Runtime variants of every graph "
               "(fused attention that reads the KV cache in place).")
+@click.option("--medusa", "medusa_dir", default=None, type=click.Path(),
+              help="Medusa heads directory (speccompile distill --medusa K): the heads propose a token tree that "
+              "the target verifies in one pass, instead of a draft model.")
 @click.option("--backend", type=click.Choice(["onnx", "tensorrt"]), default="onnx", show_default=True,
               help="tensorrt: also build TensorRT engines from the same ONNX graphs.")
 @click.option("--plugin-lib", type=click.Path(), default=None, help="libspeccompile_plugins.so (TensorRT backend).")
@@ -82,7 +85,8 @@ def main():
 @click.option("--version-compat", is_flag=True, help="TensorRT: engines loadable by later TensorRT versions.")
 @user_errors
 def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force, target_weights, draft_weights, draft_vocab,
-          draft_vocab_corpus, single_sequence, backend, plugin_lib, timing_cache, hardware_compat, version_compat):
+          draft_vocab_corpus, single_sequence, medusa_dir, backend, plugin_lib, timing_cache, hardware_compat,
+          version_compat):
     """Export a target/draft pair to a bundle of ONNX speculative graphs (and TensorRT engines)."""
     from speccompile.compiler.build import build_bundle
 
@@ -93,7 +97,7 @@ def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force, tar
         plugin_library(plugin_lib)
     build_bundle(target_dir, draft_dir, out_dir, gammas=list(gammas), max_seq=max_seq, max_batch=max_batch, force=force,
                  draft_weights=draft_weights, draft_vocab=draft_vocab, draft_vocab_corpus=draft_vocab_corpus,
-                 single_sequence=single_sequence, target_weights=target_weights)
+                 single_sequence=single_sequence, target_weights=target_weights, medusa_dir=medusa_dir)
     if backend == "tensorrt":
         from speccompile.compiler.tensorrt_build import build_tensorrt_engines
 
@@ -170,6 +174,12 @@ def resolve_bundle(bundle):
     return demo_bundle()
 
 
+TREE_HELP = ("Medusa bundles: the token tree, 'chain' (each head's top candidate), a number of nodes grown from the "
+             "heads' accuracies, or 'auto' (default: the size measured fastest here).")
+ACCEPTANCE_HELP = ("Medusa bundles: 'typical' accepts plausible tokens the target would not have chosen greedily "
+                   "(Medusa-2's typical acceptance): faster, approximate, labelled in the stats.")
+
+
 @main.command()
 @click.argument("bundle", type=click.Path(), required=False)
 @click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text; repeat for a batch.")
@@ -189,9 +199,13 @@ def resolve_bundle(bundle):
 @click.option("--p-min", type=float, default=None,
               help="The draft model stops drafting at a token it gives less probability than this (0: never; "
               "default: the γ profile's measured threshold, else 0).")
+@click.option("--tree", default=None, help=TREE_HELP)
+@click.option("--acceptance", type=click.Choice(["exact", "typical"]), default="exact", show_default=True,
+              help=ACCEPTANCE_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print results as a JSON list.")
 @user_errors
-def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, top_p, seed, proposer, p_min, as_json):
+def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, top_p, seed, proposer, p_min, tree,
+             acceptance, as_json):
     """Generate text with speculative decoding (or the target alone).
 
     BUNDLE defaults to the embedded demo pair.
@@ -199,11 +213,12 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
     import speccompile
 
     runtime = speccompile.load(resolve_bundle(bundle), shared_threads=True)  # the process is ours
+    _tree_option(runtime, tree)
     gamma = _gamma_option(gamma)
     stream = None if as_json else _Streamer(runtime.tokenizer, list(prompts), max_new_tokens)
     results = runtime.generate(list(prompts), max_new_tokens=max_new_tokens, mode=mode, gamma=gamma,
                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, on_tokens=stream,
-                               proposer=proposer, p_min=p_min)
+                               proposer=proposer, p_min=p_min, acceptance=acceptance)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=1))
         return
@@ -238,18 +253,26 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
               help="Who drafts (default: auto); repeat to compare proposers against the same plain runs.")
 @click.option("--p-min", type=float, default=None,
               help="Confidence threshold of the draft model's drafts (see generate --p-min).")
+@click.option("--tree", default=None, help=TREE_HELP)
+@click.option("--acceptance", "rules", type=click.Choice(["exact", "typical"]), multiple=True,
+              help="Medusa bundles: compare acceptance rules (repeat: exact and typical) against the same plain "
+              "runs: speedup, agreement with exact greedy output, and the target's log-likelihood of each text.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object with the summary keys (with several --proposer or --concurrency: a "
               "JSON list, one object per proposer, or per concurrency and mode).")
 @user_errors
 def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, concurrency, requests, rate,
-          always_speculate, proposers, p_min, plot_path, as_json):
+          always_speculate, proposers, p_min, tree, rules, plot_path, as_json):
     """Speculative vs autoregressive tokens/s on the same prompts (medians over repeats): at batch 1,
     or with --concurrency, serving many requests at once (γ auto by default)."""
     import speccompile
     from speccompile.runtime.bench import bench as run_bench
 
     runtime = speccompile.load(resolve_bundle(bundle), shared_threads=True)  # the process is ours
+    _tree_option(runtime, tree)
+    if rules:
+        _bench_acceptance(runtime, read_prompts(prompts_file), list(rules), max_new_tokens, repeats, as_json)
+        return
     if concurrency is not None:
         load = {"concurrencies": _int_list(concurrency), "requests": requests, "rate": rate,
                 "max_new_tokens": max_new_tokens, "repeats": repeats, "gamma": _gamma_option(gamma),
@@ -274,6 +297,34 @@ def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, con
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         click.echo(f"{key:<{width}}  {_bench_value(value)}")
+
+
+def _tree_option(runtime, tree: str | None) -> None:
+    if tree is None or tree == "auto":
+        return
+    if tree != "chain":
+        try:
+            tree = int(tree)
+        except ValueError:
+            raise SpecCompileError(f"--tree must be 'auto', 'chain' or a number of nodes, not {tree!r}") from None
+    runtime.set_tree(tree)
+
+
+def _bench_acceptance(runtime, prompts, rules, max_new_tokens, repeats, as_json) -> None:
+    from speccompile.runtime.bench import bench_acceptance
+
+    rows = bench_acceptance(runtime, prompts, rules, max_new_tokens, repeats)
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    click.echo(f"autoregressive: {rows[0]['ar_tokens_per_s']:.1f} tok/s, exact output's perplexity "
+               f"{rows[0]['exact_perplexity']:.2f}")
+    click.echo(f"{'acceptance':<10} {'tok/s':>8} {'speedup':>8} {'accept len':>10} {'agreement':>9} "
+               f"{'identical':>9} {'perplexity':>10}")
+    for r in rows:
+        click.echo(f"{r['acceptance']:<10} {r['spec_tokens_per_s']:>8.1f} {r['speedup']:>7.2f}x "
+                   f"{r['mean_acceptance_length']:>10.2f} {r['token_agreement']:>9.3f} {r['identical_outputs']:>9.2f} "
+                   f"{r['perplexity']:>10.2f}")
 
 
 def _p_min_option(p_min: float | None) -> dict:
@@ -625,8 +676,14 @@ def _stats_line(stats, label: str = "") -> str:
     rate = f"{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tok/s"
     if stats.mode == "autoregressive":
         return f"[{head}autoregressive{': γ=auto chose plain decoding' if stats.auto_chose_plain else ''}] {rate}"
+    kind = f"speculative γ={_gammas_shown(stats)}"
+    if "medusa" in stats.by_proposer:
+        nodes = stats.tree_nodes / max(1, stats.by_proposer["medusa"][0])
+        kind = f"speculative, Medusa tree of {nodes:.1f} nodes"
+    if stats.acceptance == "typical":
+        kind += ", TYPICAL acceptance: approximate, not the target's greedy output"
     return (
-        f"[{head}speculative γ={_gammas_shown(stats)}] {rate}, "
+        f"[{head}{kind}] {rate}, "
         f"acceptance {stats.acceptance_rate:.2f}, mean acceptance length {stats.mean_acceptance_length:.2f} "
         f"({stats.mean_accepted_drafts:.2f} of {_number(stats.mean_gamma)} drafts kept per verification) over "
         f"{stats.iterations} verifications, draft {stats.draft_ms:.0f} ms / verify {stats.verify_ms:.0f} ms"

@@ -50,9 +50,12 @@ from speccompile.compiler.transformer import (
 
 KINDS = {kind: k for k, kind in enumerate(GRAPH_KINDS)}  # the `kind` input's values, recorded in the manifest
 ALWAYS_FED = {"input_ids", "past_len", "token_count", "kind", "fused"}
-# every output any kind reads back (all but the cache), and its element type
-READ_BACK = {output: FLOAT if OUTPUT_TYPES[output][0] == "float32" else INT64
-             for outputs in GRAPH_OUTPUTS.values() for output in outputs}
+
+
+def read_back(kinds: list[str]) -> dict[str, int]:
+    """Every output these kinds read back (all but the cache), and its element type."""
+    return {output: FLOAT if OUTPUT_TYPES[output][0] == "float32" else INT64
+            for kind in kinds for output in GRAPH_OUTPUTS[kind]}
 
 
 def build_session_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int, kinds: list[str],
@@ -80,11 +83,12 @@ def build_session_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int
     logits = _lm_head(g, spec, g.op("Slice", rows, on_subset, g.const([1 << 62]), g.const([1])), vocab_out)
     logits_subset = _lm_head(g, spec, g.op("Slice", rows, g.const([0]), on_subset, g.const([1])), vocab_out,
                              vocab_ids) if subset else None
-    tails = {k: _tail(g, spec, k, logits, logits_subset, vocab_ids, ids, past_len, vocab_out, rows, heads)
+    outputs_of = read_back(kinds)
+    tails = {k: _tail(g, spec, k, logits, logits_subset, vocab_ids, ids, past_len, vocab_out, rows, heads, outputs_of)
              for k in kinds}
-    outputs = _dispatch(g, kind, [tails[k] for k in kinds], [KINDS[k] for k in kinds], "")
+    outputs = _dispatch(g, kind, [tails[k] for k in kinds], [KINDS[k] for k in kinds], "", outputs_of)
     shapes = {"probs": ["batch", vocab_out], "next_tree": ["batch", "tree_nodes"]}
-    for tensor, (output, elem_type) in zip(outputs, READ_BACK.items()):
+    for tensor, (output, elem_type) in zip(outputs, outputs_of.items()):
         g.output(tensor, output, elem_type, shapes.get(output, ["batch"]))
     for value in g.inputs:  # inputs only some kinds read: zero defaults, so other calls need not feed them
         if value.name not in ALWAYS_FED and not value.name.startswith("past_"):
@@ -112,8 +116,8 @@ def _head_rows(g: GraphBuilder, hidden: str, token_count: str, kind: str) -> str
     return g.op("GatherND", hidden, g.op("Unsqueeze", index, g.const([2])), batch_dims=1)  # [B, L, H]
 
 
-def _tail(g, spec, kind, logits, logits_subset, vocab_ids, ids, past_len, vocab_out, rows, heads):
-    """The If branch of one kind: what follows the LM head, yielding every READ_BACK output."""
+def _tail(g, spec, kind, logits, logits_subset, vocab_ids, ids, past_len, vocab_out, rows, heads, outputs_of):
+    """The If branch of one kind: what follows the LM head, yielding every output of `outputs_of`."""
     b = g.branch(kind)
     made = {}
     if kind.startswith("verify_tree"):
@@ -128,7 +132,7 @@ def _tail(g, spec, kind, logits, logits_subset, vocab_ids, ids, past_len, vocab_
     else:
         made.update(zip(OUTPUTS, accept(b, logits, ids, past_len, "gamma", vocab_out, kind == "verify_sample")))
     yields = []
-    for output, elem_type in READ_BACK.items():
+    for output, elem_type in outputs_of.items():
         if output not in made:  # If needs the same outputs from every branch; the runtime reads only its kind's
             empty = np.zeros([0], helper.tensor_dtype_to_np_dtype(elem_type))
             made[output] = b.op("Constant", value=numpy_helper.from_array(empty, f"{b.scope}{output}/empty"))
@@ -136,8 +140,8 @@ def _tail(g, spec, kind, logits, logits_subset, vocab_ids, ids, past_len, vocab_
     return b, yields
 
 
-def _dispatch(g, kind, tails: list, kind_ids: list[int], path: str) -> list[str]:
-    """A balanced tree of If on `kind` over the tails; returns its outputs (READ_BACK order)."""
+def _dispatch(g, kind, tails: list, kind_ids: list[int], path: str, outputs_of: dict) -> list[str]:
+    """A balanced tree of If on `kind` over the tails; returns its outputs (`outputs_of` order)."""
     assert len(tails) >= 2, "a session graph serves at least two kinds"
     mid = len(tails) // 2
     halves = []
@@ -147,8 +151,8 @@ def _dispatch(g, kind, tails: list, kind_ids: list[int], path: str) -> list[str]
             halves.append(branch.graph(yields))
         else:  # a nested If, built inside a branch of its own
             holder = g.branch(f"dispatch{path}{label}")
-            inner = _dispatch(holder, kind, tails[part], kind_ids[part], path + label)
-            halves.append(holder.graph(list(zip(inner, READ_BACK.values()))))
+            inner = _dispatch(holder, kind, tails[part], kind_ids[part], path + label, outputs_of)
+            halves.append(holder.graph(list(zip(inner, outputs_of.values()))))
     below = g.op("Less", kind, g.const(kind_ids[mid]))
-    out = [f"dispatch{path}/{o}" for o in READ_BACK]  # a branch builder prefixes its scope
-    return g.op("If", below, outputs=len(READ_BACK), out=out, then_branch=halves[0], else_branch=halves[1])
+    out = [f"dispatch{path}/{o}" for o in outputs_of]  # a branch builder prefixes its scope
+    return g.op("If", below, outputs=len(outputs_of), out=out, then_branch=halves[0], else_branch=halves[1])

@@ -47,7 +47,7 @@ from speccompile.core.engine import DecoderEngine, VerifierEngine
 from speccompile.core.gamma_policy import GammaPolicy
 from speccompile.core.proposers import draft_rate, lookup_rate, lookup_source
 from speccompile.core.request import AUTO, Request
-from speccompile.core.tree import MAX_TREE_NODES, TokenTree
+from speccompile.core.tree import TokenTree
 
 # (number of decoding requests, their mean context length) -> the γ policy for that load (None: no
 # costs known yet). Context matters as much as load: every step grows with it, and a draft's
@@ -91,8 +91,8 @@ class Scheduler:
     def gamma_cap(self, request: Request) -> int:
         """The most drafts one of this request's iterations may carry: its own γ, or under AUTO the
         largest compiled γ that its length leaves room for (0 if none: it decodes plainly)."""
-        if request.proposer == "medusa" and request.gamma != 0:  # a tree writes all its nodes
-            return (self.tree.size if self.tree is not None else MAX_TREE_NODES) - 1
+        if request.proposer == "medusa":  # a tree shrinks to the room its rows leave (_tree_iteration)
+            return 0
         if request.gamma != AUTO:
             return request.gamma
         room = self.max_seq - len(request.prompt) - request.max_new_tokens
@@ -248,9 +248,12 @@ class Scheduler:
         pass, rooted at its last token) and returns the next one. A row's first iteration, with no
         proposal yet, and a plain row (γ 0) verify the root alone: a plain step that also reads the
         heads. A row verifies the prefix of the tree at depths up to its γ and the tokens it still
-        needs; typical acceptance applies when every row asked for it."""
-        tree = self.tree
-        assert tree is not None, "Medusa requests need the runtime's token tree"
+        needs; typical acceptance applies when every row asked for it. Heads propose nothing the
+        target has not verified, so a tree never needs room reserved: it shrinks near the end."""
+        assert self.tree is not None, "Medusa requests need the runtime's token tree"
+        # a tree writes all its nodes: near the cache's end, its first nodes (a tree too) only
+        room = self.max_seq - max(len(r.tokens) - 1 for r in rows)
+        tree = self.tree if self.tree.size <= room else TokenTree(self.tree.paths[: room - 1])
         tokens = np.zeros((len(rows), tree.size), dtype=np.int64)
         draft_len = np.zeros(len(rows), dtype=np.int64)
         for row, request in enumerate(rows):

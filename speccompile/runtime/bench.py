@@ -10,6 +10,7 @@ compiled γ but never to plain decoding, which is what bench compares against.
 
 import json
 import logging
+import math
 import statistics
 import threading
 import time
@@ -46,13 +47,89 @@ def read_prompts(path) -> list[str]:
     return prompts
 
 
-def _run_all(runtime, prompts, mode, gamma, max_new_tokens, sampling, proposer=None):
+def _run_all(runtime, prompts, mode, gamma, max_new_tokens, sampling, proposer=None, results_out=None):
     kwargs = {**sampling, **({"proposer": proposer} if proposer else {})}
     results = [runtime.generate([p], max_new_tokens=max_new_tokens, mode=mode, gamma=gamma, **kwargs)[0]
                for p in prompts]
+    if results_out is not None:
+        results_out[:] = results
     tokens = sum(r.stats.new_tokens for r in results)
     seconds = sum(r.stats.total_ms for r in results) / 1e3
     return tokens / seconds, [r.stats for r in results]
+
+
+# ---- exact vs approximate acceptance ----------------------------------------------------------
+
+ACCEPTANCE_KEYS = ["acceptance", "ar_tokens_per_s", "spec_tokens_per_s", "speedup", "acceptance_rate",
+                   "mean_acceptance_length", "token_agreement", "identical_outputs", "mean_log_likelihood",
+                   "perplexity", "exact_mean_log_likelihood", "exact_perplexity"]
+
+
+def bench_acceptance(runtime, prompts: list[str], rules: list[str], max_new_tokens: int = 64,
+                     repeats: int = 3) -> list[dict]:
+    """A Medusa bundle's acceptance rules against the same plain (exact greedy) runs, interleaved as
+    bench_proposers does: each rule's speedup, and how far its text is from exact greedy decoding,
+    position by position (token_agreement; identical_outputs: the share of prompts whose whole
+    output is the same) and by the target's own mean log-likelihood per generated token (and its
+    perplexity), beside the exact output's."""
+    if repeats < 1:
+        raise SpecCompileError(f"--repeats must be positive, got {repeats}")
+    if not runtime.bundle.medusa:
+        raise SpecCompileError("--acceptance compares acceptance rules of Medusa trees: the bundle needs --medusa")
+    ar_rates, spec_rates = [], {rule: [] for rule in rules}
+    spec_stats, outputs, exact = {rule: [] for rule in rules}, {}, []
+    _run_all(runtime, prompts[:1], "autoregressive", None, 8, {})  # warm-up: sessions, caches, the tree's size
+    for rule in rules:
+        _run_all(runtime, prompts[:1], "speculative", "auto", 8, {"acceptance": rule}, "medusa")
+    for _ in range(repeats):
+        ar_rates.append(_run_all(runtime, prompts, "autoregressive", None, max_new_tokens, {}, results_out=exact)[0])
+        for rule in rules:
+            outputs[rule] = []
+            rate, stats = _run_all(runtime, prompts, "speculative", "auto", max_new_tokens, {"acceptance": rule},
+                                   "medusa", outputs[rule])
+            spec_rates[rule].append(rate)
+            spec_stats[rule] += stats
+    ids = [runtime.tokenizer.encode(p) for p in prompts]
+    exact_ll = log_likelihood(runtime, ids, [r.token_ids for r in exact])
+    ar_rate = statistics.median(ar_rates)
+    rows = []
+    for rule in rules:
+        spec, ll = pooled(spec_stats[rule]), log_likelihood(runtime, ids, [r.token_ids for r in outputs[rule]])
+        same = [_agreement(r.token_ids, e.token_ids) for r, e in zip(outputs[rule], exact)]
+        row = {"acceptance": rule, "ar_tokens_per_s": ar_rate, "spec_tokens_per_s": statistics.median(spec_rates[rule]),
+               "speedup": statistics.median(spec_rates[rule]) / ar_rate, "acceptance_rate": spec.acceptance_rate,
+               "mean_acceptance_length": spec.mean_acceptance_length,
+               "token_agreement": sum(n for n, _ in same) / max(1, sum(t for _, t in same)),
+               "identical_outputs": sum(n == t for n, t in same) / len(same),
+               "mean_log_likelihood": ll, "perplexity": math.exp(-ll),
+               "exact_mean_log_likelihood": exact_ll, "exact_perplexity": math.exp(-exact_ll)}
+        assert list(row) == ACCEPTANCE_KEYS
+        rows.append(row)
+    return rows
+
+
+def _agreement(tokens: list[int], exact: list[int]) -> tuple[int, int]:
+    """(positions holding the exact output's token, positions compared: the longer output's length)."""
+    return sum(a == b for a, b in zip(tokens, exact)), max(len(tokens), len(exact), 1)
+
+
+def log_likelihood(runtime, prompts: list[list[int]], continuations: list[list[int]]) -> float:
+    """The target's mean log-probability (natural log, temperature 1) per continuation token,
+    each continuation scored after its prompt, one prompt at a time on the target's slot 0. Only
+    while the runtime serves nothing: it drives the target engine directly."""
+    assert runtime.scheduler.idle, "scoring with requests in flight would overwrite their caches"
+    target, total, count = runtime.target, 0.0, 0
+    plain = {"temperature": np.ones(1, np.float32), "top_k": np.zeros(1, np.int64), "top_p": np.ones(1, np.float32)}
+    for prompt, continuation in zip(prompts, continuations):
+        target.cache_lengths[0] = 0
+        tokens = np.array([prompt], dtype=np.int64)
+        for token in continuation:
+            _, probs = target.forward_sample(tokens, np.array([tokens.shape[1]]), plain, np.full(1, 0.5, np.float32))
+            total += math.log(max(float(probs[0, token]), 1e-30))
+            count += 1
+            tokens = np.array([[token]], dtype=np.int64)
+    target.cache_lengths[0] = 0
+    return total / max(1, count)
 
 
 def bench(runtime, prompts: list[str], max_new_tokens: int = 64, repeats: int = 3, gamma: int | str | None = None,

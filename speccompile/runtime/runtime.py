@@ -336,7 +336,10 @@ class Runtime:
                             "set a temperature to sample")
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
             raise SpecCompileError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        gamma, allow_plain = self._request_gamma(mode, gamma, warn)
+        if proposer == "medusa":
+            gamma, allow_plain = self._medusa_gamma(mode, gamma)
+        else:
+            gamma, allow_plain = self._request_gamma(mode, gamma, warn)
         ids = self._tokens(prompt)
         stop_strings = _stop_strings(stop)
         request = Request(ids, max_new_tokens, params, seed, gamma, allow_plain,
@@ -370,6 +373,19 @@ class Runtime:
             raise SpecCompileError("Medusa tree verification is greedy only (temperature 0): sampling from a tree "
                                    "exactly needs a multi-candidate rule; typical acceptance is the approximate one")
         return "medusa"
+
+    def _medusa_gamma(self, mode, gamma) -> tuple[int | str, bool]:
+        """A Medusa request's γ: the whole tree (AUTO, the default: it was sized by measured cost), or
+        at most that many tokens accepted per verification (1..heads), or 0 / autoregressive: plain."""
+        if mode == "autoregressive" or gamma == 0:
+            return 0, False
+        if gamma is None or gamma == AUTO:
+            return AUTO, False
+        heads = self.bundle.medusa["num_heads"]
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= heads:
+            raise SpecCompileError(f"γ={gamma!r}: a Medusa request accepts 1..{heads} tokens per verification "
+                                   "(its heads), or \"auto\" for the whole tree")
+        return gamma, False
 
     def check_gamma(self, gamma: int | str | None) -> None:
         """Raise SpecCompileError unless requests may ask for this γ (None: the default)."""

@@ -1,0 +1,137 @@
+"""Medusa bundles (`speccompile build --medusa`): token trees verified in one target pass, greedy output
+exactly the target's (HF's), the accepted path's cache entries moved into place; typical acceptance
+opt-in and labelled; what Medusa does not do is refused in one line."""
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import speccompile
+from speccompile.cli import main
+from speccompile.core.tree import TokenTree
+from speccompile.errors import SpecCompileError
+from tests.conftest import FAMILIES, MEDUSA_HEADS
+from tests.runtime.test_generate import MAX_NEW, PROMPTS, hf_greedy
+
+# the oracle's trees hold the right tokens along ranks (1, 1, ..) only: accepted paths leave the first
+# branch, so their cache entries must move (a chain's never do)
+ORACLE_TREE = TokenTree.from_paths([(0,), (1,), (0, 0), (1, 0), (1, 1), (1, 1, 0), (1, 1, 1)])
+
+
+def test_a_medusa_bundle_records_its_heads_and_has_no_draft(bundles):
+    manifest = json.loads((bundles("llama", "medusa") / "manifest.json").read_text())
+    assert set(manifest["models"]) == {"target"}
+    assert manifest["medusa"]["num_heads"] == MEDUSA_HEADS and len(manifest["medusa"]["top_k_accuracy"]) == 3
+    assert {"target_verify_tree", "target_verify_tree_typical"} <= set(manifest["graphs"])
+    assert "verify_tree" in manifest["models"]["target"]["session"]["kinds"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_medusa_greedy_is_hf_with_any_tree_alone_and_in_a_batch(family, bundles, checkpoints):
+    runtime = speccompile.load(bundles(family, "medusa"))
+    expected = [hf_greedy(checkpoints(family), p, MAX_NEW) for p in PROMPTS]
+    for tree in (None, "chain", 5):
+        if tree is not None:
+            runtime.set_tree(tree)
+        batched = runtime.generate(PROMPTS, max_new_tokens=MAX_NEW)
+        alone = [runtime.generate([p], max_new_tokens=MAX_NEW)[0] for p in PROMPTS]
+        assert [r.token_ids for r in batched] == expected and [r.token_ids for r in alone] == expected, tree
+        assert all(set(r.stats.by_proposer) == {"medusa"} for r in batched + alone)
+    assert runtime.tree_sizing is not None  # the first generation sized the tree by measured cost
+
+
+def with_oracle_heads(runtime, continuations: dict):
+    """Replace each verification's next tree by one that holds the target's own continuation along
+    ranks (1, 1, ..) and wrong tokens elsewhere, so that paths off the first branch are accepted."""
+    verify_tree = runtime.target.verify_tree
+
+    def oracle(tokens, draft_len, tree, typical=None, first=0):
+        best, next_token, next_tree = verify_tree(tokens, draft_len, tree, typical, first)
+        for row, request in enumerate(runtime.scheduler.decoding):
+            full = continuations[tuple(request.prompt)]
+            start = int(runtime.target.cache_lengths[first + row]) + 1  # the root is the first uncached token
+            for node, path in enumerate(tree.paths, start=1):
+                right = full[start + len(path) - 1] if start + len(path) - 1 < len(full) else 0
+                next_tree[row, node] = right if set(path) == {1} else (right + 1) % runtime.target.vocab_size
+        return best, next_token, next_tree
+
+    runtime.target.verify_tree = oracle
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_paths_off_the_first_branch_are_compacted_into_place(family, bundles, checkpoints):
+    runtime = speccompile.load(bundles(family, "medusa"))
+    expected = [hf_greedy(checkpoints(family), p, MAX_NEW) for p in PROMPTS]
+    with_oracle_heads(runtime, {tuple(p): p + e for p, e in zip(PROMPTS, expected)})
+    runtime.set_tree(ORACLE_TREE)
+    results = runtime.generate(PROMPTS, max_new_tokens=MAX_NEW)
+    assert [r.token_ids for r in results] == expected  # entries left at node slots would change the logits
+    for r in results:
+        assert r.stats.mean_acceptance_length > 2.5, r.stats.to_dict()  # the oracle's depth-3 paths were kept
+
+
+def test_a_request_verifies_no_deeper_than_its_gamma_or_its_remaining_tokens(bundles, checkpoints):
+    runtime = speccompile.load(bundles("llama", "medusa"))
+    expected = hf_greedy(checkpoints("llama"), PROMPTS[0], 7)
+    with_oracle_heads(runtime, {tuple(PROMPTS[0]): PROMPTS[0] + expected + [0] * 8})
+    runtime.set_tree(ORACLE_TREE)
+    [result] = runtime.generate([PROMPTS[0]], max_new_tokens=7, gamma=1)
+    assert result.token_ids == expected and set(result.stats.gammas_used) <= {0, 1}
+
+
+def test_typical_acceptance_is_opt_in_and_labelled(bundles):
+    runtime = speccompile.load(bundles("llama", "medusa"))
+    [exact] = runtime.generate([PROMPTS[0]], max_new_tokens=8)
+    [typical] = runtime.generate([PROMPTS[0]], max_new_tokens=8, acceptance="typical")
+    assert exact.stats.to_dict()["acceptance"] == "exact" and typical.stats.to_dict()["acceptance"] == "typical"
+    assert len(typical.token_ids) == 8
+
+
+def test_what_medusa_bundles_do_not_do_is_refused_in_one_line(bundles):
+    runtime = speccompile.load(bundles("llama", "medusa"))
+    with pytest.raises(SpecCompileError, match="greedy only"):
+        runtime.generate([PROMPTS[0]], max_new_tokens=4, temperature=0.8)
+    with pytest.raises(SpecCompileError, match="Medusa heads"):
+        runtime.generate([PROMPTS[0]], max_new_tokens=4, proposer="draft")
+    with pytest.raises(SpecCompileError, match="heads"):
+        runtime.set_tree(TokenTree.chain(MEDUSA_HEADS + 1))  # deeper than the bundle's heads
+    with pytest.raises(SpecCompileError, match="acceptance must be"):
+        runtime.generate([PROMPTS[0]], max_new_tokens=4, acceptance="lenient")
+    plain = speccompile.load(bundles("llama", "none"))
+    with pytest.raises(SpecCompileError, match="--medusa"):
+        plain.generate([PROMPTS[0]], max_new_tokens=4, acceptance="typical")
+    with pytest.raises(SpecCompileError, match="--medusa"):
+        plain.set_tree("chain")
+
+
+def test_cli_generate_shows_the_tree_and_the_typical_label(bundles):
+    bundle = str(bundles("llama", "medusa"))
+    out = CliRunner().invoke(main, ["generate", bundle, "--prompt", "hello", "--max-new-tokens", "6", "--tree",
+                                    "chain", "--acceptance", "typical"])
+    assert out.exit_code == 0, out.output
+    assert "Medusa tree" in out.output and "TYPICAL acceptance" in out.output
+    bad = CliRunner().invoke(main, ["generate", bundle, "--prompt", "hello", "--tree", "wide"])
+    assert bad.exit_code == 1 and "--tree must be" in bad.output
+
+
+def test_build_refuses_a_draft_and_heads_together(checkpoints, tmp_path):
+    from tests.conftest import random_medusa_heads
+
+    heads = random_medusa_heads(checkpoints("llama"), tmp_path / "heads")
+    out = CliRunner().invoke(main, ["build", "--target", str(checkpoints("llama")), "--draft",
+                                    str(checkpoints("llama")), "--medusa", str(heads), "--out", str(tmp_path / "b")])
+    assert out.exit_code == 1 and "not both" in out.output
+
+
+def test_bench_acceptance_reports_speed_and_deviation(bundles):
+    from speccompile.runtime.bench import ACCEPTANCE_KEYS, bench_acceptance
+
+    runtime = speccompile.load(bundles("llama", "medusa"))
+    rows = bench_acceptance(runtime, ["hello world", "def f"], ["exact", "typical"], max_new_tokens=8, repeats=1)
+    assert [list(r) for r in rows] == [ACCEPTANCE_KEYS] * 2
+    exact = rows[0]
+    assert exact["token_agreement"] == 1.0 and exact["identical_outputs"] == 1.0  # exact is the greedy output
+    assert exact["mean_log_likelihood"] == pytest.approx(exact["exact_mean_log_likelihood"])
+    assert np.isfinite(rows[1]["perplexity"]) and 0.0 <= rows[1]["token_agreement"] <= 1.0
