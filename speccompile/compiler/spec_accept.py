@@ -158,7 +158,8 @@ def spec_accept_tree_function(typical: bool = False) -> onnx.FunctionProto:
     real = f.op("LessOrEqual", f.op("Unsqueeze", nodes, f.const([0])), f.op("Unsqueeze", "draft_len", f.const([1])))
     kept = f.op("Or", f.op("And", ok, real), f.op("Equal", nodes, f.const(0)))  # [B, N]
     # a node's path is kept when no ancestor (itself included) is not: all over j of (not mask[i, j]) or kept[j]
-    either = f.op("Or", f.op("Not", f.op("Unsqueeze", "tree_mask", f.const([0]))), f.op("Unsqueeze", kept, f.const([1])))
+    not_ancestor = f.op("Not", f.op("Unsqueeze", "tree_mask", f.const([0])))  # [1, N, N]
+    either = f.op("Or", not_ancestor, f.op("Unsqueeze", kept, f.const([1])))  # [B, N, N]
     path_kept = f.op("Cast", f.op("ReduceMin", f.op("Cast", either, to=onnx.TensorProto.INT64), f.const([2]),
                                   keepdims=0), to=onnx.TensorProto.BOOL)  # [B, N]
     depth = f.op("Cast", f.op("Unsqueeze", "tree_depths", f.const([0])), to=onnx.TensorProto.FLOAT)

@@ -148,7 +148,9 @@ def accept_tree(b: GraphBuilder, logits: str, ids: str, past_len: str, typical: 
     draft_len = b.input("draft_len", INT64, ["batch"])
     topology = (b.input("tree_parents", INT64, ["tree_nodes"]), b.input("tree_depths", INT64, ["tree_nodes"]),
                 b.input("tree_mask", BOOL, ["tree_nodes", "tree_nodes"]))
-    rule = (b.input("typical_epsilon", FLOAT, ["batch"]), b.input("typical_delta", FLOAT, ["batch"])) if typical else None
+    rule = None
+    if typical:
+        rule = (b.input("typical_epsilon", FLOAT, ["batch"]), b.input("typical_delta", FLOAT, ["batch"]))
     return spec_accept_tree_node(b, logits, ids, draft_len, past_len, topology, rule)
 
 

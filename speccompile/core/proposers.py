@@ -20,7 +20,7 @@ with probability p(x) and the correction is drawn from p without x (SpecAccept's
 from speccompile.core.cost_model import LoopCosts, expected_tokens
 from speccompile.core.gamma_policy import Acceptance
 
-PROPOSERS = ("draft", "ngram", "auto", "medusa")  # "medusa": a Medusa bundle's heads (core/tree.py), which "auto" means there
+PROPOSERS = ("draft", "ngram", "auto", "medusa")  # "medusa": a Medusa bundle's heads (core/tree.py); "auto" there
 DEFAULT_PROPOSER = "auto"
 NGRAM_MAX, NGRAM_MIN = 4, 2  # matching 1 token proposes too often and is kept 0.69 of the time (demo pair)
 # What a match is believed worth before a request has any of its own, by the length of the suffix

@@ -5,6 +5,7 @@ and what the measuring tools time; `speccompile profile` measures whole loop run
 (profile.py). It drives the engines only, never a Runtime, so the runtime may call it.
 """
 
+import functools
 import statistics
 import time
 
@@ -83,7 +84,8 @@ def measure_tree_costs(target, trees: dict, batch: int, context: int, repeats: i
         for size, tree in trees.items():
             tokens = rng.integers(0, target.vocab_size, (batch, tree.size))
             draft_len = np.full(batch, tree.size - 1, dtype=np.int64)
-            times[size].append(_rolled_back((target,), lambda: _timed(target.verify_tree, tokens, draft_len, tree)))
+            call = functools.partial(_timed, target.verify_tree, tokens, draft_len, tree)
+            times[size].append(_rolled_back((target,), call))
     return {size: statistics.median(t[1:]) for size, t in times.items()}
 
 
