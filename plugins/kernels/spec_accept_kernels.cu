@@ -1,10 +1,11 @@
 /*
- * speccompile kernels: the acceptance rule of speculative decoding (SpecAccept) and inverse-CDF sampling
- * (SpecSample), one thread block per sequence; the sampling transform (SpecTransform), one per row.
+ * speccompile kernels: the acceptance rule of speculative decoding (SpecAccept, on a chain of drafts or
+ * a token tree) and inverse-CDF sampling (SpecSample), one thread block per sequence; the sampling
+ * transform (SpecTransform), one per row.
  *
- * The oracle is numpy (speccompile/core/acceptance.py, sampling.py); the tests demand equal integers,
- * so every floating-point step below is the same fp32 operation, in the same order, as numpy's (the
- * transform's softmax excepted, see its section):
+ * The oracle is numpy (speccompile/core/acceptance.py, sampling.py, tree.py); the tests demand equal
+ * integers, so every floating-point step below is the same fp32 operation, in the same order, as
+ * numpy's (the transform's softmax and the typical tree rule excepted, see their sections):
  * products and differences use the _rn intrinsics (never contracted into an FMA), prefix sums run in
  * index order on one thread, and this file must not be built with --use_fast_math (it flushes
  * denormals and would change the bits).
@@ -303,11 +304,19 @@ struct SumOf
     }
 };
 
-// Reduce one value per thread over the block; the result goes to every thread.
-template <typename Op>
-__device__ float blockReduce(float x, Op op, float identity)
+struct SumOfDouble
 {
-    __shared__ float partial[kThreads / 32];
+    __device__ double operator()(double a, double b) const
+    {
+        return __dadd_rn(a, b);
+    }
+};
+
+// Reduce one value per thread over the block; the result goes to every thread.
+template <typename T, typename Op>
+__device__ T blockReduce(T x, Op op, T identity)
+{
+    __shared__ T partial[kThreads / 32];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     for (int offset = 16; offset > 0; offset /= 2)
         x = op(x, __shfl_down_sync(0xffffffffu, x, offset));
@@ -323,7 +332,7 @@ __device__ float blockReduce(float x, Op op, float identity)
             partial[0] = x;
     }
     __syncthreads();
-    const float result = partial[0];
+    const T result = partial[0];
     __syncthreads(); // everyone has read partial[0] before the next call overwrites it
     return result;
 }
@@ -530,9 +539,154 @@ __global__ void transformKernel(const float* logits, const float* temperature, c
         out[i] = __fdiv_rn(out[i], sum);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Token trees (speccompile/core/tree.py), one thread block per sequence
+//
+// Node i's path is kept iff every node on it passes its check against its parent's row, so walking
+// the nodes in index order (parents precede children) decides each from its parent alone:
+// kept_i = ok_i && kept_parent(i). The block scores a row only once its node is known to be kept: a
+// rejected node's children are rejected whatever its row says, and it cannot be the answer. Per node,
+// the block reduces over V (argmax; for the typical rule the softmax sums too) and thread 0 does the
+// O(1) check, so a tree costs (kept nodes) row passes plus N barriers.
+//
+// The typical rule thresholds a probability, so it cannot be bit-exact against the float64 reference
+// whatever the order of operations; its sums accumulate in double to keep the disagreement to
+// probabilities within rounding of the threshold.
+
+constexpr int kMaxTreeNodes = SPECCOMPILE_MAX_TREE_NODES;
+
+// What the typical rule checks a node's children against: p(v) = exp(x_v - max) / sum.
+struct RowStats
+{
+    float max;        // the row's maximum logit (NaN if any logit is)
+    double sum;       // sum_v exp(x_v - max)
+    double threshold; // min(ε, δ·exp(-H(p)))
+};
+
+// np.minimum: a NaN on either side wins.
+__device__ double minimumOf(double a, double b)
+{
+    return (isnan(a) || a < b) ? a : b;
+}
+
+// exp(x - max) as every thread computes it for the sum, so p of a single token agrees with the sum it
+// is divided by (a one-hot row gives exactly 1).
+__device__ float shiftedExp(float x, float max)
+{
+    return expf(__fsub_rn(x, max));
+}
+
+// H = log(sum) - sum_v e_v (x_v - max) / sum, which is -sum_v p_v log p_v without a log per token. A
+// token with e_v = 0 (a -inf logit, or one far enough below the max to underflow) adds nothing, as
+// p log p -> 0 (the reference clamps p to 1e-30 inside its log: the same to rounding). A NaN or +inf
+// logit makes the sum NaN, so every child fails its check, as in the reference. Returned to every thread.
+__device__ RowStats rowStats(const float* row, int V, float max, float epsilon, float delta)
+{
+    double sum = 0.0, weighted = 0.0;
+    for (int i = threadIdx.x; i < V; i += blockDim.x)
+    {
+        const float shifted = __fsub_rn(row[i], max);
+        const float e = expf(shifted);
+        sum = __dadd_rn(sum, e);
+        if (e > 0.0f)
+            weighted = __dadd_rn(weighted, __dmul_rn(e, shifted));
+    }
+    sum = blockReduce(sum, SumOfDouble{}, 0.0);
+    weighted = blockReduce(weighted, SumOfDouble{}, 0.0);
+    const double entropy = __dsub_rn(log(sum), __ddiv_rn(weighted, sum));
+    return RowStats{max, sum, minimumOf(epsilon, __dmul_rn(delta, exp(-entropy)))};
+}
+
+// Nodes 0..last are verified: i <= draft_len[b], and the root always.
+__device__ int lastRealNode(const int64_t* draftLen, int64_t b, int N)
+{
+    const int64_t k = draftLen[b];
+    return k < 0 ? 0 : (k >= N ? N - 1 : static_cast<int>(k));
+}
+
+// Whether node i > 0 is kept, on thread 0: its parent precedes it and is kept, and the node passes the
+// rule's check against the parent's row. `rows` is the sequence's logits [N, V].
+template <bool Typical>
+__device__ bool keepsNode(int i, const int64_t* parents, const int64_t* tokens, const bool* kept, const int* target,
+    const RowStats* stats, const float* rows, int V)
+{
+    const int64_t parent = parents[i];
+    if (parent < 0 || parent >= i || !kept[parent])
+        return false; // a parent after its child is no breadth-first tree: rejected rather than read out of order
+    const int64_t token = tokens[i];
+    if (!Typical)
+        return token == target[parent]; // the target's own choice after the parent
+    if (token < 0 || token >= V)
+        return false; // not a token: rejected (the numpy reference would raise)
+    const RowStats s = stats[parent];
+    const float e = shiftedExp(rows[parent * V + token], s.max);
+    return __ddiv_rn(e, s.sum) > s.threshold;
+}
+
+template <bool Typical>
+__global__ void treeAcceptKernel(const float* logits, const int64_t* treeTokens, const int64_t* draftLen,
+    const int64_t* pastLen, const int64_t* parents, const int64_t* depths, const float* epsilon, const float* delta,
+    int N, int V, int64_t* accepted, int64_t* nextToken, int64_t* newLen, int64_t* bestNode)
+{
+    __shared__ bool kept[kMaxTreeNodes];
+    __shared__ int target[kMaxTreeNodes];                 // t_i, written for kept nodes only
+    __shared__ RowStats stats[Typical ? kMaxTreeNodes : 1]; // typical rule only
+    const int64_t b = blockIdx.x;
+    const float* rows = logits + b * N * V;
+    const int64_t* tokens = treeTokens + b * N;
+    const int last = lastRealNode(draftLen, b, N);
+    int best = 0; // on thread 0: the first deepest kept node so far
+    for (int i = 0; i <= last; ++i)
+    {
+        if (threadIdx.x == 0)
+            kept[i] = i == 0 || keepsNode<Typical>(i, parents, tokens, kept, target, stats, rows, V);
+        __syncthreads();
+        if (!kept[i])
+            continue; // every thread reads the same kept[i]: the block stays together
+        const float* row = rows + static_cast<int64_t>(i) * V;
+        const int t = blockArgmax(row, V);
+        RowStats s{};
+        if (Typical)
+            s = rowStats(row, V, row[t], epsilon[b], delta[b]); // the first maximum is the maximum
+        if (threadIdx.x == 0)
+        {
+            // Only thread 0 reads these back, so no barrier is needed before the next node's check.
+            target[i] = t;
+            if (Typical)
+                stats[i] = s;
+            if (depths[i] > depths[best])
+                best = i; // strictly deeper: among equals the lowest index stays, as ArgMax's first maximum
+        }
+    }
+    if (threadIdx.x == 0)
+    {
+        accepted[b] = depths[best];
+        nextToken[b] = target[best]; // the target's own token after the accepted path
+        newLen[b] = pastLen[b] + depths[best] + 1;
+        bestNode[b] = best;
+    }
+}
+
 int launched()
 {
     return static_cast<int>(cudaGetLastError());
+}
+
+template <bool Typical>
+int treeAccept(const float* logits, const int64_t* treeTokens, const int64_t* draftLen, const int64_t* pastLen,
+    const int64_t* parents, const int64_t* depths, const float* epsilon, const float* delta, int B, int N, int V,
+    int64_t* accepted, int64_t* nextToken, int64_t* newLen, int64_t* bestNode, cudaStream_t stream)
+{
+    if (B < 0 || N < 1 || N > kMaxTreeNodes || V < 1)
+        return cudaErrorInvalidValue;
+    if (B == 0)
+        return cudaSuccess;
+    if (!logits || !treeTokens || !draftLen || !pastLen || !parents || !depths || (Typical && (!epsilon || !delta))
+        || !accepted || !nextToken || !newLen || !bestNode)
+        return cudaErrorInvalidValue;
+    treeAcceptKernel<Typical><<<B, kThreads, 0, stream>>>(logits, treeTokens, draftLen, pastLen, parents, depths,
+        epsilon, delta, N, V, accepted, nextToken, newLen, bestNode);
+    return launched();
 }
 
 } // namespace
@@ -598,4 +752,21 @@ extern "C" int speccompile_transform(const float* logits, const float* temperatu
         return cudaErrorInvalidValue;
     transformKernel<<<B * R, kThreads, 0, stream>>>(logits, temperature, top_k, top_p, R, V, probs);
     return launched();
+}
+
+extern "C" int speccompile_tree_accept(const float* logits, const int64_t* tree_tokens, const int64_t* draft_len,
+    const int64_t* past_len, const int64_t* tree_parents, const int64_t* tree_depths, int B, int N, int V,
+    int64_t* accepted, int64_t* next_token, int64_t* new_len, int64_t* best_node, cudaStream_t stream)
+{
+    return treeAccept<false>(logits, tree_tokens, draft_len, past_len, tree_parents, tree_depths, nullptr, nullptr, B,
+        N, V, accepted, next_token, new_len, best_node, stream);
+}
+
+extern "C" int speccompile_tree_typical_accept(const float* logits, const int64_t* tree_tokens,
+    const int64_t* draft_len, const int64_t* past_len, const int64_t* tree_parents, const int64_t* tree_depths,
+    const float* epsilon, const float* delta, int B, int N, int V, int64_t* accepted, int64_t* next_token,
+    int64_t* new_len, int64_t* best_node, cudaStream_t stream)
+{
+    return treeAccept<true>(logits, tree_tokens, draft_len, past_len, tree_parents, tree_depths, epsilon, delta, B, N,
+        V, accepted, next_token, new_len, best_node, stream);
 }

@@ -2,10 +2,12 @@
  * The speccompile CUDA kernels (SpecAccept, SpecSample, SpecTransform) behind a plain C ABI (no
  * TensorRT dependency).
  *
- * The rules are exactly those of the numpy oracle, speccompile/core/acceptance.py and
- * speccompile/core/sampling.py: same inputs, same integers out (and, for the transform, the same
- * probabilities to within fp32 rounding). Layouts are dense row-major, B = batch, G = γ (number of
- * draft tokens), R = rows per batch entry, V = vocabulary size. All pointers are device pointers; the
+ * The rules are exactly those of the numpy oracle, speccompile/core/acceptance.py,
+ * speccompile/core/sampling.py and speccompile/core/tree.py: same inputs, same integers out (and, for
+ * the transform, the same probabilities to within fp32 rounding; for the typical tree rule, the same
+ * decisions unless a probability lies within rounding of its threshold). Layouts are dense row-major,
+ * B = batch, G = γ (number of draft tokens), R = rows per batch entry, N = nodes of a token tree (the
+ * root included), V = vocabulary size. All pointers are device pointers; the
  * work is enqueued on `stream` and the call returns without synchronising.
  *
  * Every function returns 0 (cudaSuccess) when the kernel was enqueued, cudaErrorInvalidValue for
@@ -85,6 +87,38 @@ SPECCOMPILE_API int speccompile_sample(const float* probs, const float* uniform,
  */
 SPECCOMPILE_API int speccompile_transform(const float* logits, const float* temperature, const int64_t* top_k,
     const float* top_p, int B, int R, int V, float* probs, cudaStream_t stream);
+
+/* Per-node state of a tree lives in shared memory: trees have at most this many nodes, the root included. */
+#define SPECCOMPILE_MAX_TREE_NODES 1024
+
+/*
+ * Token-tree acceptance, greedy rule (`tree_accept` on target_tokens = argmax(logits, -1)). Node i of
+ * row b holds tree_tokens[b, i] (node 0: the root, the last accepted token) under tree_parents[i] < i
+ * (breadth-first numbering: parents precede children; a node whose parent does not is rejected).
+ *   t_i       = argmax_v logits[b, i, v]           first maximum on ties (NaN counts as maximal)
+ *   ok_i      = tree_tokens[b, i] == t_{parent(i)} and i <= draft_len[b]    (the root: always)
+ *   kept_i    = ok_i and kept_{parent(i)}          the node's whole path is kept
+ *   best_node = the kept node of largest tree_depths[i], the lowest index among equals
+ *   accepted  = tree_depths[best_node], next = t_best_node, new_len = past_len + accepted + 1
+ * logits [B, N, V] fp32; tree_tokens [B, N], draft_len [B], past_len [B], tree_parents [N],
+ * tree_depths [N] int64; outputs [B] int64. 1 <= N <= SPECCOMPILE_MAX_TREE_NODES. The ancestor mask the
+ * graph also carries is not an argument: the walk follows the parents. Only the rows of kept nodes are read.
+ */
+SPECCOMPILE_API int speccompile_tree_accept(const float* logits, const int64_t* tree_tokens, const int64_t* draft_len,
+    const int64_t* past_len, const int64_t* tree_parents, const int64_t* tree_depths, int B, int N, int V,
+    int64_t* accepted, int64_t* next_token, int64_t* new_len, int64_t* best_node, cudaStream_t stream);
+
+/*
+ * Token-tree acceptance, typical rule (`typical_accept`): as speccompile_tree_accept, with
+ *   ok_i = p_{parent(i)}(tree_tokens[b, i]) > min(epsilon[b], delta[b] * exp(-H(p_{parent(i)}))) and i <= draft_len[b]
+ * where p_j = softmax(logits[b, j]) and H its entropy in nats. A token outside [0, V) is rejected.
+ * epsilon [B], delta [B] fp32. The softmax sums and the entropy accumulate in double (the reference
+ * works in float64), so a decision can differ from it only where p lies within rounding of the threshold.
+ */
+SPECCOMPILE_API int speccompile_tree_typical_accept(const float* logits, const int64_t* tree_tokens,
+    const int64_t* draft_len, const int64_t* past_len, const int64_t* tree_parents, const int64_t* tree_depths,
+    const float* epsilon, const float* delta, int B, int N, int V, int64_t* accepted, int64_t* next_token,
+    int64_t* new_len, int64_t* best_node, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -44,7 +44,6 @@ constexpr char const* kPLUGIN_NAME = "SpecAccept";
 constexpr char const* kPLUGIN_VERSION = "1";
 constexpr char const* kPLUGIN_NAMESPACE = "speccompile";
 constexpr char const* kMODE_FIELD = "mode";
-constexpr int32_t kNB_OUTPUTS = 3; // accepted, next_token, new_len
 
 // Input dtypes in ONNX input order (test_kernels_build.py holds them to the ONNX function's inputs).
 constexpr DataType kGREEDY_INPUTS[] = {
@@ -62,21 +61,60 @@ constexpr DataType kSAMPLE_INPUTS[] = {
     DataType::kFLOAT, // u_sample      [B]
     DataType::kINT64, // past_len      [B]
 };
+// The mask is bool, as the graph feeds it: PluginTensorDesc's documentation still warns that kBOOL is
+// unsupported, yet plugins in TensorRT's own repository (PointPillarScatter) declare kBOOL inputs. The
+// kernels never read it, since walking tree_parents decides the same paths; it is an input only because the
+// node has it.
+constexpr DataType kTREE_INPUTS[] = {
+    DataType::kFLOAT, // target_logits [B, N, V]
+    DataType::kINT64, // tree_tokens   [B, N]
+    DataType::kINT64, // draft_len     [B]
+    DataType::kINT64, // past_len      [B]
+    DataType::kINT64, // tree_parents  [N]
+    DataType::kINT64, // tree_depths   [N]
+    DataType::kBOOL,  // tree_mask     [N, N]
+};
+constexpr DataType kTREE_TYPICAL_INPUTS[] = {
+    DataType::kFLOAT, // target_logits [B, N, V]
+    DataType::kINT64, // tree_tokens   [B, N]
+    DataType::kINT64, // draft_len     [B]
+    DataType::kINT64, // past_len      [B]
+    DataType::kINT64, // tree_parents  [N]
+    DataType::kINT64, // tree_depths   [N]
+    DataType::kBOOL,  // tree_mask     [N, N]
+    DataType::kFLOAT, // epsilon       [B]
+    DataType::kFLOAT, // delta         [B]
+};
 
-int32_t nbInputsFor(AcceptMode mode)
+// What each mode is, indexed by AcceptMode. Every output is i64 [B]: accepted, next_token, new_len, and
+// for trees best_node.
+struct ModeSpec
 {
-    auto const count = mode == AcceptMode::kGREEDY ? std::size(kGREEDY_INPUTS) : std::size(kSAMPLE_INPUTS);
-    return static_cast<int32_t>(count);
+    char const* name; // the node's `mode`
+    DataType const* inputs;
+    int32_t nbInputs;
+    int32_t nbOutputs;
+};
+constexpr ModeSpec kMODES[] = {
+    {"greedy", kGREEDY_INPUTS, std::size(kGREEDY_INPUTS), 3},
+    {"sample", kSAMPLE_INPUTS, std::size(kSAMPLE_INPUTS), 3},
+    {"tree", kTREE_INPUTS, std::size(kTREE_INPUTS), 4},
+    {"tree_typical", kTREE_TYPICAL_INPUTS, std::size(kTREE_TYPICAL_INPUTS), 4},
+};
+
+ModeSpec const& specOf(AcceptMode mode)
+{
+    return kMODES[static_cast<int32_t>(mode)];
 }
 
-DataType inputType(AcceptMode mode, int32_t index)
+bool isTree(AcceptMode mode)
 {
-    return mode == AcceptMode::kGREEDY ? kGREEDY_INPUTS[index] : kSAMPLE_INPUTS[index];
+    return mode == AcceptMode::kTREE || mode == AcceptMode::kTREE_TYPICAL;
 }
 
 bool hasArity(AcceptMode mode, int32_t nbInputs, int32_t nbOutputs)
 {
-    return nbInputs == nbInputsFor(mode) && nbOutputs == kNB_OUTPUTS;
+    return nbInputs == specOf(mode).nbInputs && nbOutputs == specOf(mode).nbOutputs;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -119,9 +157,11 @@ bool parseMode(PluginFieldCollection const* fc, AcceptMode& mode)
             return false;
         char const* text = static_cast<char const*>(field.data);
         std::string const value(text, std::find(text, text + field.length, '\0'));
-        if (value != "greedy" && value != "sample")
+        auto const known = std::find_if(
+            std::begin(kMODES), std::end(kMODES), [&value](ModeSpec const& spec) { return value == spec.name; });
+        if (known == std::end(kMODES))
             return false;
-        mode = value == "greedy" ? AcceptMode::kGREEDY : AcceptMode::kSAMPLE;
+        mode = static_cast<AcceptMode>(known - std::begin(kMODES));
     }
     return true;
 }
@@ -133,7 +173,8 @@ bool isShape(Dims const& dims, std::initializer_list<int64_t> shape)
     return std::equal(shape.begin(), shape.end(), dims.d);
 }
 
-// The inputs agree with input 0 = [B, γ+1, V], and B, γ, V fit the kernels' int arguments.
+// The inputs agree with input 0 = [B, γ+1, V] (trees: [B, N, V], N <= SPECCOMPILE_MAX_TREE_NODES), and
+// B, γ, V fit the kernels' int arguments.
 bool shapesAgree(AcceptMode mode, PluginTensorDesc const* in)
 {
     Dims const& scores = in[0].dims;
@@ -141,11 +182,24 @@ bool shapesAgree(AcceptMode mode, PluginTensorDesc const* in)
     if (scores.nbDims != 3 || scores.d[0] < 0 || scores.d[0] > kMax || scores.d[1] < 1 || scores.d[1] > kMax
         || scores.d[2] < 1 || scores.d[2] > kMax)
         return false;
-    int64_t const B = scores.d[0], G = scores.d[1] - 1, V = scores.d[2];
-    if (mode == AcceptMode::kGREEDY)
+    int64_t const B = scores.d[0], G = scores.d[1] - 1, N = scores.d[1], V = scores.d[2];
+    switch (mode)
+    {
+    case AcceptMode::kGREEDY:
         return isShape(in[1].dims, {B, G}) && isShape(in[2].dims, {B}) && isShape(in[3].dims, {B});
-    return isShape(in[1].dims, {B, G, V}) && isShape(in[2].dims, {B, G}) && isShape(in[3].dims, {B})
-        && isShape(in[4].dims, {B, G}) && isShape(in[5].dims, {B}) && isShape(in[6].dims, {B});
+    case AcceptMode::kSAMPLE:
+        return isShape(in[1].dims, {B, G, V}) && isShape(in[2].dims, {B, G}) && isShape(in[3].dims, {B})
+            && isShape(in[4].dims, {B, G}) && isShape(in[5].dims, {B}) && isShape(in[6].dims, {B});
+    case AcceptMode::kTREE:
+    case AcceptMode::kTREE_TYPICAL:
+        break;
+    }
+    bool const tree = N <= SPECCOMPILE_MAX_TREE_NODES && isShape(in[1].dims, {B, N}) && isShape(in[2].dims, {B})
+        && isShape(in[3].dims, {B}) && isShape(in[4].dims, {N}) && isShape(in[5].dims, {N})
+        && isShape(in[6].dims, {N, N});
+    if (mode == AcceptMode::kTREE)
+        return tree;
+    return tree && isShape(in[7].dims, {B}) && isShape(in[8].dims, {B});
 }
 
 } // namespace
@@ -155,7 +209,7 @@ bool shapesAgree(AcceptMode mode, PluginTensorDesc const* in)
 
 SpecAcceptPlugin::SpecAcceptPlugin(AcceptMode mode)
     : mMode(mode)
-    , mModeName(mode == AcceptMode::kGREEDY ? "greedy" : "sample")
+    , mModeName(specOf(mode).name)
     , mModeField(kMODE_FIELD, mModeName.c_str(), PluginFieldType::kCHAR, static_cast<int32_t>(mModeName.size() + 1))
     , mFields{1, &mModeField}
 {
@@ -202,7 +256,7 @@ char const* SpecAcceptPlugin::getPluginNamespace() const noexcept
 
 int32_t SpecAcceptPlugin::getNbOutputs() const noexcept
 {
-    return kNB_OUTPUTS;
+    return specOf(mMode).nbOutputs;
 }
 
 int32_t SpecAcceptPlugin::getOutputDataTypes(
@@ -219,7 +273,8 @@ int32_t SpecAcceptPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInp
 {
     if (!hasArity(mMode, nbInputs, nbOutputs) || inputs[0].nbDims != 3)
     {
-        logError("SpecAccept: expected input 0 of shape [B, gamma+1, V] and the mode's number of inputs");
+        logError("SpecAccept: expected input 0 of shape [B, gamma+1, V] (trees: [B, N, V]) and the mode's number "
+                 "of inputs and outputs");
         return -1;
     }
     // One value per sequence: every output is [B], B being input 0's leading dimension expression.
@@ -236,7 +291,7 @@ bool SpecAcceptPlugin::supportsFormatCombination(
 {
     if (!hasArity(mMode, nbInputs, nbOutputs) || pos < 0 || pos >= nbInputs + nbOutputs)
         return false;
-    DataType const expected = pos < nbInputs ? inputType(mMode, pos) : DataType::kINT64;
+    DataType const expected = pos < nbInputs ? specOf(mMode).inputs[pos] : DataType::kINT64;
     return inOut[pos].desc.format == TensorFormat::kLINEAR && inOut[pos].desc.type == expected;
 }
 
@@ -252,27 +307,41 @@ int32_t SpecAcceptPlugin::onShapeChange(
 {
     if (hasArity(mMode, nbInputs, nbOutputs) && shapesAgree(mMode, in))
         return 0;
-    logError("SpecAccept: input shapes disagree with input 0 = [B, gamma+1, V] (or exceed int32)");
+    logError("SpecAccept: input shapes disagree with input 0 = [B, gamma+1, V] (trees: [B, N, V] with N <= "
+             "SPECCOMPILE_MAX_TREE_NODES), or exceed int32");
     return -1;
 }
 
 int32_t SpecAcceptPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* /*outputDesc*/,
     void const* const* inputs, void* const* outputs, void* /*workspace*/, cudaStream_t stream) noexcept
 {
-    Dims const& scores = inputDesc[0].dims; // [B, γ+1, V], checked by onShapeChange
+    Dims const& scores = inputDesc[0].dims; // [B, γ+1, V] or [B, N, V], checked by onShapeChange
     int const B = static_cast<int>(scores.d[0]);
     int const G = static_cast<int>(scores.d[1] - 1);
+    int const N = static_cast<int>(scores.d[1]);
     int const V = static_cast<int>(scores.d[2]);
     auto* accepted = static_cast<int64_t*>(outputs[0]);
     auto* nextToken = static_cast<int64_t*>(outputs[1]);
     auto* newLen = static_cast<int64_t*>(outputs[2]);
+    auto* bestNode = isTree(mMode) ? static_cast<int64_t*>(outputs[3]) : nullptr;
     auto f32 = [inputs](int32_t i) { return static_cast<float const*>(inputs[i]); };
     auto i64 = [inputs](int32_t i) { return static_cast<int64_t const*>(inputs[i]); };
-    // Inputs in the order of kGREEDY_INPUTS / kSAMPLE_INPUTS.
-    if (mMode == AcceptMode::kGREEDY)
+    // Inputs in the order of the mode's table (kGREEDY_INPUTS, ...); the trees' input 6, tree_mask, is not read.
+    switch (mMode)
+    {
+    case AcceptMode::kGREEDY:
         return speccompile_greedy_accept(f32(0), i64(1), i64(2), i64(3), B, G, V, accepted, nextToken, newLen, stream);
-    return speccompile_sample_accept(
-        f32(0), f32(1), i64(2), i64(3), f32(4), f32(5), i64(6), B, G, V, accepted, nextToken, newLen, stream);
+    case AcceptMode::kSAMPLE:
+        return speccompile_sample_accept(
+            f32(0), f32(1), i64(2), i64(3), f32(4), f32(5), i64(6), B, G, V, accepted, nextToken, newLen, stream);
+    case AcceptMode::kTREE:
+        return speccompile_tree_accept(
+            f32(0), i64(1), i64(2), i64(3), i64(4), i64(5), B, N, V, accepted, nextToken, newLen, bestNode, stream);
+    case AcceptMode::kTREE_TYPICAL:
+        return speccompile_tree_typical_accept(f32(0), i64(1), i64(2), i64(3), i64(4), i64(5), f32(7), f32(8), B, N,
+            V, accepted, nextToken, newLen, bestNode, stream);
+    }
+    return -1;
 }
 
 nvinfer1::IPluginV3* SpecAcceptPlugin::attachToContext(nvinfer1::IPluginResourceContext* /*context*/) noexcept
@@ -324,7 +393,8 @@ nvinfer1::IPluginV3* SpecAcceptPluginCreator::createPlugin(
         AcceptMode mode{};
         if (parseMode(fc, mode))
             return new SpecAcceptPlugin(mode);
-        logError("SpecAccept: field `mode` must be the string \"greedy\" or \"sample\"");
+        logError("SpecAccept: field `mode` must be the string \"greedy\", \"sample\", \"tree\" or "
+                 "\"tree_typical\"");
     }
     catch (std::exception const& e)
     {

@@ -2,15 +2,22 @@
  * TensorRT IPluginV3 for the `SpecAccept` ONNX node (speccompile/compiler/spec_accept.py).
  *
  * The node lives in the `speccompile` domain and carries plugin_namespace = "speccompile",
- * plugin_version = "1" and mode = "greedy" | "sample"; TensorRT's ONNX parser serves it with the
- * creator whose (name, version, namespace) is ("SpecAccept", "1", "speccompile"), passing `mode`.
+ * plugin_version = "1" and mode = "greedy" | "sample" | "tree" | "tree_typical"; TensorRT's ONNX parser
+ * serves it with the creator whose (name, version, namespace) is ("SpecAccept", "1", "speccompile"),
+ * passing `mode`.
  *
  *   greedy: target_logits f32 [B, γ+1, V], draft_tokens i64 [B, γ], draft_len i64 [B], past_len i64 [B]
  *   sample: target_probs f32 [B, γ+1, V], draft_probs f32 [B, γ, V], draft_tokens i64 [B, γ],
  *           draft_len i64 [B], u_accept f32 [B, γ], u_sample f32 [B], past_len i64 [B]
  *   outputs (both modes): accepted, next_token, new_len, i64 [B]
  *
- * draft_len[b] (0..γ): how many of row b's γ draft slots hold real drafts; the rest are padding.
+ *   tree:         target_logits f32 [B, N, V], tree_tokens i64 [B, N], draft_len i64 [B], past_len i64 [B],
+ *                 tree_parents i64 [N], tree_depths i64 [N], tree_mask bool [N, N]
+ *   tree_typical: the same, then epsilon f32 [B], delta f32 [B]
+ *   outputs (tree modes): accepted, next_token, new_len, best_node, i64 [B]
+ *
+ * draft_len[b] (0..γ): how many of row b's γ draft slots hold real drafts; the rest are padding. In a
+ * tree (N nodes, the root included, N <= SPECCOMPILE_MAX_TREE_NODES) nodes 0..draft_len[b] are verified.
  *
  * The work is done by the C ABI in plugins/kernels/spec_accept_kernels.h.
  */
@@ -30,6 +37,8 @@ enum class AcceptMode : int32_t
 {
     kGREEDY = 0,
     kSAMPLE = 1,
+    kTREE = 2,
+    kTREE_TYPICAL = 3,
 };
 
 class SpecAcceptPlugin final : public nvinfer1::IPluginV3,
@@ -74,7 +83,7 @@ public:
 
 private:
     AcceptMode mMode;
-    std::string mModeName;            // "greedy" | "sample": the one serialized field
+    std::string mModeName;            // the node's `mode`: the one serialized field
     nvinfer1::PluginField mModeField;  // points at mModeName
     nvinfer1::PluginFieldCollection mFields;
 };

@@ -13,7 +13,9 @@ import numpy as np
 
 PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
 KERNELS_CU = PLUGINS / "kernels" / "spec_accept_kernels.cu"
-SYMBOLS = ("speccompile_greedy_accept", "speccompile_sample_accept", "speccompile_sample", "speccompile_transform")
+SYMBOLS = ("speccompile_greedy_accept", "speccompile_sample_accept", "speccompile_sample", "speccompile_transform",
+           "speccompile_tree_accept", "speccompile_tree_typical_accept")
+MAX_TREE_NODES = 1024  # SPECCOMPILE_MAX_TREE_NODES in spec_accept_kernels.h
 
 P, N, S = ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p  # device pointer, int, cudaStream_t
 SIGNATURES = {
@@ -21,6 +23,8 @@ SIGNATURES = {
     "speccompile_sample_accept": [P, P, P, P, P, P, P, N, N, N, P, P, P, S],
     "speccompile_sample": [P, P, N, N, P, S],
     "speccompile_transform": [P, P, P, P, N, N, N, P, S],
+    "speccompile_tree_accept": [P, P, P, P, P, P, N, N, N, P, P, P, P, S],
+    "speccompile_tree_typical_accept": [P, P, P, P, P, P, P, P, N, N, N, P, P, P, P, S],
 }
 
 # ---- build -------------------------------------------------------------------------------------
@@ -207,3 +211,23 @@ def transform(lib, device, logits, temperature, top_k, top_p, in_place=False):
               for a, dt in [(temperature, np.float32), (top_k, np.int64), (top_p, np.float32)]]
     assert lib.speccompile_transform(x, *params, batch, rows, vocab, out, device.stream) == 0
     return device.get(out)
+
+
+def _tree_accept(fn, device, logits, arrays):
+    """(accepted, next_token, new_len, best_node) of a tree kernel on logits [B, N, V] and its other inputs."""
+    batch, nodes, vocab = logits.shape
+    outs = _outputs(device, batch, 4)
+    ins = [device.put(np.asarray(a, dt)) for a, dt in [(logits, np.float32), *arrays]]
+    assert fn(*ins, batch, nodes, vocab, *outs, device.stream) == 0
+    return tuple(device.get(p) for p in outs)
+
+
+def tree_accept(lib, device, logits, tree_tokens, draft_len, past_len, parents, depths):
+    arrays = [(a, np.int64) for a in (tree_tokens, draft_len, past_len, parents, depths)]
+    return _tree_accept(lib.speccompile_tree_accept, device, logits, arrays)
+
+
+def tree_typical_accept(lib, device, logits, tree_tokens, draft_len, past_len, parents, depths, epsilon, delta):
+    arrays = [(a, np.int64) for a in (tree_tokens, draft_len, past_len, parents, depths)]
+    arrays += [(epsilon, np.float32), (delta, np.float32)]
+    return _tree_accept(lib.speccompile_tree_typical_accept, device, logits, arrays)

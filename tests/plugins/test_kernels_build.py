@@ -13,8 +13,8 @@ from onnx import TensorProto
 
 from speccompile.compiler import spec_accept
 from speccompile.compiler.onnx_graph import GraphBuilder
-from speccompile.compiler.transformer import _sampling_inputs
-from tests.plugins.kernels_lib import PLUGINS, SYMBOLS, exported_symbols, load_kernels
+from speccompile.compiler.transformer import _sampling_inputs, accept_tree
+from tests.plugins.kernels_lib import MAX_TREE_NODES, PLUGINS, SYMBOLS, exported_symbols, load_kernels
 
 CUDA_ERROR_INVALID_VALUE = 1
 
@@ -67,22 +67,56 @@ def test_bad_arguments_are_refused_before_any_launch(kernels_library):
     assert lib.speccompile_transform(*[None] * 4, 2, 0, 8, None, None) == 0  # no rows
 
 
+def test_tree_arguments_are_refused_before_any_launch(kernels_library):
+    lib = load_kernels(kernels_library("sm_80"))
+    fake, outs = 256, [256] * 4
+    tree, typical = lib.speccompile_tree_accept, lib.speccompile_tree_typical_accept
+    ins, typical_ins = [fake] * 6, [fake] * 8
+    for B, N, V in [(-1, 4, 8), (2, 0, 8), (2, MAX_TREE_NODES + 1, 8), (2, 4, 0)]:  # bad sizes
+        assert tree(*ins, B, N, V, *outs, None) == CUDA_ERROR_INVALID_VALUE, (B, N, V)
+        assert typical(*typical_ins, B, N, V, *outs, None) == CUDA_ERROR_INVALID_VALUE, (B, N, V)
+    for missing in range(6):  # every input is required, even with a single node
+        assert tree(*ins[:missing], None, *ins[missing + 1:], 2, 1, 8, *outs, None) == CUDA_ERROR_INVALID_VALUE
+    assert typical(*typical_ins[:6], None, fake, 2, 4, 8, *outs, None) == CUDA_ERROR_INVALID_VALUE  # epsilon
+    assert typical(*typical_ins[:7], None, 2, 4, 8, *outs, None) == CUDA_ERROR_INVALID_VALUE  # delta
+    assert tree(*ins, 2, 4, 8, *outs[:3], None, None) == CUDA_ERROR_INVALID_VALUE  # best_node
+    # An empty batch is a no-op, not an error.
+    assert tree(*[None] * 6, 0, 4, 8, *[None] * 4, None) == 0
+    assert typical(*[None] * 8, 0, MAX_TREE_NODES, 8, *[None] * 4, None) == 0
+
+
+def test_tree_node_limit_is_the_headers():
+    header = (PLUGINS / "kernels" / "spec_accept_kernels.h").read_text()
+    assert re.search(r"#define SPECCOMPILE_MAX_TREE_NODES (\d+)", header).group(1) == str(MAX_TREE_NODES)
+
+
 # ---- the plugin's identity --------------------------------------------------------------------------
+
+
+ONNX_TO_TRT = {TensorProto.FLOAT: "kFLOAT", TensorProto.INT64: "kINT64", TensorProto.BOOL: "kBOOL"}
 
 
 def test_plugin_answers_to_what_the_onnx_node_asks_for():
     """TensorRT's parser looks the creator up by (op_type, plugin_version, plugin_namespace) and hands
-    it the node's inputs in ONNX order, which enqueue() indexes by position."""
+    it the node's inputs in ONNX order, which enqueue() indexes by position: every mode of the ONNX
+    function has a row in the plugin's mode table with its inputs (names and dtypes) and output count."""
     source = (PLUGINS / "tensorrt" / "spec_accept_plugin.cpp").read_text()
     constants = dict(re.findall(r'constexpr char const\* (k\w+) = "([^"]*)";', source))
     assert constants["kPLUGIN_VERSION"] == spec_accept.PLUGIN_VERSION
     assert constants["kPLUGIN_NAMESPACE"] == spec_accept.PLUGIN_NAMESPACE
-    for mode, table in [("greedy", "kGREEDY_INPUTS"), ("sample", "kSAMPLE_INPUTS")]:
+    block = re.search(r"kMODES\[\] = \{(.*?)\n\};", source, re.S).group(1)
+    modes = re.findall(r'\{"(\w+)", (k\w+), std::size\(\2\), (\d+)\}', block)
+    assert [mode for mode, _, _ in modes] == [mode for op, mode in spec_accept.FUNCTIONS if op == "SpecAccept"]
+    for mode, table, nb_outputs in modes:
         function = spec_accept.FUNCTIONS["SpecAccept", mode]()
-        block = re.search(table + r"\[\] = \{(.*?)\};", source, re.S).group(1)
         assert function.name == constants["kPLUGIN_NAME"]
         assert constants["kMODE_FIELD"] in function.attribute
-        assert re.findall(r"DataType::k\w+, // (\w+)", block) == list(function.input)
+        assert [name for _, name in dtype_table(source, table)] == list(function.input)
+        assert int(nb_outputs) == len(function.output)
+        assert list(function.output)[:3] == spec_accept.OUTPUTS  # enqueue() writes outputs 0..2 in every mode
+    # The dtypes the tree graphs feed (the ONNX function declares none; the graph's tensors do).
+    for table, typical in [("kTREE_INPUTS", False), ("kTREE_TYPICAL_INPUTS", True)]:
+        assert dtype_table(source, table) == tree_node_dtypes(typical)
     assert re.search(r'extern "C" \w+ nvinfer1::IPluginCreatorInterface\* const\* '
                      r'getCreators\(int32_t& nbCreators\)', source)
     assert "REGISTER_TENSORRT_PLUGIN(SpecAcceptPluginCreator)" in source
@@ -90,8 +124,21 @@ def test_plugin_answers_to_what_the_onnx_node_asks_for():
 
 def dtype_table(source: str, table: str) -> list[tuple[str, str]]:
     """[(DataType, tensor name)] of a `constexpr DataType table[] = {...}` in a plugin source."""
-    block = re.search(table + r"\[\] = \{(.*?)\};", source, re.S).group(1)
-    return re.findall(r"DataType::(k\w+), // (\w+)", block)
+    block = re.search(r"\b" + table + r"\[\] = \{(.*?)\};", source, re.S).group(1)
+    return re.findall(r"DataType::(k\w+),\s+// (\w+)", block)
+
+
+def tree_node_dtypes(typical: bool) -> list[tuple[str, str]]:
+    """[(DataType, ONNX function input)] of the tree SpecAccept node as transformer.accept_tree builds it,
+    on float logits, int64 ids and past_len (what the verification graph hands it)."""
+    g = GraphBuilder("tree")
+    logits = g.input("logits", TensorProto.FLOAT, ["batch", "tree_nodes", "vocab"])
+    ids = g.input("input_ids", TensorProto.INT64, ["batch", "tree_nodes"])
+    accept_tree(g, logits, ids, g.input("past_len", TensorProto.INT64, ["batch"]), typical)
+    [node] = [n for n in g.nodes if n.op_type == "SpecAccept"]
+    declared = {v.name: ONNX_TO_TRT[v.type.tensor_type.elem_type] for v in g.inputs}
+    function = spec_accept.FUNCTIONS["SpecAccept", "tree_typical" if typical else "tree"]()
+    return [(declared[tensor], name) for tensor, name in zip(node.input, function.input, strict=True)]
 
 
 def test_sampling_plugins_answer_to_what_the_onnx_nodes_ask_for():

@@ -1,10 +1,12 @@
 """The speccompile CUDA kernels against the numpy oracle, on a CUDA device.
 
-The oracle is speccompile.core.acceptance (greedy_accept, sample_accept) and
-speccompile.core.sampling (sample_from, transform). Sampling compares exactly, not statistically: the
-kernels repeat numpy's fp32 operations in numpy's order, so the same uniforms must pick the same
-tokens. The transform's probabilities agree to fp32 rounding (exp and the softmax sum differ from
-numpy's), and its kept set exactly.
+The oracle is speccompile.core.acceptance (greedy_accept, sample_accept),
+speccompile.core.sampling (sample_from, transform) and speccompile.core.tree (tree_accept,
+typical_accept). Sampling compares exactly, not statistically: the kernels repeat numpy's fp32
+operations in numpy's order, so the same uniforms must pick the same tokens. The transform's
+probabilities agree to fp32 rounding (exp and the softmax sum differ from numpy's), and its kept set
+exactly; the typical tree rule agrees exactly on inputs whose decisions do not move when its
+thresholds move by far more than that rounding.
 """
 
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 
 from speccompile.core.acceptance import greedy_accept, sample_accept
 from speccompile.core.sampling import sample_from, transform
+from speccompile.core.tree import TokenTree, grow_tree, tree_accept, typical_accept
 from tests.plugins import kernels_lib
 
 NO_DEVICE = kernels_lib.no_cuda_device_reason()
@@ -36,7 +39,8 @@ def device():
 
 
 def assert_same(got, want):
-    for name, g, w in zip(["accepted", "next_token", "new_len"], got, want):
+    assert len(got) == len(want)
+    for name, g, w in zip(["accepted", "next_token", "new_len", "best_node"], got, want):
         np.testing.assert_array_equal(g, w, err_msg=name)
 
 
@@ -267,3 +271,140 @@ def test_transform_may_overwrite_its_logits(kernels, device):
     params = transform_params([(0.0, 0, 1.0), (0.8, 50, 0.9), (1.0, 0, 0.95)])
     in_place = kernels_lib.transform(kernels, device, logits, *params, in_place=True)
     np.testing.assert_array_equal(in_place, kernels_lib.transform(kernels, device, logits, *params))
+
+
+# ---- token trees --------------------------------------------------------------------------------------
+
+HEAD_ACCURACY = [[0.6, 0.2, 0.1, 0.05, 0.03, 0.02, 0.01, 0.01]] * 5  # 5 heads, 8 candidates each
+TREES = {
+    "root": TokenTree.from_paths([]),
+    "chain": TokenTree.chain(4),
+    "small": grow_tree(HEAD_ACCURACY, 9),
+    "medusa": grow_tree(HEAD_ACCURACY, 63),
+    "largest": grow_tree(HEAD_ACCURACY, kernels_lib.MAX_TREE_NODES - 1),
+}
+TREE_SHAPES = [("root", 2, 16), ("chain", 5, 50), ("small", 6, 1000), ("medusa", 5, 8192), ("largest", 2, 64)]
+TREE_DRAFT_LENS = ["all", "per_row"]
+
+
+def tree_draft_lengths(rng, kind, batch, size):
+    """draft_len [B]: every node, or per row with rows 0 and 1 at all nodes, row 2 at none, and rows past
+    that anywhere in -2..N+2 (outside 0..N-1 the kernels clamp, as the graph's comparison does)."""
+    if kind == "all":
+        return np.full(batch, size - 1, np.int64)
+    draft_len = rng.integers(-2, size + 3, size=batch)
+    draft_len[: min(batch, 3)] = [size - 1, size - 1, 0][: min(batch, 3)]
+    return draft_len
+
+
+def unverified(rng, logits, tokens, draft_len):
+    """The nodes past each row's draft_len filled with what no kernel may read: ids that are no token and,
+    in odd rows, NaN logits."""
+    batch, size, vocab = logits.shape
+    pads = np.arange(size)[None, :] > draft_len[:, None]
+    tokens = np.where(pads, np.where(rng.random(pads.shape) < 0.5, -1, vocab + 5), tokens)
+    odd = np.arange(batch)[:, None] % 2 == 1
+    return np.where((pads & odd)[..., None], np.float32(np.nan), logits), tokens
+
+
+def greedy_tree_tokens(rng, target_tokens, tree, vocab, agree=0.75):
+    """[B, N]: each node the target's choice after its parent with probability `agree`, else another token;
+    row 0 agrees everywhere, so its deepest node is accepted. The root's token is never checked."""
+    choice = target_tokens[:, tree.parents]
+    other = (choice + rng.integers(1, vocab, size=choice.shape)) % vocab
+    tokens = np.where(rng.random(choice.shape) < agree, choice, other)
+    tokens[0] = choice[0]
+    tokens[:, 0] = rng.integers(0, vocab, size=len(tokens))
+    return tokens
+
+
+def typical_tree_tokens(rng, logits, tree, vocab):
+    """[B, N]: each node the most likely token after its parent, the second most likely, or any token."""
+    ranked = np.argsort(-logits, axis=-1, kind="stable")[:, tree.parents, :2]  # [B, N, 2]
+    pick = rng.integers(0, 3, size=ranked.shape[:2])
+    return np.where(pick == 2, rng.integers(0, vocab, size=pick.shape), np.take_along_axis(
+        ranked, np.minimum(pick, 1)[..., None], axis=2)[..., 0])
+
+
+def tree_case(rng, name, batch, vocab, draft_lens):
+    tree = TREES[name]
+    # rows from nearly flat to peaked, so the typical thresholds range over min(ε, δ·exp(-H))
+    scale = np.array([0.5, 2.0, 6.0])[np.arange(batch) % 3][:, None, None]
+    logits = (scale * rng.standard_normal((batch, tree.size, vocab))).astype(np.float32)
+    if vocab <= 64:
+        logits = np.round(logits)  # many ties: the first maximum must win
+    draft_len = tree_draft_lengths(rng, draft_lens, batch, tree.size)
+    return tree, logits, draft_len, rng.integers(0, 100, size=batch)
+
+
+@pytest.mark.parametrize("draft_lens", TREE_DRAFT_LENS)
+@pytest.mark.parametrize("name,batch,vocab", TREE_SHAPES)
+def test_tree_accept_equals_reference(kernels, device, name, batch, vocab, draft_lens):
+    rng = np.random.default_rng([list(TREES).index(name), batch, vocab, TREE_DRAFT_LENS.index(draft_lens)])
+    tree, logits, draft_len, past_len = tree_case(rng, name, batch, vocab, draft_lens)
+    tokens = greedy_tree_tokens(rng, logits.argmax(-1), tree, vocab)
+    logits, tokens = unverified(rng, logits, tokens, draft_len)
+    got = kernels_lib.tree_accept(kernels, device, logits, tokens, draft_len, past_len, tree.parents, tree.depths)
+    assert_same(got, tree_accept(logits.argmax(-1), tokens, tree, past_len, draft_len))
+    assert got[0][0] == tree.max_depth  # row 0 agrees everywhere
+
+
+def robust_typical_reference(logits, tokens, tree, past_len, draft_len, epsilon, delta, margin=1e-4):
+    """typical_accept, asserting first that scaling every threshold by 1 ± margin changes nothing. The kept
+    sets only shrink as thresholds grow, so the kernel (its p and thresholds within ~1e-6 of the float64
+    reference's) must then return the same. Ids that are no token, which sit only past draft_len where
+    nothing checks them, become 0: the reference indexes every node's token."""
+    tokens = np.where((tokens >= 0) & (tokens < logits.shape[-1]), tokens, 0)
+    low, high = (typical_accept(logits, tokens, tree, past_len, draft_len, epsilon * f, delta * f)
+                 for f in (1 - margin, 1 + margin))
+    for name, a, b in zip(["accepted", "next_token", "new_len", "best_node"], low, high):
+        np.testing.assert_array_equal(a, b, err_msg=f"{name}: a decision lies within {margin} of its threshold")
+    return low
+
+
+@pytest.mark.parametrize("draft_lens", TREE_DRAFT_LENS)
+@pytest.mark.parametrize("name,batch,vocab", TREE_SHAPES)
+def test_tree_typical_accept_equals_reference(kernels, device, name, batch, vocab, draft_lens):
+    rng = np.random.default_rng([list(TREES).index(name), batch, vocab, TREE_DRAFT_LENS.index(draft_lens), 1])
+    tree, logits, draft_len, past_len = tree_case(rng, name, batch, vocab, draft_lens)
+    tokens = typical_tree_tokens(rng, logits, tree, vocab)
+    logits, tokens = unverified(rng, logits, tokens, draft_len)
+    epsilon = np.array([0.09, 0.3, 0.01, 0.5])[np.arange(batch) % 4].astype(np.float32)
+    delta = np.array([0.3, 0.5, 0.1, 1.0])[np.arange(batch) % 4].astype(np.float32)
+    want = robust_typical_reference(logits, tokens, tree, past_len, draft_len, epsilon, delta)
+    got = kernels_lib.tree_typical_accept(kernels, device, logits, tokens, draft_len, past_len, tree.parents,
+                                          tree.depths, epsilon, delta)
+    assert_same(got, want)
+
+
+def test_tree_typical_accept_keeps_what_greedy_rejects(kernels, device):
+    """Row 0: a plausible second choice (node 1) passes the typical check but not the greedy one, and so
+    does its child. Row 1: a token of probability 0 (a -inf logit) and an id that is no token are both
+    rejected: the reference sees another token of probability 0 in place of the latter."""
+    tree, vocab = TokenTree.from_paths([[0], [1], [0, 0]]), 8  # parents [0, 0, 0, 1]
+    logits = np.full((2, tree.size, vocab), -4.0, np.float32)
+    logits[:, :, 3], logits[:, :, 5] = 2.0, 1.5  # target argmax 3, a close second 5
+    logits[1, 0, [6, 7]] = -np.inf
+    tokens = np.array([[0, 5, 3, 3], [0, 6, vocab, 3]])
+    draft_len, past_len = np.full(2, tree.size - 1), np.array([10, 20])
+    args = (draft_len, past_len, tree.parents, tree.depths)
+    params = (np.full(2, 0.09, np.float32), np.full(2, 0.3, np.float32))
+    got = kernels_lib.tree_typical_accept(kernels, device, logits, tokens, *args, *params)
+    as_reference = np.where(tokens == vocab, 7, tokens)
+    assert_same(got, robust_typical_reference(logits, as_reference, tree, past_len, draft_len, *params))
+    assert got[0].tolist() == [2, 0] and got[3].tolist() == [3, 0]
+    greedy = kernels_lib.tree_accept(kernels, device, logits, tokens, *args)
+    assert_same(greedy, tree_accept(logits.argmax(-1), tokens, tree, past_len, draft_len))
+    assert greedy[0].tolist() == [1, 0] and greedy[3].tolist() == [2, 0] and greedy[1].tolist() == [3, 3]
+
+
+def test_tree_accept_takes_the_first_deepest_node(kernels, device):
+    """Two kept paths of the same depth: the lower node number wins, as ArgMax's first maximum."""
+    tree, vocab = TokenTree.from_paths([[0], [1], [0, 0], [1, 0]]), 300
+    logits = np.zeros((1, tree.size, vocab), np.float32)
+    logits[0, :, [7, 250]] = 5.0  # every row: a tie at 7 and 250 -> 7
+    tokens = np.array([[0, 7, 7, 7, 7]])
+    args = (np.array([tree.size - 1]), np.array([4]), tree.parents, tree.depths)
+    got = kernels_lib.tree_accept(kernels, device, logits, tokens, *args)
+    assert_same(got, tree_accept(logits.argmax(-1), tokens, tree, args[1], args[0]))
+    assert got[3].tolist() == [3] and got[1].tolist() == [7] and got[2].tolist() == [7]
