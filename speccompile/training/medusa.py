@@ -85,12 +85,8 @@ def train_medusa(target_dir, corpus, out_dir, options: MedusaOptions) -> Path:
     _round_to_float16(heads)  # score the weights that are shipped
     results = _evaluate(target, heads, evaluation, o)
     logger.info(f"medusa heads on the target's greedy continuations: {_accuracy_line(results)}")
-    training = {"wall_s": round(time.time() - started, 1), "tokens": o.steps * o.batch * o.seq_len,
-                "kl_final": _final_kl(out_dir / LOG, max(1, o.steps // 10)), "heldout_kl": results["kl"],
-                "top1": results["top1"], "top5": results["top5"], "untrained_heldout_kl": untrained["kl"],
-                "untrained_top1": untrained["top1"], "untrained_top5": untrained["top5"]}
     config = {"vocab_size": int(vocab), "target_model_type": model_type, "top_k_accuracy": results["ranks"],
-              "options": asdict(o), "training": training}
+              "options": asdict(o), "training": _summary(o, out_dir, time.time() - started, results, untrained)}
     return write_medusa_heads(out_dir, config, [(h.weight.detach().numpy(), h.bias.detach().numpy()) for h in heads])
 
 
@@ -199,6 +195,15 @@ def _head_kl(p, entropy, q_logits):
     import torch.nn.functional as F
 
     return F.cross_entropy(q_logits.flatten(0, -2), p.flatten(0, -2)) - entropy.mean()
+
+
+def _summary(o: MedusaOptions, out_dir: Path, wall_s: float, trained: dict, untrained: dict) -> dict:
+    """medusa_config.json's training record: KL on the last steps and on the held-out greedy text, and the
+    accuracies before and after (wall_s counts this run's steps only, when it resumed from a checkpoint)."""
+    return {"wall_s": round(wall_s, 1), "tokens": o.steps * o.batch * o.seq_len,
+            "kl_final": _final_kl(out_dir / LOG, max(1, o.steps // 10)), "heldout_kl": trained["kl"],
+            "top1": trained["top1"], "top5": trained["top5"], "untrained_heldout_kl": untrained["kl"],
+            "untrained_top1": untrained["top1"], "untrained_top5": untrained["top5"]}
 
 
 def _final_kl(log_path: Path, last: int) -> list[float]:
