@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from speccompile.bundle import MANIFEST, open_bundle, sha256_file, write_stamp
+from speccompile.core.tree import MAX_TREE_NODES
 from speccompile.progress import Progress
 from speccompile.tensorrt_setup import gpu as gpu_info
 from speccompile.tensorrt_setup import plugin_library, require_tensorrt
@@ -26,16 +27,21 @@ def optimization_profiles(entry: dict, max_batch: int, max_seq: int) -> list[lis
 
     forward/sample graphs: one profile for prefill (tokens 1..max_seq) and one for decode/draft
     steps (tokens 1..2). Verification graphs have a fixed γ+1 and one profile. Batch is 1..max_batch.
+    Token-tree graphs take any tree up to the largest a runtime sizes (their topology is an input).
     """
+    nodes = (1, 16, MAX_TREE_NODES)
     token_ranges = [(1, max_seq // 4, max_seq), (1, 1, 2)] if not entry["kind"].startswith("verify") else [None]
     profiles = []
     for tokens in token_ranges:
         shapes = []
         for spec in entry["inputs"]:
             dims = spec["shape"]
-            lo = [1 if d == "batch" else (tokens[0] if d == "tokens" else d) for d in dims]
-            opt = [1 if d == "batch" else (tokens[1] if d == "tokens" else d) for d in dims]
-            hi = [max_batch if d == "batch" else (tokens[2] if d == "tokens" else d) for d in dims]
+            lo = [1 if d == "batch" else (tokens[0] if d == "tokens" else nodes[0] if d == "tree_nodes" else d)
+                  for d in dims]
+            opt = [1 if d == "batch" else (tokens[1] if d == "tokens" else nodes[1] if d == "tree_nodes" else d)
+                   for d in dims]
+            hi = [max_batch if d == "batch" else (tokens[2] if d == "tokens" else nodes[2] if d == "tree_nodes" else d)
+                  for d in dims]
             shapes.append((spec["name"], lo, opt, hi))
         profiles.append(shapes)
     return profiles

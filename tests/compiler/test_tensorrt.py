@@ -29,6 +29,14 @@ def test_optimization_profiles_cover_prefill_decode_and_fixed_gamma(bundles):
         assert len(optimization_profiles(entry, max_batch=4, max_seq=96)) == (1 if entry["gamma"] else 2), name
 
 
+def test_tree_graphs_take_any_tree_up_to_the_largest_a_runtime_sizes(bundles):
+    manifest = open_bundle(bundles("llama", "medusa")).manifest
+    [profile] = optimization_profiles(manifest["graphs"]["target_verify_tree"], max_batch=4, max_seq=96)
+    shapes = {name: (lo, hi) for name, lo, _, hi in profile}
+    assert shapes["input_ids"] == ([1, 1], [4, 64]) and shapes["tree_mask"] == ([1, 1], [64, 64])
+    assert shapes["tree_parents"] == ([1], [64]) and shapes["draft_len"] == ([1], [4])
+
+
 @pytest.mark.skipif(HAS_TENSORRT, reason="checks the message shown where TensorRT is absent")
 def test_build_without_tensorrt_is_one_clear_error_and_writes_nothing(tmp_path, checkpoints):
     result = CliRunner().invoke(main, ["build", "--target", str(checkpoints("llama")),
