@@ -17,6 +17,7 @@ from speccompile.errors import SpecCompileError
 DEMO_ROOT = Path(__file__).resolve().parent
 DEMO_TARGET = DEMO_ROOT / "target"
 DEMO_DRAFT = DEMO_ROOT / "draft"
+DEMO_MEDUSA = DEMO_ROOT / "medusa"  # Medusa heads for the target (`speccompile distill --medusa 4`)
 DEMO_PROMPTS = DEMO_ROOT / "prompts.json"  # what `bench` and `profile` run when given no --prompts
 COMPILER_ROOT = DEMO_ROOT.parent / "compiler"
 DEMO_GAMMAS = [4, 2, 6]  # the first is the default γ
@@ -52,19 +53,31 @@ def demo_bundle(target: Path | None = None, draft: Path | None = None) -> Path:
     target, draft = target or DEMO_TARGET, draft or DEMO_DRAFT
     if not (target / "config.json").is_file() or not (draft / "config.json").is_file():
         raise SpecCompileError("this installation has no embedded demo pair; pass a bundle directory")
-    bundle = cache_dir() / f"demo-{demo_key(target, draft)[:16]}"
+    return _built(cache_dir() / f"demo-{demo_key(target, draft)[:16]}", "the demo bundle", target, draft,
+                  draft_vocab=DEMO_DRAFT_VOCAB)
+
+
+def demo_medusa_bundle() -> Path:
+    """The demo target with its Medusa heads (`build --medusa`), built on first use like the demo bundle."""
+    if not (DEMO_TARGET / "config.json").is_file() or not (DEMO_MEDUSA / "medusa_config.json").is_file():
+        raise SpecCompileError("this installation has no embedded demo target with Medusa heads")
+    return _built(cache_dir() / f"demo-medusa-{demo_key(DEMO_TARGET, DEMO_MEDUSA)[:16]}", "the demo Medusa bundle",
+                  DEMO_TARGET, None, medusa_dir=DEMO_MEDUSA)
+
+
+def _built(bundle: Path, what: str, target: Path, draft: Path | None, **options) -> Path:
     if (bundle / "manifest.json").is_file():
         return bundle
     try:
         from speccompile.compiler.build import build_bundle
     except ImportError as e:
-        raise SpecCompileError(f"building the demo bundle needs the build extras ({e.name} is missing): "
+        raise SpecCompileError(f"building {what} needs the build extras ({e.name} is missing): "
                                "pip install 'speccompile[build]'") from None
-    logger.info(f"building the demo bundle once into {bundle}")
+    logger.info(f"building {what} once into {bundle}")
     bundle.parent.mkdir(parents=True, exist_ok=True)
     try:
         build_bundle(target, draft, bundle, gammas=DEMO_GAMMAS, max_seq=DEMO_MAX_SEQ, max_batch=DEMO_MAX_BATCH,
-                     draft_vocab=DEMO_DRAFT_VOCAB)
+                     **options)
     except OSError:
         if not (bundle / "manifest.json").is_file():  # another process finished the same build first
             raise
