@@ -95,8 +95,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     weights = {"target": target_weights, "draft": draft_weights}
     heads = medusa[1] if medusa else None
     graphs = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids, heads=heads)
-    variants = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids, single_sequence=True) \
-        if single_sequence else {}
+    variants = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids, single_sequence=True,
+                              heads=heads) if single_sequence else {}
     for name, (builder, _) in graphs.items():
         variant = f", batch-1 variant {len(variants[name][0].nodes)}" if name in variants else ""
         logger.info(f"  {name}: {len(builder.nodes)} nodes{variant}")
@@ -206,8 +206,7 @@ def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_o
                    vocab_ids=None, single_sequence: bool = False, heads: list | None = None) -> dict:
     """name -> (GraphBuilder, GraphId); with single_sequence, the batch-1 variants under the same names,
     for the models ONNX Runtime's fused attention kernel accepts. Graphs hold lazy weights only.
-    `heads`: Medusa heads, read by token-tree verification graphs (which have no batch-1 variant: the
-    fused kernel's mask is causal)."""
+    `heads`: Medusa heads, read by token-tree verification graphs."""
     graphs = {}
     for role, spec, ids in _models(target, draft, vocab_ids):
         weights = matmul_weights[role]
@@ -225,11 +224,12 @@ def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_o
             graphs[graph.name] = (build_verify_graph(target, graph.name, gamma, max_seq, vocab_out,
                                                      sample=graph.sampling, single_sequence=single_sequence,
                                                      matmul_weights=matmul_weights["target"]), graph)
-    if heads and not single_sequence:
+    if heads:
         for graph in (GraphId.tree_verification(typical=False), GraphId.tree_verification(typical=True)):
             graphs[graph.name] = (build_tree_verify_graph(target, graph.name, heads, max_seq, vocab_out,
                                                           typical=graph.kind == "verify_tree_typical",
-                                                          matmul_weights=matmul_weights["target"]), graph)
+                                                          matmul_weights=matmul_weights["target"],
+                                                          single_sequence=single_sequence), graph)
     return graphs
 
 

@@ -80,15 +80,18 @@ MEDUSA_CANDIDATES = 10  # each head's top-k that trees choose from (the heads' m
 
 
 def build_tree_verify_graph(spec: ModelSpec, name: str, heads: list, max_seq: int, vocab_out: int,
-                            typical: bool = False, matmul_weights: str = "float32") -> GraphBuilder:
+                            typical: bool = False, matmul_weights: str = "float32",
+                            single_sequence: bool = False) -> GraphBuilder:
     """Score a token tree [B, N] (node 0: the last accepted token) whose topology is an input
     (tree_parents, tree_depths, tree_ranks [N], tree_mask [N, N]; see core/tree.py), apply the tree
     SpecAccept, and in the same pass read the Medusa heads at each row's accepted node: the next
-    iteration's tree (next_tree [B, N], rooted at next_token). One target pass per iteration."""
+    iteration's tree (next_tree [B, N], rooted at next_token). One target pass per iteration.
+    `single_sequence`: the batch-1 ONNX Runtime variant, the tree given to the fused kernel as
+    position ids and an attention bias (_tree_bias)."""
     g = GraphBuilder(name, matmul_weights)
     ids = g.input("input_ids", INT64, ["batch", "tree_nodes"])
     past_len = g.input("past_len", INT64, ["batch"])
-    hidden = _decoder(g, spec, ids, past_len, max_seq, tree=True)
+    hidden = _decoder(g, spec, ids, past_len, max_seq, single_sequence, tree=True)
     logits = _lm_head(g, spec, hidden, vocab_out)  # [B, N, V]
     accepted, next_token, new_len, best = accept_tree(g, logits, ids, past_len, typical)
     next_tree = medusa_candidates(g, spec, hidden, best, next_token, heads, vocab_out)
@@ -213,8 +216,9 @@ def _decoder(g: GraphBuilder, spec: ModelSpec, ids: str, past_len: str, max_seq:
         x = g.op("Add", x, g.op("Gather", g.weight("pos_embed", w["pos_embed"]), positions))
     rope = _rope_tables(g, spec, max_seq) if spec.arch.block == "llama" else None
     if single_sequence:
-        assert not (tree or tree_flag), "ONNX Runtime's fused attention is causal: trees take the standard ops"
-        core = _fused_attention(g, spec, past_len, num_tokens, rope, max_seq)
+        assert not tree_flag, "session graphs choose the attention kernel per call: trees take the standard ops"
+        tree_bias = _tree_bias(g, past_len, num_tokens) if tree else None
+        core = _fused_attention(g, spec, past_len, num_tokens, rope, max_seq, tree_bias)
     else:
         core = _onnx_attention(g, spec, past_len, num_tokens, positions, rope, max_seq, tree, tree_flag)
         if fused_flag is not None and fused_attention_supported(spec):
@@ -320,7 +324,18 @@ def fused_attention_supported(spec: ModelSpec) -> bool:
     return hp["head_dim"] % 16 == 0 and hp["num_heads"] % hp["num_kv_heads"] == 0
 
 
-def _fused_attention(g, spec, past_len, num_tokens, rope, max_seq):
+def _tree_bias(g, past_len, num_tokens) -> tuple[str, str]:
+    """A tree for the fused kernel (one sequence): (position_ids [1, T]: past_len + depth, attention
+    bias [1, 1, T, past_len + T]: 0 where a node sees a key, the float minimum elsewhere). The kernel
+    stays causal; a node's ancestors precede it, so the bias only hides the other earlier nodes."""
+    depths = g.input("tree_depths", INT64, ["tree_nodes"])
+    positions = g.op("Add", g.op("Unsqueeze", past_len, g.const([1])), depths)  # [1, T]
+    _, visible = _attention_mask(g, past_len, num_tokens, positions, tree=True)  # [1, 1, T, L]
+    bias = g.op("Where", visible, g.const(0.0, np.float32), g.const(float(np.finfo(np.float32).min), np.float32))
+    return positions, bias
+
+
+def _fused_attention(g, spec, past_len, num_tokens, rope, max_seq, tree_bias: tuple[str, str] | None = None):
     """ONNX Runtime's GroupQueryAttention (com.microsoft), one sequence: RoPE, the in-place cache
     write and attention in one kernel over the packed QKV projection.
 
@@ -342,6 +357,7 @@ def _fused_attention(g, spec, past_len, num_tokens, rope, max_seq):
         outputs = [f"{b.scope}GroupQueryAttention/out", f"present_key.{i}", f"present_value.{i}"]
         context, present_key, present_value = b.op(
             "GroupQueryAttention", qkv, "", "", past_key, past_value, seqlens_k, total_len, *(rope or ("", "")),
+            *(tree_bias or ()),
             domain=ORT_DOMAIN, outputs=3, out=outputs, num_heads=hp["num_heads"], kv_num_heads=hp["num_kv_heads"],
             scale=float(hp["attn_scale"]), do_rotary=int(rope is not None), rotary_interleaved=0)
         for present, name in ((present_key, f"present_key.{i}"), (present_value, f"present_value.{i}")):

@@ -264,5 +264,6 @@ class OrtModel(CachedModel):
         fed = {}
         if self._session_graph is not None:  # constant for this binding: which call, which attention kernel
             self._feed(binding, fed, "kind", np.array(self._session_graph["kinds"][graph.kind], dtype=np.int64))
-            self._feed(binding, fed, "fused", np.array(file in self._variant_files))
+            # the session graph's fused branch is causal: a tree takes the standard ops there
+            self._feed(binding, fed, "fused", np.array(file in self._variant_files and not graph.tree))
         return binding, arrays, fed
