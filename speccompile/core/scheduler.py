@@ -259,9 +259,11 @@ class Scheduler:
         for row, request in enumerate(rows):
             tokens[row, 0] = request.tokens[-1]
             if request.next_tree is not None and request.gamma != 0:
-                tokens[row, 1:] = request.next_tree[1:]
+                # the last pass's tree may have been a smaller prefix (less room then): verify what it proposed
+                have = min(tree.size, len(request.next_tree))
+                tokens[row, 1:have] = request.next_tree[1:have]
                 cap = request.remaining - 1 if request.gamma == AUTO else min(request.gamma, request.remaining - 1)
-                draft_len[row] = tree.nodes_within(cap)
+                draft_len[row] = min(tree.nodes_within(cap), have - 1)
         typical = None
         if all(r.acceptance == "typical" for r in rows):
             typical = tuple(np.array([r.typical[k] for r in rows], dtype=np.float32) for k in (0, 1))

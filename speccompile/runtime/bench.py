@@ -146,7 +146,8 @@ def bench_proposers(runtime, prompts: list[str], proposers: list[str], max_new_t
     them alike. One (summary, details) per proposer, in order."""
     if repeats < 1:
         raise SpecCompileError(f"--repeats must be positive, got {repeats}")
-    gamma = runtime.default_gamma if gamma is None else gamma
+    if gamma is None:  # a Medusa bundle's requests verify the whole tree, sized at first use
+        gamma = "auto" if runtime.bundle.medusa else runtime.default_gamma
     sampling = sampling or {}
     _run_all(runtime, prompts[:1], "autoregressive", None, 8, sampling)  # warm-up: sessions, caches
     for proposer in proposers:

@@ -201,6 +201,9 @@ def build_profile(runtime, prompts: list[str], batch_sizes: list[int], context_l
     all eight give 4.1). Greedy decoding makes the same tokens each round, so rounds differ only in
     how fast the machine was, and the medians over rounds remove that alone. A machine that slows
     down for a while spoils one round, not the profile."""
+    if runtime.bundle.medusa:
+        raise SpecCompileError("profile measures the γ of draft models and prompt lookup; a Medusa bundle sizes its "
+                               "token tree by measured cost when it first runs (compare sizes with bench --tree N)")
     points = run_points(runtime, batch_sizes, context_lengths, repeats, rounds, max_new_tokens)
     tokens = prompt_tokens(runtime, prompts)
     for b in batch_sizes:

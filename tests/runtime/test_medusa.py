@@ -135,3 +135,17 @@ def test_bench_acceptance_reports_speed_and_deviation(bundles):
     assert exact["token_agreement"] == 1.0 and exact["identical_outputs"] == 1.0  # exact is the greedy output
     assert exact["mean_log_likelihood"] == pytest.approx(exact["exact_mean_log_likelihood"])
     assert np.isfinite(rows[1]["perplexity"]) and 0.0 <= rows[1]["token_agreement"] <= 1.0
+
+
+def test_a_tree_shrinks_to_the_room_left_and_grows_back(bundles, checkpoints):
+    """Near the end of the cache a tree verifies its first nodes only; once that row leaves, the rows
+    beside it verify the whole tree again (from the smaller tree their last pass proposed)."""
+    runtime = speccompile.load(bundles("llama", "medusa"))  # max_seq 96
+    long, short = list(range(3, 73)), PROMPTS[1]
+    expected = {tuple(long): hf_greedy(checkpoints("llama"), long, 24),
+                tuple(short): hf_greedy(checkpoints("llama"), short, 48)}
+    with_oracle_heads(runtime, {p: list(p) + e + [0] * 16 for p, e in expected.items()})
+    runtime.set_tree(ORACLE_TREE)
+    handles = [runtime.submit(long, max_new_tokens=24), runtime.submit(short, max_new_tokens=48)]
+    assert [h.result(timeout=60).token_ids for h in handles] == list(expected.values())
+    runtime.close()
