@@ -149,3 +149,23 @@ def test_a_tree_shrinks_to_the_room_left_and_grows_back(bundles, checkpoints):
     handles = [runtime.submit(long, max_new_tokens=24), runtime.submit(short, max_new_tokens=48)]
     assert [h.result(timeout=60).token_ids for h in handles] == list(expected.values())
     runtime.close()
+
+
+def test_compaction_leaves_the_cache_a_sequential_pass_would(bundles, checkpoints):
+    """After a tree verification whose path leaves the first branch, the cache up to the new length
+    holds what feeding the accepted tokens one after another writes (ONNX Runtime's cache arrays)."""
+    target = speccompile.load(bundles("llama", "medusa")).target
+    prompt = PROMPTS[0]
+    truth = hf_greedy(checkpoints("llama"), prompt, 4)  # truth[0] is the prefill's token, the tree's root
+    tree = TokenTree.from_paths([(0,), (1,), (0, 0), (1, 0), (1, 1)])  # the right path: nodes 2 -> 5
+    tokens = np.array([[truth[0], truth[1] + 1, truth[1], truth[2] + 1, truth[2] + 1, truth[2]]])
+    target.start(2)
+    for slot in (0, 1):
+        target.forward(np.array([prompt]), np.array([len(prompt)]), first=slot)
+    best, next_token, _ = target.verify_tree(tokens, np.array([5]), tree, first=0)
+    assert (best[0], next_token[0]) == (5, truth[3])
+    target.forward(np.array([truth[:3]]), np.array([3]), first=1)  # root, node 2, node 5 in a row
+    length = len(prompt) + 3
+    assert target.cache_lengths[0] == target.cache_lengths[1] == length
+    for layer in target.cache:
+        np.testing.assert_allclose(layer[0, :, :length], layer[1, :, :length], atol=1e-5)
