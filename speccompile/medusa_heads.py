@@ -29,7 +29,7 @@ WEIGHTS, CONFIG = "medusa_heads.safetensors", "medusa_config.json"
 def write_medusa_heads(out_dir, config: dict, heads: list[tuple[np.ndarray, np.ndarray]]) -> Path:
     """Write `heads` [(W [H, H], b [H])] as float16 and `config` (vocab_size, target_model_type and
     whatever else it holds) under the format's own fields, each file atomically."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     out_dir = Path(out_dir)
     hidden = heads[0][0].shape[0]
@@ -41,7 +41,7 @@ def write_medusa_heads(out_dir, config: dict, heads: list[tuple[np.ndarray, np.n
         tensors[f"medusa.{k}.bias"] = np.ascontiguousarray(b, dtype=np.float16)
     full = {"format": FORMAT, "version": VERSION, "num_heads": len(heads), "hidden_size": hidden, "lm_head": "target",
             **config}
-    save_file(tensors, str(out_dir / (WEIGHTS + ".tmp")))
+    (out_dir / (WEIGHTS + ".tmp")).write_bytes(save(tensors))  # save_file would make it readable by its owner only
     os.replace(out_dir / (WEIGHTS + ".tmp"), out_dir / WEIGHTS)
     (out_dir / (CONFIG + ".tmp")).write_text(json.dumps(full, indent=1))
     os.replace(out_dir / (CONFIG + ".tmp"), out_dir / CONFIG)
