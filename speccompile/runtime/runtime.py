@@ -207,7 +207,7 @@ class Runtime:
             if any(r.proposer == "medusa" for r in self.scheduler.waiting):
                 self._size_tree()
         elif self.profile is None and self._calibration is None and self.scheduler.active == 0:
-            if any(r.gamma == AUTO for r in self.scheduler.waiting):
+            if any(r.gamma == AUTO and r.proposer != "medusa" for r in self.scheduler.waiting):  # Medusa has no γ
                 self._calibrate()
 
     # -- Medusa trees ----------------------------------------------------------------------------
