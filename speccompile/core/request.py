@@ -40,7 +40,7 @@ class Request:
     lookup_priors: dict[int, float] | None = None  # prompt lookup's kept rate per matched length (a profile's)
     # Medusa trees (core/tree.py): "exact" (greedy, lossless) or "typical" (approximate, opt-in: its
     # (epsilon, delta)); a typical request batched with exact ones is verified exactly meanwhile
-    acceptance: str = "exact"
+    acceptance_rule: str = "exact"
     typical: tuple[float, float] = (0.09, 0.3)
     # -- state, written by the scheduler --
     generated: list[int] = field(default_factory=list)
@@ -55,7 +55,7 @@ class Request:
         self.rng = None if self.params.greedy else np.random.default_rng(self.seed)
         self.stats = GenerationStats("autoregressive" if self.gamma == 0 else "speculative", self.gamma)
         self.submitted = time.perf_counter()
-        self.stats.acceptance = self.acceptance
+        self.stats.acceptance = self.acceptance_rule
         self.ngram = NgramIndex() if self.proposer in ("ngram", "auto") else None
         self.next_tree = None  # Medusa: the heads' tree from the last verification (None: none yet)
         # this request's own acceptance per draft position, per proposer (what "auto" chooses by)

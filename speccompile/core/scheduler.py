@@ -265,7 +265,7 @@ class Scheduler:
                 cap = request.remaining - 1 if request.gamma == AUTO else min(request.gamma, request.remaining - 1)
                 draft_len[row] = min(tree.nodes_within(cap), have - 1)
         typical = None
-        if all(r.acceptance == "typical" for r in rows):
+        if all(r.acceptance_rule == "typical" for r in rows):
             typical = tuple(np.array([r.typical[k] for r in rows], dtype=np.float32) for k in (0, 1))
         began = time.perf_counter()
         best, next_token, next_tree = self.target.verify_tree(tokens, draft_len, tree, typical)

@@ -125,7 +125,7 @@ class Runtime:
         plausible tokens the target would not have chosen: faster, approximate, never the default."""
         handle = RequestHandle(self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop,
                                              stop_token_ids, gamma, mode, on_tokens, proposer=proposer, p_min=p_min,
-                                             acceptance=acceptance),
+                                             acceptance_rule=acceptance),
                                self, prompt)
         self._queue(handle.request)
         return handle
@@ -260,7 +260,7 @@ class Runtime:
         target = [GraphId.step("target", sample=sample)]
         if request.proposer == "medusa":
             target += [GraphId.tree_verification(typical=False)]
-            target += [GraphId.tree_verification(typical=True)] if request.acceptance == "typical" else []
+            target += [GraphId.tree_verification(typical=True)] if request.acceptance_rule == "typical" else []
         elif request.gamma != 0:
             gammas = self.gammas if request.gamma == AUTO else [request.gamma]
             target += [GraphId.verification(g, sample=sample) for g in gammas]
@@ -345,7 +345,7 @@ class Runtime:
         request = Request(ids, max_new_tokens, params, seed, gamma, allow_plain,
                           frozenset(self._token_ids(stop_token_ids)), on_tokens=on_tokens, proposer=proposer,
                           p_min=float(p_min), lookup_priors=self.profile.lookup_priors if self.profile else None,
-                          acceptance=acceptance)
+                          acceptance_rule=acceptance)
         if stop_strings:
             request.stop_check = _StopStrings(self.tokenizer, ids, stop_strings)
         if not self.scheduler.fits(request):

@@ -81,12 +81,27 @@ def test_a_request_verifies_no_deeper_than_its_gamma_or_its_remaining_tokens(bun
     assert result.token_ids == expected and set(result.stats.gammas_used) <= {0, 1}
 
 
-def test_typical_acceptance_is_opt_in_and_labelled(bundles):
+def test_typical_acceptance_is_opt_in_labelled_and_applied(bundles):
     runtime = speccompile.load(bundles("llama", "medusa"))
+    rules = []
+    verify_tree = runtime.target.verify_tree
+
+    def recorded(tokens, draft_len, tree, typical=None, first=0):
+        rules.append(None if typical is None else tuple(float(v[0]) for v in typical))
+        return verify_tree(tokens, draft_len, tree, typical, first)
+
+    runtime.target.verify_tree = recorded
     [exact] = runtime.generate([PROMPTS[0]], max_new_tokens=8)
+    assert exact.stats.to_dict()["acceptance"] == "exact" and set(rules) == {None}
+    rules.clear()
     [typical] = runtime.generate([PROMPTS[0]], max_new_tokens=8, acceptance="typical")
-    assert exact.stats.to_dict()["acceptance"] == "exact" and typical.stats.to_dict()["acceptance"] == "typical"
-    assert len(typical.token_ids) == 8
+    assert typical.stats.to_dict()["acceptance"] == "typical" and len(typical.token_ids) == 8
+    assert rules and all(r == pytest.approx((0.09, 0.3)) for r in rules)  # Medusa's ε and δ, every verification
+    alone = runtime.generate([PROMPTS[1]], max_new_tokens=8)[0].token_ids
+    batch = [runtime.submit(PROMPTS[0], max_new_tokens=8, acceptance="typical"),
+             runtime.submit(PROMPTS[1], max_new_tokens=8)]
+    assert batch[1].result(timeout=60).token_ids == alone  # beside a typical request, an exact one stays exact
+    runtime.close()
 
 
 def test_what_medusa_bundles_do_not_do_is_refused_in_one_line(bundles):
