@@ -125,7 +125,7 @@ class Runtime:
         plausible tokens the target would not have chosen: faster, approximate, never the default."""
         handle = RequestHandle(self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop,
                                              stop_token_ids, gamma, mode, on_tokens, proposer=proposer, p_min=p_min,
-                                             acceptance_rule=acceptance),
+                                             acceptance=acceptance),
                                self, prompt)
         self._queue(handle.request)
         return handle
