@@ -26,6 +26,7 @@ from measure_proposers import heldout_functions, workloads  # noqa: E402
 
 import speccompile  # noqa: E402
 from speccompile.core.stats import pooled  # noqa: E402
+from speccompile.core.tree import measured_paths  # noqa: E402
 from speccompile.demo import demo_bundle, demo_medusa_bundle  # noqa: E402
 from speccompile.runtime.bench import bench_acceptance  # noqa: E402
 
@@ -78,7 +79,7 @@ def main() -> None:
                "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
                "verify_ms": s.verify_ms / max(1, s.iterations), "draft_ms": s.draft_ms / max(1, s.iterations)}
         if name in trees:
-            expected = trees[name].expected_accepted(accuracy)
+            expected = trees[name].expected_accepted(accuracy, measured_paths(medusa.bundle.medusa["path_probability"]))
             row |= {"tree_nodes": trees[name].size, "tree_depth": trees[name].max_depth,
                     "expected_acceptance_length": 1 + expected,
                     "predicted_speedup": (1 + expected) / row["verify_ms"] * step_ms}

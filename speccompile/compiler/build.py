@@ -199,7 +199,8 @@ def _medusa_entry(config: dict, medusa_dir) -> dict:
     """What the runtime needs of the heads: how many, and how often each rank of each is right
     (core/tree.py grows the token tree from these; the runtime sizes it by measured cost)."""
     return {"num_heads": config["num_heads"], "top_k_accuracy": config["top_k_accuracy"],
-            "candidates": MEDUSA_CANDIDATES, "source": str(Path(medusa_dir).resolve())}
+            "path_probability": config.get("path_probability", []), "candidates": MEDUSA_CANDIDATES,
+            "source": str(Path(medusa_dir).resolve())}
 
 
 def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_out, matmul_weights: dict[str, str],

@@ -113,52 +113,71 @@ class TokenTree:
             node = int(self.parents[node])
         return path[::-1]
 
-    def expected_accepted(self, accuracies) -> float:
-        """Expected accepted depth if head k's rank-c candidate is right with probability
-        accuracies[k][c], independently per head: the sum over nodes of their path's probability
-        (at most one candidate per depth can be the target's token, so the events add up)."""
-        return float(sum(_path_probability(p, accuracies) for p in self.paths))
+    def expected_accepted(self, accuracies, measured: dict | None = None) -> float:
+        """Expected accepted depth: the sum over nodes of their path's probability (at most one
+        candidate per depth can be the target's token, so the events add up); see path_probability."""
+        return float(sum(path_probability(p, accuracies, measured) for p in self.paths))
 
     def to_json(self) -> list[list[int]]:
         return [list(p) for p in self.paths]
 
 
-def _path_probability(path, accuracies) -> float:
-    prob = 1.0
-    for depth, rank in enumerate(path):
+def path_probability(path, accuracies, measured: dict | None = None) -> float:
+    """How often the node of `path` is accepted: as measured (`measured`: path -> probability, from
+    `distill --medusa`'s path_probability), else the measured probability of its longest measured
+    prefix times the rank accuracies of the heads after it (accuracies[k][c]: head k's rank-c
+    candidate is right), as if those heads erred independently."""
+    path = tuple(path)
+    measured = measured or {}
+    prob, known = 1.0, 0
+    for depth in range(len(path), 0, -1):
+        if path[:depth] in measured:
+            prob, known = measured[path[:depth]], depth
+            break
+    for depth in range(known, len(path)):
         heads = accuracies[depth] if depth < len(accuracies) else []
-        prob *= heads[rank] if rank < len(heads) else 0.0
+        prob *= heads[path[depth]] if path[depth] < len(heads) else 0.0
     return prob
 
 
-def grow_tree(accuracies, nodes: int) -> TokenTree:
+def measured_paths(pairs) -> dict:
+    """path_probability's `measured` from the heads' [[path, probability]] list."""
+    return {tuple(path): float(prob) for path, prob in pairs or []}
+
+
+def grow_tree(accuracies, nodes: int, measured: dict | None = None) -> TokenTree:
     """The tree of `nodes` non-root nodes with the largest expected accepted depth (Medusa's sparse
     tree construction): best-first over paths by probability. A path is never likelier than its
     prefix, so the best `nodes` paths always form a tree."""
-    frontier = [(-_path_probability((c,), accuracies), (c,)) for c in range(len(accuracies[0]))] if accuracies else []
+    def prob(path):
+        return min(path_probability(path, accuracies, measured), parent_prob.get(path[:-1], 1.0))
+
+    parent_prob: dict = {}  # keeps a path no likelier than its prefix where measured and estimated mix
+    frontier = [(-prob((c,)), (c,)) for c in range(len(accuracies[0]))] if accuracies else []
     heapq.heapify(frontier)
     chosen = []
     while frontier and len(chosen) < nodes:
-        _, path = heapq.heappop(frontier)
+        negative, path = heapq.heappop(frontier)
         chosen.append(path)
+        parent_prob[path] = -negative
         if len(path) < len(accuracies):
             for c in range(len(accuracies[len(path)])):
-                heapq.heappush(frontier, (-_path_probability(path + (c,), accuracies), path + (c,)))
+                heapq.heappush(frontier, (-prob(path + (c,)), path + (c,)))
     return TokenTree.from_paths(chosen)
 
 
-def best_tree(accuracies, verify_ms: dict[int, float], extra_ms: float = 0.0) -> tuple[TokenTree, dict]:
+def best_tree(accuracies, verify_ms: dict[int, float], extra_ms: float = 0.0,
+              measured: dict | None = None) -> tuple[TokenTree, dict]:
     """The tree that maximises expected tokens per millisecond, (1 + expected accepted) / (cost of
     verifying its N nodes + extra_ms), over the sizes `verify_ms` (tokens scored -> measured ms) has.
     Returns it and, per size, the prediction (what the build records)."""
     predictions = {}
     for tokens, ms in sorted(verify_ms.items()):
-        tree = grow_tree(accuracies, tokens - 1)
-        predictions[tokens] = {"expected_accepted": round(tree.expected_accepted(accuracies), 3),
-                               "verify_ms": round(ms, 3),
-                               "tokens_per_ms": round((1 + tree.expected_accepted(accuracies)) / (ms + extra_ms), 4)}
+        expected = grow_tree(accuracies, tokens - 1, measured).expected_accepted(accuracies, measured)
+        predictions[tokens] = {"expected_accepted": round(expected, 3), "verify_ms": round(ms, 3),
+                               "tokens_per_ms": round((1 + expected) / (ms + extra_ms), 4)}
     best = max(predictions, key=lambda t: predictions[t]["tokens_per_ms"])
-    return grow_tree(accuracies, best - 1), predictions
+    return grow_tree(accuracies, best - 1, measured), predictions
 
 
 # ---------------------------------------------------------------------------------------------

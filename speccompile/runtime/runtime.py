@@ -25,7 +25,15 @@ from speccompile.core.request import AUTO, Request
 from speccompile.core.sampler import SamplingParams
 from speccompile.core.scheduler import Scheduler
 from speccompile.core.stats import GenerationStats
-from speccompile.core.tree import ACCEPTANCE_RULES, MAX_TREE_NODES, TREE_SIZES, TokenTree, best_tree, grow_tree
+from speccompile.core.tree import (
+    ACCEPTANCE_RULES,
+    MAX_TREE_NODES,
+    TREE_SIZES,
+    TokenTree,
+    best_tree,
+    grow_tree,
+    measured_paths,
+)
 from speccompile.errors import SpecCompileError
 from speccompile.runtime.tokenizer import Tokenizer
 
@@ -225,7 +233,7 @@ class Runtime:
         elif isinstance(tree, int) and not isinstance(tree, bool):
             if not 2 <= tree <= MAX_TREE_NODES:
                 raise SpecCompileError(f"a token tree has 2..{MAX_TREE_NODES} nodes, not {tree}")
-            tree = grow_tree(accuracy, tree - 1)
+            tree = grow_tree(accuracy, tree - 1, self._measured_paths)
         elif tree is not None and not isinstance(tree, TokenTree):
             raise SpecCompileError(f"tree must be a TokenTree, 'chain', a number of nodes or None, not {tree!r}")
         candidates = self.bundle.medusa["candidates"]
@@ -242,11 +250,18 @@ class Runtime:
         accuracy = self.bundle.medusa["top_k_accuracy"]
         context = min(64, self.max_seq // 4)
         sizes = [n for n in TREE_SIZES if n + context <= self.max_seq]
-        costs = measure_tree_costs(self.target, {n: grow_tree(accuracy, n - 1) for n in sizes}, 1, context, repeats=3)
-        tree, self.tree_sizing = best_tree(accuracy, costs)
+        measured = self._measured_paths
+        trees = {n: grow_tree(accuracy, n - 1, measured) for n in sizes}
+        costs = measure_tree_costs(self.target, trees, 1, context, repeats=5)
+        tree, self.tree_sizing = best_tree(accuracy, costs, measured=measured)
         log.info(f"Medusa token tree: {tree.size} nodes, depth {tree.max_depth} (expected accepted "
-                 f"{tree.expected_accepted(accuracy):.2f}, verification {costs[tree.size]:.2f} ms here)")
+                 f"{tree.expected_accepted(accuracy, measured):.2f}, verification {costs[tree.size]:.2f} ms here)")
         self.scheduler.tree = tree
+
+    @property
+    def _measured_paths(self) -> dict:
+        """How often the heads' rank paths were right, as `distill --medusa` measured (core/tree.py)."""
+        return measured_paths(self.bundle.medusa.get("path_probability"))
 
     def _load_graphs(self, request: Request, batched: bool) -> None:
         """Load every graph a request can run before it is queued, so that no iteration times a

@@ -86,6 +86,7 @@ def train_medusa(target_dir, corpus, out_dir, options: MedusaOptions) -> Path:
     results = _evaluate(target, heads, evaluation, o)
     logger.info(f"medusa heads on the target's greedy continuations: {_accuracy_line(results)}")
     config = {"vocab_size": int(vocab), "target_model_type": model_type, "top_k_accuracy": results["ranks"],
+              "path_probability": results["paths"],
               "options": asdict(o), "training": _summary(o, out_dir, time.time() - started, results, untrained)}
     return write_medusa_heads(out_dir, config, [(h.weight.detach().numpy(), h.bias.detach().numpy()) for h in heads])
 
@@ -251,7 +252,40 @@ def _evaluate(target, heads, evaluation: dict, o: MedusaOptions) -> dict:
             ranks.append([round(x, 4) for x in hits.tolist()])
             kls.append(round(_head_kl(p[:, teacher], entropy[:, teacher], predicted).item(), 4))
     return {"ranks": ranks, "kl": kls, "top1": [r[0] for r in ranks],
-            "top5": [round(sum(r[:5]), 4) for r in ranks]}
+            "top5": [round(sum(r[:5]), 4) for r in ranks], "paths": _path_probabilities(target, heads, evaluation, o)}
+
+
+PATH_MIN = 1e-3  # rank paths rarer than this are left out (a tree grows them from the heads' rank accuracy)
+
+
+def _path_probabilities(target, heads, evaluation: dict, o: MedusaOptions) -> list:
+    """[[path, probability]]: how often the heads' ranks of the target's greedy tokens start with each
+    path (c_1, .., c_d), at the positions where every head has a label. A token tree's node of that
+    path is accepted exactly then, so these are its acceptance probabilities as measured, with the
+    heads' errors as correlated as they are (easy stretches of text are easy for every head), where
+    the product of per-head accuracies assumes them independent and underestimates deep paths."""
+    import torch
+
+    hidden, p = evaluation["hidden"], evaluation["p"]
+    prompt, length, k_heads = o.eval_prompt, hidden.shape[1], len(heads)
+    positions = slice(prompt - 1, length - k_heads - 1)  # hidden at t predicts, with head k, token t + k + 2
+    ranks = []
+    with torch.no_grad():
+        for k, head in enumerate(heads):
+            predicted = head_logits(target, head, hidden[:, positions])
+            top = predicted.topk(min(RANKS, predicted.shape[-1]), dim=-1).indices  # [B, T, R]
+            label = p[:, positions.start + k + 1 : positions.stop + k + 1].argmax(-1, keepdim=True)
+            hit = top == label
+            ranks.append(torch.where(hit.any(-1), hit.float().argmax(-1), -1).flatten())  # rank of the label, or -1
+    table = torch.stack(ranks, dim=1).tolist()  # [positions, K]
+    counts: dict[tuple, int] = {}
+    for row in table:
+        for depth in range(1, k_heads + 1):
+            if row[depth - 1] < 0:
+                break
+            counts[tuple(row[:depth])] = counts.get(tuple(row[:depth]), 0) + 1
+    frequent = {path: n / len(table) for path, n in counts.items() if n / len(table) >= PATH_MIN}
+    return [[list(path), round(prob, 5)] for path, prob in sorted(frequent.items(), key=lambda kv: (len(kv[0]), kv[0]))]
 
 
 def _accuracy_line(results: dict) -> str:

@@ -93,3 +93,14 @@ def test_candidates_follow_each_heads_ranking():
     tree = TokenTree.from_paths([[0], [1], [0, 0], [0, 1]])
     head_logits = np.array([[[0.1, 0.9, 0.5, 0.0], [0.7, 0.1, 0.2, 0.9]]])  # head 0: 1, 2; head 1: 3, 0
     np.testing.assert_array_equal(tree_candidates(np.array([5]), head_logits, tree), [[5, 1, 2, 3, 0]])
+
+
+def test_measured_path_probabilities_replace_the_independence_estimate():
+    measured = {(0,): 0.6, (0, 0): 0.45, (1,): 0.2}  # correlated heads: after a right head 0, head 1 is right 3/4
+    assert TokenTree.chain(2).expected_accepted(ACCURACY, measured) == pytest.approx(0.6 + 0.45)
+    assert TokenTree.chain(2).expected_accepted(ACCURACY) == pytest.approx(0.6 + 0.24)
+    # unmeasured paths: the longest measured prefix times the later heads' rank accuracy
+    assert TokenTree.chain(3).expected_accepted(ACCURACY, measured) == pytest.approx(0.6 + 0.45 + 0.45 * 0.3)
+    grown = grow_tree(ACCURACY, 3, measured)
+    assert grown.paths == ((0,), (1,), (0, 0))  # 0.45 beats (2,) at 0.1
+    assert all(grown.parents[i] < i for i in range(1, grown.size))
