@@ -4,7 +4,8 @@ typical-acceptance trade-off.
     python tools/measure_medusa.py [--prompts 12] [--max-new-tokens 64] [--repeats 3] [--sizes 4,8,16,32]
 
 Prompts: the `completion` workload of measure_proposers.py (the first 4 lines of held-out stdlib
-functions). Bundles: the demo pair (draft model, γ auto) and the demo target with its Medusa heads.
+functions). Bundles: the demo pair (draft model at its default γ=4: γ auto without a profile calibrates
+quickly, and noisily) and the demo target with its Medusa heads.
 Each repeat runs every variant through all prompts one at a time, in the same order, so that a slow
 stretch of the machine hits them alike: plain decoding, the draft model, the Medusa chain (each
 head's top candidate), Medusa trees of each size (grown from the heads' accuracies) and the tree the
@@ -50,7 +51,7 @@ def main() -> None:
     medusa = speccompile.load(demo_medusa_bundle(), shared_threads=True)
     accuracy = medusa.bundle.medusa["top_k_accuracy"]
     variants = {"autoregressive": (medusa, None, {"mode": "autoregressive"}),
-                "draft model": (pair, None, {"proposer": "draft", "gamma": "auto"}),
+                "draft model": (pair, None, {"proposer": "draft", "gamma": 4}),
                 "medusa chain": (medusa, "chain", {})}
     variants |= {f"medusa tree {n}": (medusa, n, {}) for n in map(int, args.sizes.split(","))}
     variants["medusa tree (sized here)"] = (medusa, None, {})

@@ -164,7 +164,7 @@ def medusa_candidates(b: GraphBuilder, spec: ModelSpec, hidden: str, best: str, 
     accepted node.
 
     Head k: h + SiLU(h W_k^T + b_k), then the target's own LM head (Medusa-1's residual block).
-    All K heads run in one LM-head multiplication [B, K, H] x [H, V]."""
+    The heads run in one LM-head multiplication [B, D, H] x [H, V], D the tree's depth (<= K)."""
     h = _norm(b, spec, b.op("GatherND", hidden, b.op("Unsqueeze", best, b.const([1])), batch_dims=1), "final_norm")
     blocks = []
     for k, (weight, bias) in enumerate(heads):
@@ -172,12 +172,15 @@ def medusa_candidates(b: GraphBuilder, spec: ModelSpec, hidden: str, best: str, 
                  b.weight(f"medusa{k}_b", np.asarray(bias, np.float32)))
         blocks.append(b.op("Unsqueeze", b.op("Add", h, b.op("Mul", z, b.op("Sigmoid", z))), b.const([1])))
     stacked = b.op("Concat", *blocks, axis=1) if len(blocks) > 1 else blocks[0]  # [B, K, H]
-    head_logits = _lm_head_matmul(b, spec, stacked, vocab_out, shared=True)  # [B, K, V]
     ranks = b.input("tree_ranks", INT64, ["tree_nodes"])
     depths = b.input("tree_depths", INT64, ["tree_nodes"])
+    # only the heads the tree is deep enough to read reach the LM head, its costliest part
+    used = b.op("Max", b.op("ReduceMax", depths, keepdims=1), b.const([1]))  # [1]: D, at least one head
+    stacked = b.op("Slice", stacked, b.const([0]), used, b.const([1]))  # [B, D, H]
+    head_logits = _lm_head_matmul(b, spec, stacked, vocab_out, shared=True)  # [B, D, V]
     top = b.const([candidates])  # a build-time constant: TensorRT's TopK takes no other K
-    ranked = b.op("TopK", head_logits, top, axis=-1, largest=1, sorted=1, outputs=2)[1]  # [B, K, top]
-    flat = b.op("Reshape", ranked, b.const([0, -1]))  # [B, K * top]
+    ranked = b.op("TopK", head_logits, top, axis=-1, largest=1, sorted=1, outputs=2)[1]  # [B, D, top]
+    flat = b.op("Reshape", ranked, b.const([0, -1]))  # [B, D * top]
     end = b.const([1 << 62])
     slots = b.op("Add", b.op("Mul", b.op("Sub", b.op("Slice", depths, b.const([1]), end), b.const(1)), top),
                  b.op("Slice", ranks, b.const([1]), end))  # [N-1]: node i's place in flat

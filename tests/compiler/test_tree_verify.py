@@ -171,3 +171,19 @@ def test_tree_verification_accepts_and_proposes_as_the_references(family, graph,
         head_logits = numpy_heads(bundle, checkpoints, family, hidden)
         np.testing.assert_array_equal(out["next_tree"], tree_candidates(expected[1], head_logits, TREE))
     assert expected[0].max() >= 2, "the trees were built to accept paths of several tokens"
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_shallow_tree_reads_only_the_heads_it_needs(family, checkpoints, bundles):
+    """A tree of depth 1 runs one head through the LM head; its candidates are still that head's."""
+    bundle = open_bundle(bundles(family, "medusa"))
+    shallow = TokenTree.from_paths([(0,), (1,), (2,)])
+    cache, lengths, first = prefill(bundle, PROMPTS)
+    tokens = np.stack([first, first + 1, first + 2, first + 3], axis=1) % bundle.vocab_size
+    feeds = {"input_ids": tokens, "past_len": lengths, "draft_len": np.array([3, 3]), **topology(shallow)}
+    out = run_with_cache(ort.InferenceSession(str(bundle.graph_path("target_verify_tree"))), feeds, dict(cache))
+    model = hf_model(checkpoints, family)
+    hidden = np.stack([flattened(model, p, tokens[row], shallow)[1][node]
+                       for row, (p, node) in enumerate(zip(PROMPTS, out["best_node"]))])
+    head_logits = numpy_heads(bundle, checkpoints, family, hidden)
+    np.testing.assert_array_equal(out["next_tree"], tree_candidates(out["next_token"], head_logits, shallow))
