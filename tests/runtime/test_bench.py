@@ -24,6 +24,7 @@ class ScriptedRuntime:
     an hour, so that counting one would show."""
 
     default_gamma = 2
+    bundle = SimpleNamespace(medusa=None)  # a bundle with a draft model
 
     def __init__(self):
         self.timed_ar_calls = 0
