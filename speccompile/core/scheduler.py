@@ -65,7 +65,8 @@ class Scheduler:
         fallback_gamma: what AUTO requests run while there is no policy (default: the largest γ).
         draft None: a draft-free bundle, whose requests all speculate with prompt lookup, or with
         `tree` a Medusa bundle's: every iteration is one tree verification (`_tree_iteration`), which
-        the runtime may set or replace between iterations (it sizes the tree by measured cost)."""
+        the runtime may set or replace between iterations (it sizes the tree by measured cost, and
+        `tree_nodes`, the prefix each batch size verifies)."""
         self.target, self.draft = target, draft
         self.max_batch, self.max_seq, self.gammas = max_batch, max_seq, sorted(gammas)
         self.eos_ids, self.policy_for, self.prefill_chunk = eos_ids, policy_for, prefill_chunk
@@ -77,6 +78,7 @@ class Scheduler:
         self._started = False
         self.last_gamma = 0  # the γ of the last decoding iteration's verification (0: a plain step), for metrics
         self.tree = tree
+        self.tree_nodes: dict[int, int] = {}  # decoding requests -> nodes of the tree's prefix they verify
 
     # -- the queue --------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -253,7 +255,8 @@ class Scheduler:
         assert self.tree is not None, "Medusa requests need the runtime's token tree"
         # a tree writes all its nodes: near the cache's end, its first nodes (a tree too) only
         room = self.max_seq - max(len(r.tokens) - 1 for r in rows)
-        tree = self.tree if self.tree.size <= room else TokenTree(self.tree.paths[: room - 1])
+        size = min(room, self.tree_nodes.get(len(rows), self.tree.size))  # a batch may verify a smaller prefix
+        tree = self.tree if self.tree.size <= size else TokenTree(self.tree.paths[: size - 1])
         tokens = np.zeros((len(rows), tree.size), dtype=np.int64)
         draft_len = np.zeros(len(rows), dtype=np.int64)
         for row, request in enumerate(rows):

@@ -240,7 +240,7 @@ class Runtime:
         if tree is not None and (tree.max_depth > heads or tree.top_k() > candidates):
             raise SpecCompileError(f"this tree needs {tree.max_depth} heads and {tree.top_k()} candidates per head; "
                                    f"the bundle has {heads} heads of {candidates} candidates")
-        self.scheduler.tree = tree
+        self.scheduler.tree, self.scheduler.tree_nodes = tree, {}
 
     def _size_tree(self) -> None:
         """Grow trees of every size from the heads' accuracies, time each one's verification here at
@@ -256,7 +256,28 @@ class Runtime:
         tree, self.tree_sizing = best_tree(accuracy, costs, measured=measured)
         log.info(f"Medusa token tree: {tree.size} nodes, depth {tree.max_depth} (expected accepted "
                  f"{tree.expected_accepted(accuracy, measured):.2f}, verification {costs[tree.size]:.2f} ms here)")
-        self.scheduler.tree = tree
+        self.scheduler.tree, self.scheduler.tree_nodes = tree, self._prefix_per_batch(tree, context)
+
+    def _prefix_per_batch(self, tree: TokenTree, context: int) -> dict[int, int]:
+        """Per number of decoding requests, the prefix of the tree that pays best: every row verifies
+        its own tree, so a pass grows with batch × nodes, and a larger batch affords fewer nodes each.
+        The prefixes are timed at the bundle's max batch; between it and batch 1 the costs are linear."""
+        from speccompile.runtime.calibration import measure_tree_costs
+
+        if self.max_batch == 1:
+            return {}
+        accuracy, measured = self.bundle.medusa["top_k_accuracy"], self._measured_paths
+        prefixes = {n: TokenTree(tree.paths[: n - 1]) for n in TREE_SIZES if n <= tree.size}
+        low = measure_tree_costs(self.target, prefixes, 1, context, repeats=3)
+        high = measure_tree_costs(self.target, prefixes, self.max_batch, context, repeats=3)
+        chosen = {}
+        for batch in range(1, self.max_batch + 1):
+            w = (batch - 1) / (self.max_batch - 1)
+            rate = {n: (1 + p.expected_accepted(accuracy, measured)) / ((1 - w) * low[n] + w * high[n])
+                    for n, p in prefixes.items()}
+            chosen[batch] = max(rate, key=rate.get)
+        self.tree_sizing = {"batch_1": self.tree_sizing, "prefix_nodes_per_batch": chosen}
+        return chosen
 
     @property
     def _measured_paths(self) -> dict:

@@ -184,3 +184,24 @@ def test_compaction_leaves_the_cache_a_sequential_pass_would(bundles, checkpoint
     assert target.cache_lengths[0] == target.cache_lengths[1] == length
     for layer in target.cache:
         np.testing.assert_allclose(layer[0, :, :length], layer[1, :, :length], atol=1e-5)
+
+
+def test_a_larger_batch_verifies_the_prefix_sized_for_it(bundles, checkpoints):
+    runtime = speccompile.load(bundles("llama", "medusa"))
+    runtime.generate([PROMPTS[0]], max_new_tokens=2)  # sizes the tree, and the prefix per batch size
+    assert set(runtime.scheduler.tree_nodes) == set(range(1, runtime.max_batch + 1))
+    runtime.set_tree(ORACLE_TREE)
+    runtime.scheduler.tree_nodes = {2: 3}
+    widths = []
+    verify_tree = runtime.target.verify_tree
+
+    def recorded(tokens, draft_len, tree, typical=None, first=0):
+        widths.append((len(tokens), tokens.shape[1], tree.size))
+        return verify_tree(tokens, draft_len, tree, typical, first)
+
+    runtime.target.verify_tree = recorded
+    expected = [hf_greedy(checkpoints("llama"), p, MAX_NEW) for p in PROMPTS[:2]]
+    assert [r.token_ids for r in runtime.generate(PROMPTS[:2], max_new_tokens=MAX_NEW)] == expected
+    pairs = [(n, size) for batch, n, size in widths if batch == 2]
+    assert pairs and set(pairs) == {(3, 3)}  # two rows: the first 3 nodes of the tree
+    assert all(n == size == ORACLE_TREE.size for batch, n, size in widths if batch == 1)
