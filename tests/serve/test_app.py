@@ -369,3 +369,18 @@ def test_serve_refuses_a_bad_gamma_or_max_batch_before_it_listens(bundles):
     for args, message in ((["--gamma", "3"], "not compiled"), (["--max-batch", "9"], "max_batch must be 1..4")):
         result = CliRunner().invoke(main, ["serve", bundle, "--port", "1", *args])
         assert result.exit_code == 1 and message in result.output, result.output
+
+
+def test_a_medusa_bundle_serves_greedy_requests_and_refuses_sampling_with_a_400(bundles):
+    runtime = speccompile.load(bundles("llama", "medusa"))
+    server, thread, url = start(create_app(runtime, "medusa"))
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+        [expected] = runtime.generate(["x y x"], max_new_tokens=8)
+        response = client.completions.create(model="medusa", prompt="x y x", max_tokens=8, temperature=0)
+        assert response.choices[0].text == expected.text
+        with pytest.raises(openai.BadRequestError, match="greedy only"):
+            client.completions.create(model="medusa", prompt="x y x", max_tokens=8)  # OpenAI's default: 1
+    finally:
+        stop(server, thread)
+        runtime.close()
