@@ -143,3 +143,40 @@ def find_profile(bundle_path: Path, fp: dict | None = None) -> GammaProfile | No
     if profile.get("version") != PROFILE_VERSION or profile.get("fingerprint") != fp:
         return None
     return GammaProfile.from_json(profile)
+
+
+# ---------------------------------------------------------------------------------------------
+# a Medusa bundle's token tree, as sized on one machine (runtime._size_tree)
+
+TREE_PROFILE_VERSION = 1
+
+
+def tree_profile_path(bundle_path: Path, fp: dict | None = None) -> Path:
+    return Path(bundle_path) / PROFILES_DIR / f"tree-{fingerprint_key(fp or fingerprint())}.json"
+
+
+def write_tree_profile(bundle_path: Path, fp: dict, paths: list, prefix_nodes: dict, sizing: dict) -> Path | None:
+    """Record the tree sized here (its paths), the prefix each batch size verifies, and the costs and
+    predictions they were chosen by; None where the bundle is read-only (then each process sizes)."""
+    path = tree_profile_path(bundle_path, fp)
+    entry = {"version": TREE_PROFILE_VERSION, "fingerprint": fp, "tree": paths,
+             "prefix_nodes_per_batch": {str(b): n for b, n in prefix_nodes.items()}, "sizing": sizing}
+    try:
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(entry, indent=1))
+        tmp.replace(path)
+    except OSError:
+        return None
+    return path
+
+
+def find_tree_profile(bundle_path: Path, fp: dict) -> tuple[list, dict, dict] | None:
+    """(tree paths, prefix nodes per batch size, sizing) recorded on hardware with this fingerprint."""
+    path = tree_profile_path(bundle_path, fp)
+    if not path.is_file():
+        return None
+    entry = json.loads(path.read_text())
+    if entry.get("version") != TREE_PROFILE_VERSION or entry.get("fingerprint") != fp:
+        return None
+    return entry["tree"], {int(b): n for b, n in entry["prefix_nodes_per_batch"].items()}, entry["sizing"]

@@ -244,9 +244,19 @@ class Runtime:
 
     def _size_tree(self) -> None:
         """Grow trees of every size from the heads' accuracies, time each one's verification here at
-        batch 1, and keep the size with the most expected tokens per millisecond (core/tree.best_tree)."""
+        batch 1, and keep the size with the most expected tokens per millisecond (core/tree.best_tree);
+        then the prefix of it each batch size verifies. Recorded in the bundle per machine
+        (profiles/tree-*.json, like γ profiles), and read from there by the next process."""
         from speccompile.runtime.calibration import measure_tree_costs
+        from speccompile.runtime.gamma_profile import find_tree_profile, write_tree_profile
+        from speccompile.runtime.hardware import fingerprint
 
+        fp = fingerprint(self.backend)
+        recorded = find_tree_profile(self.bundle.path, fp)
+        if recorded is not None:
+            paths, prefixes, self.tree_sizing = recorded
+            self.scheduler.tree, self.scheduler.tree_nodes = TokenTree.from_paths(paths), prefixes
+            return
         accuracy = self.bundle.medusa["top_k_accuracy"]
         context = min(64, self.max_seq // 4)
         sizes = [n for n in TREE_SIZES if n + context <= self.max_seq]
@@ -257,6 +267,9 @@ class Runtime:
         log.info(f"Medusa token tree: {tree.size} nodes, depth {tree.max_depth} (expected accepted "
                  f"{tree.expected_accepted(accuracy, measured):.2f}, verification {costs[tree.size]:.2f} ms here)")
         self.scheduler.tree, self.scheduler.tree_nodes = tree, self._prefix_per_batch(tree, context)
+        written = write_tree_profile(self.bundle.path, fp, tree.to_json(), self.scheduler.tree_nodes, self.tree_sizing)
+        if written is not None:
+            log.info(f"  recorded in {written}")
 
     def _prefix_per_batch(self, tree: TokenTree, context: int) -> dict[int, int]:
         """Per number of decoding requests, the prefix of the tree that pays best: every row verifies

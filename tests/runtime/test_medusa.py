@@ -205,3 +205,17 @@ def test_a_larger_batch_verifies_the_prefix_sized_for_it(bundles, checkpoints):
     pairs = [(n, size) for batch, n, size in widths if batch == 2]
     assert pairs and set(pairs) == {(3, 3)}  # two rows: the first 3 nodes of the tree
     assert all(n == size == ORACLE_TREE.size for batch, n, size in widths if batch == 1)
+
+
+def test_the_sized_tree_is_recorded_in_the_bundle_and_read_back(bundles, monkeypatch):
+    bundle = bundles("llama", "medusa")
+    first = speccompile.load(bundle)
+    first.generate([PROMPTS[0]], max_new_tokens=2)
+    [record] = (bundle / "profiles").glob("tree-*.json")
+    assert json.loads(record.read_text())["tree"] == first.scheduler.tree.to_json()
+    import speccompile.runtime.calibration as calibration
+
+    monkeypatch.setattr(calibration, "measure_tree_costs", lambda *a, **k: pytest.fail("sized again"))
+    second = speccompile.load(bundle)
+    second.generate([PROMPTS[0]], max_new_tokens=2)
+    assert second.scheduler.tree == first.scheduler.tree and second.scheduler.tree_nodes == first.scheduler.tree_nodes
