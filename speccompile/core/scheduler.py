@@ -256,7 +256,7 @@ class Scheduler:
         # a tree writes all its nodes: near the cache's end, its first nodes (a tree too) only
         room = self.max_seq - max(len(r.tokens) - 1 for r in rows)
         size = min(room, self.tree_nodes.get(len(rows), self.tree.size))  # a batch may verify a smaller prefix
-        tree = self.tree if self.tree.size <= size else TokenTree(self.tree.paths[: size - 1])
+        tree = self.tree.prefix(size)
         tokens = np.zeros((len(rows), tree.size), dtype=np.int64)
         draft_len = np.zeros(len(rows), dtype=np.int64)
         for row, request in enumerate(rows):

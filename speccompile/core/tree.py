@@ -27,6 +27,7 @@ the next token is still the target's argmax after the accepted path. It accepts 
 target would not have chosen greedily: faster, and no longer the target's greedy output.
 """
 
+import functools
 import heapq
 from dataclasses import dataclass
 from functools import cached_property
@@ -97,6 +98,12 @@ class TokenTree:
             seen[i] |= seen[self.parents[i]]
         return seen
 
+    def prefix(self, nodes: int) -> "TokenTree":
+        """The tree of its first `nodes` nodes, the root included (a tree too: parents come first).
+        Kept per size: a batch verifies the same prefix iteration after iteration, and its parents,
+        depths and mask are computed once."""
+        return self if nodes >= self.size else _prefix(self, nodes)
+
     def top_k(self) -> int:
         """The most candidates any head must supply."""
         return int(self.ranks.max()) + 1 if self.paths else 0
@@ -120,6 +127,11 @@ class TokenTree:
 
     def to_json(self) -> list[list[int]]:
         return [list(p) for p in self.paths]
+
+
+@functools.lru_cache(maxsize=64)
+def _prefix(tree: TokenTree, nodes: int) -> TokenTree:
+    return TokenTree(tree.paths[: nodes - 1])
 
 
 def path_probability(path, accuracies, measured: dict | None = None) -> float:

@@ -280,7 +280,7 @@ class Runtime:
         if self.max_batch == 1:
             return {}
         accuracy, measured = self.bundle.medusa["top_k_accuracy"], self._measured_paths
-        prefixes = {n: TokenTree(tree.paths[: n - 1]) for n in TREE_SIZES if n <= tree.size}
+        prefixes = {n: tree.prefix(n) for n in TREE_SIZES if n <= tree.size}
         low = measure_tree_costs(self.target, prefixes, 1, context, repeats=3)
         high = measure_tree_costs(self.target, prefixes, self.max_batch, context, repeats=3)
         chosen = {}
