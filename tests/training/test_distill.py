@@ -77,12 +77,9 @@ def test_resume_continues_from_the_checkpoint(tmp_path, checkpoints, corpus, cap
     assert steps == list(range(1, 21))
 
 
-def test_an_interrupted_run_resumes_from_its_last_checkpoint(tmp_path, checkpoints, corpus, monkeypatch, caplog):
-    from speccompile.training import distill as module
-
-    out = tmp_path / "d"
-    calls = {"n": 0}
-    real_batch = module._batch
+def interrupted_at_step_15(module, monkeypatch, run) -> None:
+    """Run `run()` with the module's 15th batch raising KeyboardInterrupt, as an interruption would."""
+    calls, real_batch = {"n": 0}, module._batch
 
     def interrupt_at_step_15(*args, **kwargs):
         calls["n"] += 1
@@ -92,8 +89,16 @@ def test_an_interrupted_run_resumes_from_its_last_checkpoint(tmp_path, checkpoin
 
     monkeypatch.setattr(module, "_batch", interrupt_at_step_15)
     with pytest.raises(KeyboardInterrupt):
-        distill(checkpoints("gpt2"), corpus, out, DistillOptions(steps=20, **OPTIONS))
+        run()
     monkeypatch.setattr(module, "_batch", real_batch)
+
+
+def test_an_interrupted_run_resumes_from_its_last_checkpoint(tmp_path, checkpoints, corpus, monkeypatch, caplog):
+    from speccompile.training import distill as module
+
+    out = tmp_path / "d"
+    interrupted_at_step_15(module, monkeypatch,
+                           lambda: distill(checkpoints("gpt2"), corpus, out, DistillOptions(steps=20, **OPTIONS)))
     assert (out / "distill_state.pt").exists()  # the step-10 checkpoint survived the interruption
     caplog.set_level(logging.INFO, logger="speccompile")
     distill(checkpoints("gpt2"), corpus, out, DistillOptions(steps=20, **OPTIONS))

@@ -12,7 +12,7 @@ from speccompile.errors import SpecCompileError
 from speccompile.medusa_heads import CONFIG, WEIGHTS, load_medusa_heads, write_medusa_heads
 from speccompile.training import medusa as module
 from speccompile.training.medusa import MedusaOptions, train_medusa
-from tests.training.test_distill import corpus, said  # noqa: F401 (a fixture)
+from tests.training.test_distill import corpus, interrupted_at_step_15, said  # noqa: F401 (a fixture)
 
 OPTIONS = dict(heads=3, batch=4, seq_len=32, lr=1e-2, checkpoint_every=10, eval_windows=4, eval_prompt=16,
                eval_new_tokens=16, generated_fraction=0.5)
@@ -95,18 +95,9 @@ def test_trained_heads_match_the_target_better_on_its_own_heldout_text(trained):
 
 def test_an_interrupted_run_resumes_from_its_last_checkpoint(tmp_path, checkpoints, corpus, monkeypatch,  # noqa: F811
                                                              caplog):
-    out, calls, real_batch = tmp_path / "m", {"n": 0}, module._batch
-
-    def interrupt_at_step_15(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 15:
-            raise KeyboardInterrupt
-        return real_batch(*args, **kwargs)
-
-    monkeypatch.setattr(module, "_batch", interrupt_at_step_15)
-    with pytest.raises(KeyboardInterrupt):
-        train_medusa(checkpoints("llama"), corpus, out, MedusaOptions(steps=20, **OPTIONS))
-    monkeypatch.setattr(module, "_batch", real_batch)
+    out = tmp_path / "m"
+    interrupted_at_step_15(module, monkeypatch,
+                           lambda: train_medusa(checkpoints("llama"), corpus, out, MedusaOptions(steps=20, **OPTIONS)))
     assert (out / "distill_state.pt").exists() and not (out / WEIGHTS).exists()
     caplog.set_level(logging.INFO, logger="speccompile")
     train_medusa(checkpoints("llama"), corpus, out, MedusaOptions(steps=20, **OPTIONS))
