@@ -59,12 +59,13 @@ def main():
 @click.option("--max-seq", type=int, default=1024, show_default=True, help="KV-cache capacity (prompt + generated).")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Largest batch the bundle serves.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle directory.")
-@click.option("--target-weights", type=click.Choice(["float32", "float16", "bfloat16", "int8"]), default="float32",
-              show_default=True, help="Target matmul weights: the compiled target's precision, which the output "
-              "follows (int8: weight-only, a quarter of the bytes per decode step).")
-@click.option("--draft-weights", type=click.Choice(["int8", "float32", "float16", "bfloat16"]), default="int8",
+@click.option("--target-weights", type=click.Choice(["float32", "float16", "bfloat16", "int8", "int4"]),
+              default="float32", show_default=True, help="Target matmul weights: the compiled target's precision, "
+              "which the output follows (int8: weight-only, per output column, a quarter of the bytes per decode "
+              "step; int4: weight-only in blocks of 32 like Q4_0, an eighth).")
+@click.option("--draft-weights", type=click.Choice(["int8", "int4", "float32", "float16", "bfloat16"]), default="int8",
               show_default=True,
-              help="Draft matmul weights: int8 weight-only (faster draft steps), float32, or float16/bfloat16 "
+              help="Draft matmul weights: int8 or int4 weight-only (faster draft steps), float32, or float16/bfloat16 "
               "(half the disk, float32 in memory on CPU); the output is the target's whatever the draft's precision.")
 @click.option("--draft-vocab", type=int, default=None,
               help="Draft LM head scores only the K most frequent tokens (faster draft steps; outputs unchanged).")

@@ -11,37 +11,43 @@ from onnx import TensorProto, helper, numpy_helper
 
 from speccompile.compiler.tensors import (
     BFLOAT16,
+    INT4,
     LazyTensor,
     cast,
     materialize,
     nbits_blocks,
     nbits_scales,
+    packed_int4,
+    quantized_int4,
     quantized_int8,
+    stored_nbytes,
 )
+from speccompile.errors import SpecCompileError
 
 OPSET = 24  # TensorScatter (in-place KV write) needs 24; TensorRT 10.15's parser reads opsets 9..24
 IR_VERSION = 10
 FLOAT, INT32, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64, TensorProto.BOOL
 WEIGHT_DTYPES = {np.dtype(np.float32): (TensorProto.FLOAT, "<f4"), np.dtype(np.int8): (TensorProto.INT8, "i1"),
                  np.dtype(np.int64): (TensorProto.INT64, "<i8"), np.dtype(np.float16): (TensorProto.FLOAT16, "<f2"),
-                 BFLOAT16: (TensorProto.BFLOAT16, BFLOAT16), np.dtype(np.uint8): (TensorProto.UINT8, "u1")}
+                 BFLOAT16: (TensorProto.BFLOAT16, BFLOAT16), np.dtype(np.uint8): (TensorProto.UINT8, "u1"),
+                 INT4: (TensorProto.INT4, "u1")}  # int4: written packed, two values per byte (packed_int4)
 ORT_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops
-INT8_KERNELS = ("DequantizeLinear", "MatMulNBits")  # how a graph runs int8 weights (see GraphBuilder.matmul)
-NBITS_BLOCK = 32
+QUANTIZED_KERNELS = ("DequantizeLinear", "MatMulNBits")  # how a graph runs int8/int4 weights (GraphBuilder.matmul)
+NBITS_BLOCK = 32  # int8's MatMulNBits blocks (its scales stay per column) and int4's quantization blocks (Q4_0's)
 # How a graph stores its projection and LM-head weights (see GraphBuilder.matmul).
 MATMUL_WEIGHTS = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BFLOAT16,
-                  "int8": np.dtype(np.int8)}
+                  "int8": np.dtype(np.int8), "int4": INT4}
 
 
 class GraphBuilder:
     """Accumulates nodes, inputs, outputs and initializers for one ONNX graph."""
 
-    def __init__(self, name: str, matmul_weights: str = "float32", int8_kernel: str = "DequantizeLinear"):
+    def __init__(self, name: str, matmul_weights: str = "float32", quantized_kernel: str = "DequantizeLinear"):
         assert matmul_weights in MATMUL_WEIGHTS, f"matmul_weights {matmul_weights!r} not in {MATMUL_WEIGHTS}"
-        assert int8_kernel in INT8_KERNELS, f"int8_kernel {int8_kernel!r} not in {INT8_KERNELS}"
+        assert quantized_kernel in QUANTIZED_KERNELS, f"quantized_kernel {quantized_kernel!r} not in {QUANTIZED_KERNELS}"
         self.name = name
         self.matmul_weights = matmul_weights
-        self.int8_kernel = int8_kernel
+        self.quantized_kernel = quantized_kernel
         self.nodes: list[onnx.NodeProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
@@ -87,6 +93,11 @@ class GraphBuilder:
         feeding the MatMul. That is the standard weight-only pattern: ONNX Runtime fuses it into
         MatMulNBits (a quarter of the fp32 bytes a GEMV streams); TensorRT's parser reads it as
         explicit quantization.
+        int4: symmetric blocks of NBITS_BLOCK along K (tensors.quantized_int4) and ONNX's blocked
+        DequantizeLinear (int4, axis 0) feeding the MatMul: ONNX Runtime fuses it into MatMulNBits
+        (4 bits), TensorRT reads it as int4 weight-only block quantization.
+        A graph built with quantized_kernel="MatMulNBits" (session graphs) runs both on MatMulNBits
+        directly, with the same numbers (_matmul_nbits).
         """
         stored = self.matmul_weights
         if stored == "float32":
@@ -94,25 +105,36 @@ class GraphBuilder:
         if stored in ("float16", "bfloat16"):
             half = self.weight(f"{name}_{stored}", cast(_lazy(weight), MATMUL_WEIGHTS[stored]))
             return self.op("MatMul", x, self.op("Cast", half, to=FLOAT))
-        quantized, scale = quantized_int8(_lazy(weight))
-        if self.int8_kernel == "MatMulNBits" and quantized.shape[0] % NBITS_BLOCK == 0:
+        k = weight.shape[0]
+        if stored == "int4":
+            if k % NBITS_BLOCK:
+                raise SpecCompileError(f"{name}: int4 weights are quantized in blocks of {NBITS_BLOCK} along the "
+                                       f"input dimension, which is {k} here; use --target-weights/--draft-weights int8")
+            quantized, scale = quantized_int4(_lazy(weight), NBITS_BLOCK)
+            axis, attrs = 0, {"block_size": NBITS_BLOCK}
+        else:
+            quantized, scale = quantized_int8(_lazy(weight))
+            axis, attrs = 1, {}
+        if self.quantized_kernel == "MatMulNBits" and k % NBITS_BLOCK == 0:
             return self._matmul_nbits(x, name, quantized, scale)
         dequantized = self.op("DequantizeLinear", self.weight(name + "_q", quantized),
-                              self.weight(name + "_scale", scale), axis=1)
+                              self.weight(name + "_scale", scale), axis=axis, **attrs)
         return self.op("MatMul", x, dequantized)
 
     def _matmul_nbits(self, x: str, name: str, quantized: LazyTensor, scale: LazyTensor) -> str:
-        """The same int8 weights as ONNX Runtime's MatMulNBits (8 bits) takes them, for graphs only
+        """The same int8 or int4 weights as ONNX Runtime's MatMulNBits takes them, for graphs only
         ONNX Runtime runs (session graphs). Why not DequantizeLinear -> MatMul, which ONNX Runtime
         fuses into this very kernel: the fusion keeps the fused weights beside the packed ones (1.1B
         int8 target: 2.49 GB RSS for 1.72 GB of weights). Block size and accuracy level are the
-        fusion's (32, int8 compute), so the numbers are the per-kind graphs' exactly."""
+        fusion's (32, int8 compute: activations rounded to int8 per row and block), so the numbers
+        are the per-kind graphs' exactly."""
         k, n = quantized.shape
+        bits = 4 if quantized.dtype == INT4 else 8
         self.domains[ORT_DOMAIN] = 1
         blocks = self.weight(name + "_nbits", nbits_blocks(quantized, NBITS_BLOCK))
         scales = self.weight(name + "_nbits_scale", nbits_scales(scale, k // NBITS_BLOCK))
-        return self.op("MatMulNBits", x, blocks, scales, domain=ORT_DOMAIN, K=k, N=n, bits=8, block_size=NBITS_BLOCK,
-                       accuracy_level=4)
+        return self.op("MatMulNBits", x, blocks, scales, domain=ORT_DOMAIN, K=k, N=n, bits=bits,
+                       block_size=NBITS_BLOCK, accuracy_level=4)
 
     def const(self, value, dtype=np.int64) -> str:
         """A small constant (shape, axes, scalar) stored inline in the graph."""
@@ -183,7 +205,7 @@ class BranchBuilder(GraphBuilder):
     """
 
     def __init__(self, parent: GraphBuilder, label: str):
-        super().__init__(f"{parent.name}/{parent.scope}{label}", parent.matmul_weights)
+        super().__init__(f"{parent.name}/{parent.scope}{label}", parent.matmul_weights, parent.quantized_kernel)
         self.parent, self.scope = parent, f"{parent.scope}{label}/"
         self.domains = parent.domains
         self.yields: dict[str, str] = {}  # output name -> tensor of this branch
@@ -262,19 +284,22 @@ class WeightFile:
 
     def add(self, weights: dict[str, np.ndarray | LazyTensor]) -> None:
         for name, array in weights.items():
+            nbytes = stored_nbytes(array)
             if name in self.locations:  # shared by several graphs of the model
-                assert self.locations[name][2] == array.nbytes, f"two different weights named {name}"
+                assert self.locations[name][2] == nbytes, f"two different weights named {name}"
                 continue
             offset = -(-self.size // self.ALIGN) * self.ALIGN
-            self.locations[name] = (self.filename, offset, array.nbytes)
+            self.locations[name] = (self.filename, offset, nbytes)
             self._tensors.append((offset, array))
-            self.size = offset + array.nbytes
+            self.size = offset + nbytes
 
     def write(self, path) -> None:
         with open(path, "wb") as f:
             for offset, tensor in self._tensors:
                 f.seek(offset)
                 array = materialize(tensor)
+                if array.dtype == INT4:
+                    array = packed_int4(array)
                 np.ascontiguousarray(array, dtype=WEIGHT_DTYPES[array.dtype][1]).tofile(f)
                 del array  # before the next one is read: one tensor in memory at a time
 

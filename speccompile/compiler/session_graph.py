@@ -62,7 +62,7 @@ def build_session_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int
                         matmul_weights: str = "float32", vocab_ids: np.ndarray | None = None,
                         heads: list | None = None) -> GraphBuilder:
     """`heads`: the Medusa heads of the tree kinds (verify_tree*), which must come last in KINDS."""
-    g = GraphBuilder(name, matmul_weights, int8_kernel="MatMulNBits")
+    g = GraphBuilder(name, matmul_weights, quantized_kernel="MatMulNBits")
     ids = g.input("input_ids", INT64, ["batch", "tokens"])
     past_len = g.input("past_len", INT64, ["batch"])
     token_count = g.input("token_count", INT64, ["batch"])

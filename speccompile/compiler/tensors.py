@@ -28,6 +28,7 @@ import numpy as np
 from speccompile.errors import SpecCompileError
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+INT4 = np.dtype(ml_dtypes.int4)  # one value per byte in memory; two per byte on disk (stored_nbytes, packed_int4)
 SAFETENSORS_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": BFLOAT16}
 MAX_HEADER = 100 << 20  # the format's own limit on the JSON header
 
@@ -56,7 +57,7 @@ class LazyTensor:
 
     @property
     def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
+        return stored_nbytes(self)
 
     @property
     def ndim(self) -> int:
@@ -65,6 +66,20 @@ class LazyTensor:
 
 def materialize(tensor) -> np.ndarray:
     return tensor.load() if isinstance(tensor, LazyTensor) else tensor
+
+
+def stored_nbytes(tensor) -> int:
+    """Bytes a tensor takes in a weights file: int4 packs two values per byte, as ONNX stores it."""
+    size = math.prod(tensor.shape)
+    return (size + 1) // 2 if tensor.dtype == INT4 else size * tensor.dtype.itemsize
+
+
+def packed_int4(array: np.ndarray) -> np.ndarray:
+    """ONNX's INT4 bytes of `array` (row-major): element 2i in the low nibble of byte i, 2i+1 in the high."""
+    nibbles = (array.reshape(-1).astype(np.int8) & 0xF).astype(np.uint8)
+    if nibbles.size % 2:
+        nibbles = np.append(nibbles, np.uint8(0))
+    return nibbles[0::2] | (nibbles[1::2] << 4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,18 +176,39 @@ def quantized_int8(t: LazyTensor) -> tuple[LazyTensor, LazyTensor]:
             LazyTensor((n,), np.dtype(np.float32), lambda: pair.take(1)))
 
 
+def quantized_int4(t: LazyTensor, block: int) -> tuple[LazyTensor, LazyTensor]:
+    """Symmetric blockwise int4 of a [K, N] weight, like llama.cpp's Q4_0 and ONNX Runtime's
+    MatMulNBits: each column is cut into K / block blocks along K, each with its own scale
+    s = max |W| / 7 over the block, and q = clip(round(W / s), -8, 7). Returns (q int4 [K, N],
+    s float32 [K / block, N]): the layout of ONNX's blocked DequantizeLinear (axis 0)."""
+    k, n = t.shape
+    assert k % block == 0, f"int4 blocks of {block} do not tile K={k}"
+    pair = _SharedResult(lambda: _quantize_blocks(t.load(), block), parts=2)
+    return (LazyTensor((k, n), INT4, lambda: pair.take(0)),
+            LazyTensor((k // block, n), np.dtype(np.float32), lambda: pair.take(1)))
+
+
 def nbits_blocks(q: LazyTensor, block: int) -> LazyTensor:
-    """int8 q [K, N] in ONNX Runtime's MatMulNBits 8-bit layout: uint8 [N, K / block, block], one row
-    per output column, stored as q + 128 (the kernel's default zero point)."""
+    """int8 or int4 q [K, N] in ONNX Runtime's MatMulNBits layout: uint8 [N, K / block, block * bits / 8],
+    one row per output column, stored as q + 2^(bits-1) (the kernel's default zero point); 4-bit
+    values two to a byte, the first in the low nibble."""
     k, n = q.shape
-    shape = (n, k // block, block)
-    return LazyTensor(shape, np.dtype(np.uint8),
-                      lambda: (q.load().T.astype(np.int16) + 128).astype(np.uint8).reshape(shape))
+    bits = 4 if q.dtype == INT4 else 8
+    shape = (n, k // block, block * bits // 8)
+
+    def make():
+        unsigned = (q.load().T.astype(np.int16) + (1 << (bits - 1))).astype(np.uint8).reshape(n, k // block, block)
+        return unsigned if bits == 8 else unsigned[:, :, 0::2] | (unsigned[:, :, 1::2] << 4)
+
+    return LazyTensor(shape, np.dtype(np.uint8), make)
 
 
 def nbits_scales(scale: LazyTensor, blocks: int) -> LazyTensor:
-    """Each column's scale, once per block of its K / block blocks: the same quantization as one scale
-    per column."""
+    """MatMulNBits' scales [N * K / block], column after column. From one scale per column [N] (int8's
+    portable layout), each repeated once per block: the same quantization; from blockwise scales
+    [K / block, N] (int4's), transposed."""
+    if scale.ndim == 2:
+        return LazyTensor((scale.size,), np.dtype(np.float32), lambda: np.ascontiguousarray(scale.load().T).ravel())
     (n,) = scale.shape
     return LazyTensor((n * blocks,), np.dtype(np.float32), lambda: np.repeat(scale.load(), blocks))
 
@@ -191,6 +227,15 @@ class _SharedResult:
         if len(self.taken) == self.parts:
             self.value, self.taken = None, set()
         return part
+
+
+def _quantize_blocks(weight: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    k, n = weight.shape
+    blocks = weight.reshape(k // block, block, n)
+    scale = np.abs(blocks).max(axis=1) / 7.0
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = np.clip(np.rint(blocks / scale[:, None, :]), -8, 7).astype(np.int8).reshape(k, n)
+    return q.astype(INT4), scale
 
 
 def _quantize_columns(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -65,12 +65,13 @@ REDUCE_OPS = frozenset(
     }
 )
 
-# Element types a TensorRT network tensor may have. INT8 stays because it is how quantized
-# weights reach Q/DQ nodes; UINT8 is further restricted to network inputs and outputs.
+# Element types a TensorRT network tensor may have. INT8 and INT4 stay because they are how quantized
+# weights reach Q/DQ nodes (DataType::kINT4: weight-only block quantization); UINT8 is further
+# restricted to network inputs and outputs.
 ALLOWED_TENSOR_TYPES = frozenset(
     {
         TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.INT32,
-        TensorProto.INT64, TensorProto.INT8, TensorProto.UINT8, TensorProto.BOOL,
+        TensorProto.INT64, TensorProto.INT8, TensorProto.INT4, TensorProto.UINT8, TensorProto.BOOL,
     }
 )
 CAST_TARGET_TYPES = frozenset(

@@ -10,8 +10,8 @@ from speccompile.compiler.onnx_graph import FLOAT, GraphBuilder, WeightFile
 
 
 def run_matmul(weight: np.ndarray, x: np.ndarray, matmul_weights: str, tmp_path,
-               int8_kernel: str = "DequantizeLinear") -> np.ndarray:
-    g = GraphBuilder("m", matmul_weights, int8_kernel)
+               quantized_kernel: str = "DequantizeLinear") -> np.ndarray:
+    g = GraphBuilder("m", matmul_weights, quantized_kernel)
     y = g.matmul(g.input("x", FLOAT, list(x.shape)), "w", weight)
     g.output(y, "y", FLOAT, [x.shape[0], weight.shape[1]])
     weights = WeightFile("w.bin")
@@ -104,6 +104,52 @@ def test_matmul_nbits_layout_computes_what_the_fused_pattern_computes(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     fused = run_matmul(w, x, "int8", tmp_path / "a")
-    direct = run_matmul(w, x, "int8", tmp_path / "b", int8_kernel="MatMulNBits")
+    direct = run_matmul(w, x, "int8", tmp_path / "b", quantized_kernel="MatMulNBits")
     np.testing.assert_array_equal(direct, fused)
     assert np.abs(direct - x @ w).max() < 0.02 * np.abs(x @ w).max()
+
+
+def test_int4_matmul_is_blockwise_symmetric_and_packed_two_per_byte(tmp_path):
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((96, 40)).astype(np.float32) * np.linspace(0.01, 3.0, 40, dtype=np.float32)
+    w[32:64, 5] = 0.0  # an all-zero block must not divide by zero
+    w[0, 9] = 50.0  # an outlier widens its own block's scale only
+    x = rng.standard_normal((5, 96)).astype(np.float32)
+    g = GraphBuilder("m", "int4")
+    g.matmul("x", "w", w)
+    q, scale = np.asarray(g.weights["w_q"]).astype(np.int8), np.asarray(g.weights["w_scale"])
+    assert scale.shape == (3, 40) and q.min() >= -8 and q.max() <= 7
+    dequantized = (q.reshape(3, 32, 40) * scale[:, None, :]).reshape(96, 40)
+    assert np.all(np.abs(dequantized - w) <= np.repeat(scale, 32, axis=0) / 2 + 1e-6)
+    assert scale[1, 9] < scale[0, 9] / 10  # the outlier's column keeps fine steps in its other blocks
+    weights = WeightFile("w.bin")
+    weights.add(g.weights)
+    types = {t.name: t.data_type for t in g.model(weights.locations).graph.initializer}
+    assert types["w_q"] == TensorProto.INT4 and weights.locations["w_q"][2] == 96 * 40 // 2
+    y = run_matmul(w, x, "int4", tmp_path)  # ONNX Runtime reads the packed bytes back as the same weights
+    np.testing.assert_allclose(y, x @ dequantized, atol=0.02 * np.abs(x @ dequantized).max())
+
+
+def test_int4_matmul_nbits_layout_computes_what_the_fused_pattern_computes(tmp_path):
+    """Session graphs run int4 weights on MatMulNBits (4 bits) directly, per-kind graphs as the
+    portable blocked DequantizeLinear that ONNX Runtime fuses into it: the same numbers."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((128, 24)).astype(np.float32)
+    x = rng.standard_normal((5, 128)).astype(np.float32)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    fused = run_matmul(w, x, "int4", tmp_path / "a")
+    direct = run_matmul(w, x, "int4", tmp_path / "b", quantized_kernel="MatMulNBits")
+    np.testing.assert_array_equal(direct, fused)
+    # 4 bits per weight (7 steps each side of zero): within a fifth of the range, and farther than int8 gets
+    error = np.abs(direct - x @ w).max() / np.abs(x @ w).max()
+    (tmp_path / "c").mkdir()
+    int8_error = np.abs(run_matmul(w, x, "int8", tmp_path / "c") - x @ w).max() / np.abs(x @ w).max()
+    assert int8_error < error < 0.2
+
+
+def test_int4_needs_whole_blocks_along_k():
+    from speccompile.errors import SpecCompileError
+
+    with pytest.raises(SpecCompileError, match="blocks of 32"):
+        GraphBuilder("m", "int4").matmul("x", "w", np.ones((48, 8), np.float32))

@@ -167,6 +167,32 @@ def test_every_weight_is_read_in_the_main_graph(bundles, draft_weights):
         assert "If" in {op for op, _ in ops}
 
 
+def test_int4_models_run_4_bit_kernels_and_speculate_exactly(checkpoints, tmp_path):
+    """--target-weights int4 --draft-weights int4: session graphs run every projection on 4-bit
+    MatMulNBits, per-kind graphs carry the portable blocked DequantizeLinear (int4) that ONNX Runtime
+    fuses into the same kernel; both give the same tokens, and speculative decoding gives exactly
+    the int4 target's own greedy output."""
+    from speccompile.compiler.build import build_bundle
+
+    path = build_bundle(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b", gammas=[1, 4],
+                        max_seq=96, max_batch=2, target_weights="int4", draft_weights="int4")
+    bundle = open_bundle(path)
+    for role in ("target", "draft"):
+        assert bundle.model(role)["matmul_weights"] == "int4"
+        model = onnx.load(str(bundle.path / bundle.model(role)["session"]["file"]), load_external_data=False)
+        nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+        assert len(nbits) >= 2 * bundle.model(role)["num_layers"] + 1  # the projections and the LM head
+        assert {a.i for n in nbits for a in n.attribute if a.name == "bits"} == {4}
+        portable = onnx.load(str(bundle.graph_path(f"{role}_forward")), load_external_data=False)
+        assert {t.name for t in portable.graph.initializer if t.data_type == onnx.TensorProto.INT4}
+    prompts = [[5, 17, 33, 2, 9], [8, 9, 10]]
+    per_graph, one = speccompile.load(path, one_session=False), speccompile.load(path, one_session=True)
+    plain = [r.token_ids for r in per_graph.generate(prompts, max_new_tokens=16, mode="autoregressive")]
+    for runtime in (per_graph, one):
+        for gamma in (1, 4):
+            assert [r.token_ids for r in runtime.generate(prompts, max_new_tokens=16, gamma=gamma)] == plain
+
+
 MEMORY_SCRIPT = r"""
 import json, sys, numpy as np, psutil
 import speccompile
