@@ -28,7 +28,6 @@ import statistics
 import time
 
 import numpy as np
-import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 BLOCK_SHAPES = {"qkv": (2048, 2560), "o": (2048, 2048), "gate_up": (2048, 11264), "down": (5632, 2048)}

@@ -44,7 +44,7 @@ class GraphBuilder:
 
     def __init__(self, name: str, matmul_weights: str = "float32", quantized_kernel: str = "DequantizeLinear"):
         assert matmul_weights in MATMUL_WEIGHTS, f"matmul_weights {matmul_weights!r} not in {MATMUL_WEIGHTS}"
-        assert quantized_kernel in QUANTIZED_KERNELS, f"quantized_kernel {quantized_kernel!r} not in {QUANTIZED_KERNELS}"
+        assert quantized_kernel in QUANTIZED_KERNELS, f"quantized_kernel {quantized_kernel!r} unknown"
         self.name = name
         self.matmul_weights = matmul_weights
         self.quantized_kernel = quantized_kernel
