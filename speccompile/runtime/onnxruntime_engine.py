@@ -15,6 +15,7 @@ import numpy as np
 
 from speccompile.bundle import Bundle, GraphId, kv_cache_shape, output_array
 from speccompile.errors import SpecCompileError
+from speccompile.runtime import prepacked
 from speccompile.runtime.model import CachedModel
 
 
@@ -123,6 +124,7 @@ class OrtModel(CachedModel):
         self._variant_files = {e["single_sequence"]["file"] for e in bundle.manifest["graphs"].values()
                                if "single_sequence" in e}
         self._sessions: dict = {}  # graph file -> session
+        self.session_source = "plain"  # a session graph's: "saved" pre-packed, "saving" it, or "plain" (prepacked.py)
         # (graph, first slot, batch) -> (session, binding, outputs, fed): resolved once, not per step
         self._calls: dict = {}
         self.cache: list[np.ndarray] = []  # each layer's K and V [slots, KV heads, max_seq, head dim], written in place
@@ -178,6 +180,10 @@ class OrtModel(CachedModel):
     def _new_session(self, file: str, spinning: bool):
         options = session_options(self._threads, spinning, self.shared_pool)
         options.log_severity_level = 3  # a session graph's optional inputs have defaults, which it warns about
+        if self._session_graph is not None and self._providers == ["CPUExecutionProvider"]:
+            # a real-size model: its optimized, pre-packed graph is saved once per machine (prepacked.py)
+            session, self.session_source = prepacked.open_session(self.bundle, file, options, self._providers)
+            return session
         return _ort().InferenceSession(str(self.bundle.path / file), options, providers=self._providers)
 
     def _spin(self, graph: GraphId) -> bool:
