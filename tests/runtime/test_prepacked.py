@@ -54,4 +54,3 @@ def test_a_bundle_it_cannot_write_to_runs_without_saving(bundle, monkeypatch):
     monkeypatch.setattr(prepacked, "_writable", lambda directory: False)  # a read-only bundle (root writes anyway)
     runtime, _ = load_and_generate(bundle)
     assert runtime.target.session_source == runtime.draft.session_source == "plain"
-    assert not (bundle / prepacked.DIRECTORY).exists()
