@@ -19,11 +19,12 @@ def load(bundle_dir=None, backend: str = "onnxruntime", threads: int | None = No
          max_batch: int | None = None):
     """Open a bundle (default: the embedded demo pair's) and return a `Runtime` ready to `generate`.
 
-    shared_threads=True runs ONNX Runtime on one process-wide thread pool: a much faster speculative
-    loop, but every other ONNX Runtime session this process creates must then be made with
-    `use_per_session_threads = False` (see runtime.onnxruntime_engine.shared_thread_pool). Left
-    unset, the runtime uses a pool per session, safe for any application, and warns once that it
-    runs slower (the demo pair: 25-40%); pass False to choose that silently.
+    Left at its defaults, each ONNX Runtime session has its own thread pool, released at the end of
+    every run so that the other model's next run finds the cores free: as fast as one process-wide
+    pool on the demo pair, and safe beside any ONNX Runtime sessions of the application's own.
+    shared_threads=True runs on one process-wide pool instead, after which every other session this
+    process creates must be made with `use_per_session_threads = False`
+    (see runtime.onnxruntime_engine.shared_thread_pool).
     one_session: each model's calls all run on its one session graph, one copy of its weights in
     memory (True), or on a session per graph, faster for small models (False); default: one session
     for models with 256 MiB of weights or more. prefill_chunk: prompt tokens prefilled per engine

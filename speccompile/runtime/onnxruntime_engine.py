@@ -32,14 +32,13 @@ def shared_thread_pool(threads: int | None = None, create: bool = True) -> bool:
     asking for it first when `create` (unless $SPECCOMPILE_SHARED_THREADS is 0). `threads` sizes it;
     default: ONNX Runtime's, one per physical core. Sessions created before keep their own pools.
 
-    Why: the speculative loop alternates draft steps and verifications on different sessions.
-    With a pool per session, each pool's threads either spin after a run, taking the cores the
-    other session needs next, or sleep, and are woken for every parallel region of the next run.
-    One shared pool has neither cost. On the demo pair (2 cores, held-out prompts, γ=4) it took the
-    loop's verification from 5.2 to 4.0 ms and its draft step from 0.26 to 0.23 ms: 1.21× to 1.53×.
+    Why it exists: the speculative loop alternates draft steps and verifications on different
+    sessions, and pools per session whose threads spin after a run take the cores the other
+    session needs next. Pools per session that release their threads at the end of every run
+    (session_options, the default) avoid that as well, so this pool is an option, not the fast path.
 
-    Why not always: the pool is process-wide. Once it exists, every ONNX Runtime session in the
-    process must be created without per-session threads, including an application's own.
+    Why not the default: the pool is process-wide. Once it exists, every ONNX Runtime session in
+    the process must be created without per-session threads, including an application's own.
     """
     _ort()
     from onnxruntime.capi import _pybind_state
@@ -72,6 +71,13 @@ def _process_has_shared_pool() -> bool:
 
 
 def session_options(threads: int | None = None, spinning: bool | None = None, shared_pool: bool = False):
+    """Options of every session the backend makes. On pools per session (the default), the pool's
+    threads spin between the parallel regions of a run, and are released when the run ends
+    (`session.force_spinning_stop`): the next run, often the other model's session, finds the
+    cores free. Measured on the demo pair (2 cores, held-out completions, 6 alternating processes
+    each): speculative decoding at 1.02x and plain decoding at 1.01x the shared pool's rate (medians
+    of the pairs' ratios), where pools that kept spinning after a run ran the loop at 0.45x, and
+    pools that never spin at 0.75-0.8x (each parallel region waits for a thread to wake)."""
     ort = _ort()
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -80,10 +86,10 @@ def session_options(threads: int | None = None, spinning: bool | None = None, sh
         return options
     if threads:
         options.intra_op_num_threads = threads
-    if spinning is not None:
-        # Spinning pool threads keep a core busy after each run; in the speculative loop that core
-        # is wanted by the other model's session, which runs next.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    spinning = True if spinning is None else spinning
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    if spinning:
+        options.add_session_config_entry("session.force_spinning_stop", "1")
     return options
 
 
@@ -171,33 +177,20 @@ class OrtModel(CachedModel):
         file = self.graph_file(graph, batch)
         if file not in self._sessions:
             if self._session_graph is None:
-                self._sessions[file] = self._new_session(file, self._spin(graph))
+                self._sessions[file] = self._new_session(file)
             else:
                 loaded = next(iter(self._sessions.values()), None)
-                self._sessions[file] = loaded or self._new_session(self._session_graph["file"], self._spin(graph))
+                self._sessions[file] = loaded or self._new_session(self._session_graph["file"])
         return self._sessions[file]
 
-    def _new_session(self, file: str, spinning: bool):
-        options = session_options(self._threads, spinning, self.shared_pool)
+    def _new_session(self, file: str):
+        options = session_options(self._threads, self._spinning, self.shared_pool)
         options.log_severity_level = 3  # a session graph's optional inputs have defaults, which it warns about
         if self._session_graph is not None and self._providers == ["CPUExecutionProvider"]:
             # a real-size model: its optimized, pre-packed graph is saved once per machine (prepacked.py)
             session, self.session_source = prepacked.open_session(self.bundle, file, options, self._providers)
             return session
         return _ort().InferenceSession(str(self.bundle.path / file), options, providers=self._providers)
-
-    def _spin(self, graph: GraphId) -> bool:
-        """Pool threads spin after a run only where the same session runs again next (decode steps).
-
-        In the speculative loop a verification is followed by draft steps on another session:
-        spinning verify threads would take the cores those steps need (measured on the demo pair,
-        2 cores: verification 7.1 -> 5.9 ms, draft step unchanged, with spinning off).
-        """
-        if self._spinning is not None:
-            return self._spinning
-        if self._session_graph is not None:  # one session for all calls: the target's mostly verify
-            return self.role != "target"
-        return not graph.verifies
 
     def _run(self, graph: GraphId, first: int, **inputs) -> dict[str, np.ndarray]:
         # a tree's outputs are as wide as the tree: its bound arrays are per size too

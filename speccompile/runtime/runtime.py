@@ -59,20 +59,17 @@ class Runtime:
                  shared_threads: bool | None = None, one_session: bool | None = None, prefill_chunk: int = 64,
                  max_batch: int | None = None):
         """max_batch: requests decoding at once, at most the bundle's (default: the bundle's).
-        shared_threads (ONNX Runtime): run both models on one process-wide thread pool, which is
-        much faster for the speculative loop but binds every other ONNX Runtime session in the
-        process (see onnxruntime_engine.shared_thread_pool). The CLI always asks for it; so should
-        an application that creates no ONNX Runtime sessions of its own. A process that has the pool
-        uses it either way; None (the default) is False, with a warning once per process that the
-        loop runs slower on pools per session. prefill_chunk: prompt tokens prefilled per iteration
-        while other requests decode (see core/scheduler.py)."""
+        shared_threads (ONNX Runtime): run both models on one process-wide thread pool, which binds
+        every other ONNX Runtime session in the process (see onnxruntime_engine.shared_thread_pool).
+        The default, pools per session whose threads are released at the end of every run
+        (onnxruntime_engine.session_options), is as fast on the demo pair and binds nothing. A
+        process that has the pool uses it either way. prefill_chunk: prompt tokens prefilled per
+        iteration while other requests decode (see core/scheduler.py)."""
         self.bundle, self.backend = bundle, backend
         if backend == "onnxruntime":
             from speccompile.runtime.onnxruntime_engine import OrtModel, shared_thread_pool
 
             shared = shared_thread_pool(threads, create=bool(shared_threads))
-            if shared_threads is None and not shared:
-                _warn_pools_per_session()
             # On pools of their own, a small draft runs faster on one thread: its ops are too short
             # to amortise a pool that competes with the target's for the cores.
             self.target = OrtModel(bundle, "target", threads=threads, shared_pool=shared, one_session=one_session)
@@ -665,12 +662,6 @@ def _stop_strings(stop) -> list[str]:
 
 
 @functools.cache
-def _warn_pools_per_session() -> None:
-    log.warning("ONNX Runtime thread pools per session: speculative decoding runs slower than on one shared pool "
-                "(demo pair: 25-40%); pass shared_threads=True if this process's other ONNX Runtime sessions "
-                "use use_per_session_threads=False or there are none, or shared_threads=False to keep this quietly")
-
-
 def load(bundle_dir, backend: str = "onnxruntime", threads: int | None = None, shared_threads: bool | None = None,
          one_session: bool | None = None, prefill_chunk: int = 64, max_batch: int | None = None) -> Runtime:
     """one_session (ONNX Runtime): run each model's every call on its one session graph, holding one

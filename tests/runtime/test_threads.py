@@ -82,17 +82,32 @@ def test_cli_runs_on_the_shared_pool(bundles, tmp_path, command):
         assert "top ops by share" in result.stdout  # per-op profiling sessions join the shared pool too
 
 
-def test_the_default_warns_once_that_pools_per_session_are_slower(bundles, caplog):
-    """Left unset, shared_threads is the safe choice, and says what it costs; chosen, it is silent."""
-    from speccompile.runtime import runtime as runtime_module
+DEFAULT = """
+import json, sys
+import numpy as np, onnxruntime
+from onnx import TensorProto, helper
+import speccompile
+runtime = speccompile.load(sys.argv[1])
+[result] = runtime.generate([{prompt}], max_new_tokens=16, gamma=4)
+x, y = (helper.make_tensor_value_info(name, TensorProto.FLOAT, [1]) for name in "xy")
+model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "app", [x], [y]),
+                          opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+own = onnxruntime.InferenceSession(model.SerializeToString())  # the application's own, default options
+print(json.dumps({{"shared": runtime.target.shared_pool, "tokens": result.token_ids,
+                  "own": own.run(None, {{"x": np.array([-1.0], np.float32)}})[0].tolist()}}))
+"""
 
-    runtime_module._warn_pools_per_session.cache_clear()
+
+def test_the_default_binds_nothing_and_releases_its_threads_after_every_run(bundles):
+    """load() with no arguments: pools per session (an application's own default session still
+    works after it), each releasing its threads when a run ends; the same tokens as the shared pool."""
+    from speccompile.runtime.onnxruntime_engine import session_options
+
     bundle = bundles("llama", "copy")
-    for _ in range(2):
-        speccompile.load(bundle)
-    speccompile.load(bundle, shared_threads=False)
-    warnings = [r for r in caplog.records if "thread pools per session" in r.getMessage()]
-    assert len(warnings) == 1 and warnings[0].levelname == "WARNING"
-    runtime_module._warn_pools_per_session.cache_clear()
-    speccompile.load(bundle, shared_threads=False)
-    assert len([r for r in caplog.records if "thread pools per session" in r.getMessage()]) == 1
+    shared = json.loads(run_python(GENERATE.format(before="", prompt=PROMPT), bundle).stdout)["tokens"]
+    out = json.loads(run_python(DEFAULT.format(prompt=PROMPT), bundle).stdout)
+    assert out == {"shared": False, "tokens": shared, "own": [0.0]}
+    options = session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    assert options.get_session_config_entry("session.force_spinning_stop") == "1"
+    assert session_options(spinning=False).get_session_config_entry("session.intra_op.allow_spinning") == "0"
