@@ -33,7 +33,12 @@ WEIGHT_DTYPES = {np.dtype(np.float32): (TensorProto.FLOAT, "<f4"), np.dtype(np.i
                  INT4: (TensorProto.INT4, "u1")}  # int4: written packed, two values per byte (packed_int4)
 ORT_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops
 QUANTIZED_KERNELS = ("DequantizeLinear", "MatMulNBits")  # how a graph runs int8/int4 weights (GraphBuilder.matmul)
-NBITS_BLOCK = 32  # int8's MatMulNBits blocks (its scales stay per column) and int4's quantization blocks (Q4_0's)
+NBITS_BLOCK = 32  # int8's MatMulNBits blocks (its scales stay per column, as ONNX Runtime's fusion makes them)
+# int4's quantization blocks along K: the largest of these that divides K. 128, not Q4_0's 32: on
+# 2 AVX-512 cores MatMulNBits (int8 compute) ran a 1.1B block's projections in 0.68-0.81 ms per
+# decode step against 0.91-0.93 ms at 32, and 5 rows in 1.13-1.18 ms against 1.68-1.74
+# (tools/measure_matmul_kernels.py); the README has the table and the agreement each costs.
+INT4_BLOCKS = (128, 64, 32, 16)
 # How a graph stores its projection and LM-head weights (see GraphBuilder.matmul).
 MATMUL_WEIGHTS = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BFLOAT16,
                   "int8": np.dtype(np.int8), "int4": INT4}
@@ -93,7 +98,7 @@ class GraphBuilder:
         feeding the MatMul. That is the standard weight-only pattern: ONNX Runtime fuses it into
         MatMulNBits (a quarter of the fp32 bytes a GEMV streams); TensorRT's parser reads it as
         explicit quantization.
-        int4: symmetric blocks of NBITS_BLOCK along K (tensors.quantized_int4) and ONNX's blocked
+        int4: symmetric blocks of 128 along K (INT4_BLOCKS; tensors.quantized_int4) and ONNX's blocked
         DequantizeLinear (int4, axis 0) feeding the MatMul: ONNX Runtime fuses it into MatMulNBits
         (4 bits), TensorRT reads it as int4 weight-only block quantization.
         A graph built with quantized_kernel="MatMulNBits" (session graphs) runs both on MatMulNBits
@@ -107,34 +112,37 @@ class GraphBuilder:
             return self.op("MatMul", x, self.op("Cast", half, to=FLOAT))
         k = weight.shape[0]
         if stored == "int4":
-            if k % NBITS_BLOCK:
-                raise SpecCompileError(f"{name}: int4 weights are quantized in blocks of {NBITS_BLOCK} along the "
-                                       f"input dimension, which is {k} here; use --target-weights/--draft-weights int8")
-            quantized, scale = quantized_int4(_lazy(weight), NBITS_BLOCK)
-            axis, attrs = 0, {"block_size": NBITS_BLOCK}
+            block = next((b for b in INT4_BLOCKS if k % b == 0), None)
+            if block is None:
+                raise SpecCompileError(f"{name}: int4 weights are quantized in blocks of {INT4_BLOCKS[-1]} or more "
+                                       f"along the input dimension, which is {k} here; use --target-weights/"
+                                       f"--draft-weights int8")
+            quantized, scale = quantized_int4(_lazy(weight), block)
+            axis, attrs = 0, {"block_size": block}
         else:
+            block = NBITS_BLOCK
             quantized, scale = quantized_int8(_lazy(weight))
             axis, attrs = 1, {}
-        if self.quantized_kernel == "MatMulNBits" and k % NBITS_BLOCK == 0:
-            return self._matmul_nbits(x, name, quantized, scale)
+        if self.quantized_kernel == "MatMulNBits" and k % block == 0:
+            return self._matmul_nbits(x, name, quantized, scale, block)
         dequantized = self.op("DequantizeLinear", self.weight(name + "_q", quantized),
                               self.weight(name + "_scale", scale), axis=axis, **attrs)
         return self.op("MatMul", x, dequantized)
 
-    def _matmul_nbits(self, x: str, name: str, quantized: LazyTensor, scale: LazyTensor) -> str:
+    def _matmul_nbits(self, x: str, name: str, quantized: LazyTensor, scale: LazyTensor, block: int) -> str:
         """The same int8 or int4 weights as ONNX Runtime's MatMulNBits takes them, for graphs only
         ONNX Runtime runs (session graphs). Why not DequantizeLinear -> MatMul, which ONNX Runtime
         fuses into this very kernel: the fusion keeps the fused weights beside the packed ones (1.1B
         int8 target: 2.49 GB RSS for 1.72 GB of weights). Block size and accuracy level are the
-        fusion's (32, int8 compute: activations rounded to int8 per row and block), so the numbers
-        are the per-kind graphs' exactly."""
+        fusion's (int8: 32; int4: the quantization's; int8 compute: activations rounded to int8 per
+        row and block), so the numbers are the per-kind graphs' exactly."""
         k, n = quantized.shape
         bits = 4 if quantized.dtype == INT4 else 8
         self.domains[ORT_DOMAIN] = 1
-        blocks = self.weight(name + "_nbits", nbits_blocks(quantized, NBITS_BLOCK))
-        scales = self.weight(name + "_nbits_scale", nbits_scales(scale, k // NBITS_BLOCK))
+        blocks = self.weight(name + "_nbits", nbits_blocks(quantized, block))
+        scales = self.weight(name + "_nbits_scale", nbits_scales(scale, k // block))
         return self.op("MatMulNBits", x, blocks, scales, domain=ORT_DOMAIN, K=k, N=n, bits=bits,
-                       block_size=NBITS_BLOCK, accuracy_level=4)
+                       block_size=block, accuracy_level=4)
 
     def const(self, value, dtype=np.int64) -> str:
         """A small constant (shape, axes, scalar) stored inline in the graph."""

@@ -111,23 +111,30 @@ def test_matmul_nbits_layout_computes_what_the_fused_pattern_computes(tmp_path):
 
 def test_int4_matmul_is_blockwise_symmetric_and_packed_two_per_byte(tmp_path):
     rng = np.random.default_rng(4)
-    w = rng.standard_normal((96, 40)).astype(np.float32) * np.linspace(0.01, 3.0, 40, dtype=np.float32)
-    w[32:64, 5] = 0.0  # an all-zero block must not divide by zero
+    w = rng.standard_normal((384, 40)).astype(np.float32) * np.linspace(0.01, 3.0, 40, dtype=np.float32)
+    w[128:256, 5] = 0.0  # an all-zero block must not divide by zero
     w[0, 9] = 50.0  # an outlier widens its own block's scale only
-    x = rng.standard_normal((5, 96)).astype(np.float32)
+    x = rng.standard_normal((5, 384)).astype(np.float32)
     g = GraphBuilder("m", "int4")
     g.matmul("x", "w", w)
     q, scale = np.asarray(g.weights["w_q"]).astype(np.int8), np.asarray(g.weights["w_scale"])
-    assert scale.shape == (3, 40) and q.min() >= -8 and q.max() <= 7
-    dequantized = (q.reshape(3, 32, 40) * scale[:, None, :]).reshape(96, 40)
-    assert np.all(np.abs(dequantized - w) <= np.repeat(scale, 32, axis=0) / 2 + 1e-6)
+    assert scale.shape == (3, 40) and q.min() >= -8 and q.max() <= 7  # blocks of 128 along K
+    dequantized = (q.reshape(3, 128, 40) * scale[:, None, :]).reshape(384, 40)
+    assert np.all(np.abs(dequantized - w) <= np.repeat(scale, 128, axis=0) / 2 + 1e-6)
     assert scale[1, 9] < scale[0, 9] / 10  # the outlier's column keeps fine steps in its other blocks
     weights = WeightFile("w.bin")
     weights.add(g.weights)
     types = {t.name: t.data_type for t in g.model(weights.locations).graph.initializer}
-    assert types["w_q"] == TensorProto.INT4 and weights.locations["w_q"][2] == 96 * 40 // 2
+    assert types["w_q"] == TensorProto.INT4 and weights.locations["w_q"][2] == 384 * 40 // 2
     y = run_matmul(w, x, "int4", tmp_path)  # ONNX Runtime reads the packed bytes back as the same weights
     np.testing.assert_allclose(y, x @ dequantized, atol=0.02 * np.abs(x @ dequantized).max())
+
+
+@pytest.mark.parametrize(("k", "block"), [(96, 32), (192, 64), (48, 16)])
+def test_int4_blocks_are_the_largest_that_tile_k(k, block):
+    g = GraphBuilder("m", "int4")
+    g.matmul("x", "w", np.ones((k, 8), np.float32))
+    assert np.asarray(g.weights["w_scale"]).shape == (k // block, 8)
 
 
 def test_int4_matmul_nbits_layout_computes_what_the_fused_pattern_computes(tmp_path):
@@ -151,5 +158,5 @@ def test_int4_matmul_nbits_layout_computes_what_the_fused_pattern_computes(tmp_p
 def test_int4_needs_whole_blocks_along_k():
     from speccompile.errors import SpecCompileError
 
-    with pytest.raises(SpecCompileError, match="blocks of 32"):
-        GraphBuilder("m", "int4").matmul("x", "w", np.ones((48, 8), np.float32))
+    with pytest.raises(SpecCompileError, match="blocks of 16 or more"):
+        GraphBuilder("m", "int4").matmul("x", "w", np.ones((40, 8), np.float32))
