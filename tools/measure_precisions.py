@@ -10,12 +10,13 @@ each one's verification costs in decode steps.
     python tools/measure_precisions.py /tmp/tl-float32 /tmp/tl-int8 /tmp/tl-int4
 
 Per bundle, in one process each (the default `speccompile.load()`, as an application runs it):
-the time from `load()` to the first generated token; a target decode step and a verification of
-γ+1 tokens back to back (`calibration.measure_costs`, medians, at context 64); then `bench` with
-the draft model proposing at γ: plain and speculative decoding interleaved over the same held-out
-prompts (three functions of held-out standard-library files, their first four lines each), with the
-loop's own step times, acceptance and the cost model's prediction. The bundles run one after the
-other, `--rounds` times, so that every precision sees the host in each of its moods.
+the time from `load()` to the first generated token and the process's peak RSS; a target decode
+step and a verification of γ+1 tokens back to back (`calibration.measure_costs`, medians, at
+context 64); then `bench` with the draft model proposing at γ: plain and speculative decoding
+interleaved over the same held-out prompts (three functions of held-out standard-library files,
+their first four lines each), with the loop's own step times, acceptance and the cost model's
+prediction. The bundles run one after the other, `--rounds` times, so that every precision sees
+the host in each of its moods.
 """
 
 import argparse
@@ -41,7 +42,9 @@ costs = measure_costs(runtime.target, runtime.draft, [gamma], batch=1, context=6
 prompts = workloads(heldout_functions(3))["completion"]
 [(summary, details)] = bench_proposers(runtime, prompts, ["draft"], tokens, repeats, gamma)
 loop = {key: details[key] for key in ("target_step_ms", "verify_ms", "draft_step_ms")}
-print(json.dumps({"load_to_first_token_s": first_token_s, "session": runtime.target.session_source,
+import resource
+print(json.dumps({"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+                  "load_to_first_token_s": first_token_s, "session": runtime.target.session_source,
                   "step_ms": costs["target_step_ms"], "verify_ms": costs["verify_ms"][gamma],
                   "draft_step_ms": costs["draft_step_ms"], "bench": {**summary, **loop}}))
 """
