@@ -7,7 +7,6 @@ bad request raises in its caller's thread and never disturbs the ones in flight.
 """
 
 import asyncio
-import functools
 import logging
 import queue
 import threading
@@ -662,7 +661,6 @@ def _stop_strings(stop) -> list[str]:
     return stops
 
 
-@functools.cache
 def load(bundle_dir, backend: str = "onnxruntime", threads: int | None = None, shared_threads: bool | None = None,
          one_session: bool | None = None, prefill_chunk: int = 64, max_batch: int | None = None) -> Runtime:
     """one_session (ONNX Runtime): run each model's every call on its one session graph, holding one
