@@ -74,11 +74,11 @@ def session_options(threads: int | None = None, spinning: bool | None = None, sh
     """Options of every session the backend makes. On pools per session (the default), the pool's
     threads spin between the parallel regions of a run, and are released when the run ends
     (`session.force_spinning_stop`): the next run, often the other model's session, finds the
-    cores free. Measured on the demo pair (2 cores, held-out completions, two series of 5 and 6
-    pairs of processes alternating the settings): speculative decoding at 0.99x and 1.02x, plain
-    decoding at 0.90x and 1.01x the shared pool's rate (medians of the pairs' ratios). In single
-    runs, pools that kept spinning after a run ran the loop at 0.45x, and pools that never spin at
-    about 0.8x (each parallel region waits for a thread to wake)."""
+    cores free. Measured on the demo pair (2 cores, held-out completions, 5 pairs of processes
+    alternating the settings, medians of the pairs' ratios): speculative decoding at 1.05x the
+    shared pool's rate, plain decoding at 0.85x (each step wakes the pool again). Keeping the
+    target's step sessions spinning made plain decoding 1.01x and the loop 0.75x; pools that kept
+    spinning after every run ran the loop at 0.45x, pools that never spin at about 0.8x."""
     ort = _ort()
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
