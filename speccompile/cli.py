@@ -62,7 +62,7 @@ def main():
 @click.option("--target-weights", type=click.Choice(["float32", "float16", "bfloat16", "int8", "int4"]),
               default="float32", show_default=True, help="Target matmul weights: the compiled target's precision, "
               "which the output follows (int8: weight-only, per output column, a quarter of the bytes per decode "
-              "step; int4: weight-only in blocks of 32 like Q4_0, an eighth).")
+              "step; int4: weight-only in blocks of 128 along the input, about an eighth).")
 @click.option("--draft-weights", type=click.Choice(["int8", "int4", "float32", "float16", "bfloat16"]), default="int8",
               show_default=True,
               help="Draft matmul weights: int8 or int4 weight-only (faster draft steps), float32, or float16/bfloat16 "

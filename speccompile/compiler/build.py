@@ -45,7 +45,7 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
                  medusa_dir=None) -> Path:
     """`target_weights` / `draft_weights`: how each model's projection and LM-head weights are stored:
     "float32", "float16", "bfloat16" (both computed in fp32), "int8" (weight-only, per output
-    column) or "int4" (weight-only, blocks of 32 along the input; see GraphBuilder.matmul). The
+    column) or "int4" (weight-only, blocks of 128 along the input; see GraphBuilder.matmul). The
     target's precision is the compiled target's numerics: speculative output equals autoregressive
     decoding of the target *as compiled*.
     `draft_vocab`: score only the K most frequent tokens in the draft's LM head (see draft_vocab.py),
