@@ -61,7 +61,7 @@ def main() -> None:
             medusa.set_tree(tree)
         run(runtime, prompts[:1], 8, **options)
         if runtime is medusa and name != "autoregressive":
-            trees[name] = medusa.scheduler.tree
+            trees[name] = medusa.proposers.tree.tree
     rates, stats = {name: [] for name in variants}, {name: [] for name in variants}
     for _ in range(args.repeats):
         for name, (runtime, _, options) in variants.items():
@@ -89,7 +89,7 @@ def main() -> None:
     medusa.set_tree(sized)
     trade_off = bench_acceptance(medusa, prompts, ["exact", "typical"], args.max_new_tokens, args.repeats)
     report = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-              "plain_step_ms": step_ms, "sized_tree": sized.to_json(), "tree_sizing": medusa.tree_sizing,
+              "plain_step_ms": step_ms, "sized_tree": sized.to_json(), "tree_sizing": medusa.tree_sizing.record,
               "rows": rows, "acceptance": trade_off}
     if args.json:
         print(json.dumps(report, indent=1))

@@ -23,7 +23,9 @@ input j is its own choice for the token after input j.
 
 Sampling rule (Leviathan et al.; Chen et al.): accept d_j (j <= k) iff u_j q_j(d_j) < p_j(d_j); at
 the first rejection n sample from normalise(max(0, p_n - q_n)); after k acceptances sample from p_k.
-Why this emits exactly p, and why the pads cannot matter (the target is causal), is next to the
+Rows with `coupled` set take the coupled rule instead: the target draws t_j from p_j with the j-th of
+the uniforms (u_accept, then u_sample) at every position, and the greedy rule runs on those draws.
+Why both emit exactly p, and why the pads cannot matter (the target is causal), is next to the
 numpy reference (`speccompile.core.acceptance`).
 """
 
@@ -38,7 +40,8 @@ PLUGIN_VERSION = "1"
 ATTRIBUTES = ["plugin_namespace", "plugin_version", "mode"]
 OUTPUTS = ["accepted", "next_token", "new_len"]
 GREEDY_INPUTS = ["target_logits", "draft_tokens", "draft_len", "past_len"]
-SAMPLE_INPUTS = ["target_probs", "draft_probs", "draft_tokens", "draft_len", "u_accept", "u_sample", "past_len"]
+SAMPLE_INPUTS = ["target_probs", "draft_probs", "draft_tokens", "draft_len", "u_accept", "u_sample", "past_len",
+                 "coupled"]
 # token trees (core/tree.py): the topology is an input (parents [N], depths [N], ancestor-or-self mask [N, N])
 TREE_OUTPUTS = [*OUTPUTS, "best_node"]
 TREE_INPUTS = ["target_logits", "tree_tokens", "draft_len", "past_len", "tree_parents", "tree_depths", "tree_mask"]
@@ -50,7 +53,7 @@ FLOAT32_MIN = float(np.finfo(np.float32).min)
 # shared pieces of the bodies
 
 
-def _leading_run(f: FunctionBuilder, accepted_each: str) -> str:
+def _leading_run(f: FunctionBuilder, accepted_each: str, out: str = "accepted") -> str:
     """Number of leading True values per row of a [B, γ] bool tensor.
 
     A position counts while no rejection has occurred at or before it. (CumSum runs in float:
@@ -59,7 +62,7 @@ def _leading_run(f: FunctionBuilder, accepted_each: str) -> str:
     rejected = f.op("Cast", f.op("Not", accepted_each), to=onnx.TensorProto.FLOAT)
     rejections_so_far = f.op("CumSum", rejected, f.const(1))
     in_run = f.op("Cast", f.op("Equal", rejections_so_far, f.const(0.0, np.float32)), to=onnx.TensorProto.INT64)
-    return f.op("ReduceSum", in_run, f.const([1]), keepdims=0, out="accepted")
+    return f.op("ReduceSum", in_run, f.const([1]), keepdims=0, out=out)
 
 
 def _proposed(f: FunctionBuilder) -> str:
@@ -111,16 +114,38 @@ def spec_accept_sample_function() -> onnx.FunctionProto:
     p_of_draft = f.op("Squeeze", f.op("GatherElements", p_head, drafts, axis=2), f.const([2]))
     q_of_draft = f.op("Squeeze", f.op("GatherElements", "draft_probs", drafts, axis=2), f.const([2]))
     # accept d_j with probability min(1, p/q):  u q < p  (no division, so q = 0 cannot blow up)
-    accepted = _leading_run(f, f.op("And", f.op("Less", f.op("Mul", "u_accept", q_of_draft), p_of_draft), proposed))
+    accepted = _leading_run(f, f.op("And", f.op("Less", f.op("Mul", "u_accept", q_of_draft), p_of_draft), proposed),
+                            out="rejection_accepted")
     p_n, q_n = _rows_at(f, "target_probs", accepted), _rows_at(f, _padded_draft_probs(f), accepted)
     # q_k := 0 at k = the row's number of real drafts, so that the token after them samples from p_k.
     real_drafts = f.op("ReduceSum", f.op("Cast", proposed, to=onnx.TensorProto.INT64), f.const([1]), keepdims=1)
     rejected = f.op("Greater", real_drafts, f.op("Unsqueeze", accepted, f.const([1])))  # [B, 1]: n < k
     q_n = f.op("Where", rejected, q_n, f.const(0.0, np.float32))
     residual = residual_weights(f, p_n, q_n)
-    inverse_cdf(f, residual, "u_sample", out="next_token")
+    rejection_next = inverse_cdf(f, residual, "u_sample", out="rejection_next")
+    coupled_accepted, coupled_next = _coupled(f, proposed)
+    coupled = "coupled"
+    accepted = f.op("Where", coupled, coupled_accepted, accepted, out="accepted")
+    f.op("Where", coupled, coupled_next, rejection_next, out="next_token")
     _new_len(f, "past_len", accepted)
     return f.function(OUTPUTS, OPSET)
+
+
+def _coupled(f: FunctionBuilder, proposed: str) -> tuple[str, str]:
+    """The coupled rule's (accepted, next): t_j = inverse-CDF draw from p_j with uniform j of
+    concat(u_accept, u_sample), then the greedy rule on t."""
+    uniforms = f.op("Concat", "u_accept", f.op("Unsqueeze", "u_sample", f.const([1])), axis=1)  # [B, γ+1]
+    cdf = f.op("CumSum", "target_probs", f.const(2))
+    total = f.op("Slice", cdf, f.const([-1]), f.const([np.iinfo(np.int64).max]), f.const([2]))  # [B, γ+1, 1]
+    threshold = f.op("Mul", f.op("Unsqueeze", uniforms, f.const([2])), total)
+    below = f.op("Cast", f.op("LessOrEqual", cdf, threshold), to=onnx.TensorProto.INT64)
+    last_index = f.op("Sub", f.op("Squeeze", f.op("Shape", "target_probs", start=2, end=3), f.const([0])), f.const(1))
+    target_tokens = f.op("Min", f.op("ReduceSum", below, f.const([2]), keepdims=0), last_index)  # [B, γ+1]
+    target_choice = f.op("Slice", target_tokens, f.const([0]), f.const([-1]), f.const([1]))
+    accepted = _leading_run(f, f.op("And", f.op("Equal", "draft_tokens", target_choice), proposed),
+                            out="coupled_accepted")
+    next_col = f.op("GatherElements", target_tokens, f.op("Unsqueeze", accepted, f.const([1])), axis=1)
+    return accepted, f.op("Squeeze", next_col, f.const([1]))
 
 
 def _padded_draft_probs(f: FunctionBuilder) -> str:

@@ -140,9 +140,10 @@ def accept(b: GraphBuilder, logits: str, ids: str, past_len: str, gamma: int | s
     params = _sampling_inputs(b)
     u_accept = b.input("u_accept", FLOAT, ["batch", gamma])
     u_sample = b.input("u_sample", FLOAT, ["batch"])
+    coupled = b.input("coupled", BOOL, ["batch"])  # rows verified by the coupled rule (core/acceptance.py)
     target_probs = spec_op(b, "SpecTransform", logits, *params, vocab_size=vocab_out)
     return spec_op(b, "SpecAccept", target_probs, draft_probs, drafts, draft_len, u_accept, u_sample, past_len,
-                   mode="sample", outputs=3, out=OUTPUTS)
+                   coupled, mode="sample", outputs=3, out=OUTPUTS)
 
 
 def accept_tree(b: GraphBuilder, logits: str, ids: str, past_len: str, typical: bool) -> list[str]:

@@ -24,6 +24,27 @@ def expected_tokens(acceptance_by_position: list[float]) -> float:
     return 1.0 + sum(acceptance_by_position)
 
 
+def tokens_per_ms(costs: "LoopCosts | None", acceptance_by_position: list[float], drafts: int,
+                  draft_steps: bool = True) -> float:
+    """Expected tokens per millisecond of one iteration with `drafts` proposals, (1 + Σ P_k) over
+    its time: verified by the smallest compiled γ that holds them, with the draft model's steps
+    (draft_steps) or without (a lookup costs no model time). 0 drafts is a plain step. Without costs,
+    expected tokens per iteration. The one rate every choice between proposers and trees compares."""
+    tokens = expected_tokens(acceptance_by_position[:drafts])
+    if costs is None:
+        return tokens
+    if drafts == 0:
+        return 1.0 / costs.target_step
+    gamma = costs.graph_for(drafts)
+    draft = costs.draft[gamma] * drafts / gamma if draft_steps else 0.0
+    return rate(tokens, draft + costs.verify[gamma] + costs.overhead)
+
+
+def rate(tokens: float, ms: float) -> float:
+    """Tokens per millisecond."""
+    return tokens / ms
+
+
 def iid_acceptance_by_position(alpha: float, gamma: int) -> list[float]:
     """P_k = α^k: the paper's i.i.d. acceptance assumption."""
     return [alpha**k for k in range(1, gamma + 1)]
@@ -88,6 +109,18 @@ class LoopCosts:
     def gammas(self) -> list[int]:
         return sorted(self.verify)
 
+    def graph_for(self, drafts: int) -> int:
+        """The smallest compiled γ that holds `drafts` (the largest when none does)."""
+        return min((g for g in self.gammas if g >= drafts), default=max(self.gammas))
+
+    def mix(self, other: "LoopCosts", weight: float) -> "LoopCosts":
+        """Costs `weight` of the way from these to `other`: linear between two measured batch sizes."""
+        between = lambda a, b: (1 - weight) * a + weight * b  # noqa: E731
+        return LoopCosts(between(self.target_step, other.target_step),
+                         {g: between(self.draft[g], other.draft[g]) for g in self.draft},
+                         {g: between(self.verify[g], other.verify[g]) for g in self.verify},
+                         between(self.overhead, other.overhead))
+
     def iteration_ms(self, gamma: int, draft_scale: float = 1.0, verify_scale: float = 1.0) -> float:
         """One speculative iteration at γ, its draft and verification times scaled (see GammaPolicy)."""
         return self.draft[gamma] * draft_scale + self.verify[gamma] * verify_scale + self.overhead
@@ -98,4 +131,4 @@ class LoopCosts:
         if gamma == 0:
             return 1.0
         tokens = expected_tokens(acceptance_by_position[:gamma])
-        return tokens * self.target_step / self.iteration_ms(gamma, draft_scale, verify_scale)
+        return rate(tokens, self.iteration_ms(gamma, draft_scale, verify_scale)) * self.target_step

@@ -59,10 +59,14 @@ class VerifierEngine(DecoderEngine, Protocol):
         """
 
     def verify_sample(self, tokens: np.ndarray, draft_len: np.ndarray, draft_probs: np.ndarray, params: dict,
-                      u_accept: np.ndarray, u_sample: np.ndarray, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                      u_accept: np.ndarray, u_sample: np.ndarray, coupled: np.ndarray | None = None,
+                      first: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """verify with rejection sampling: draft token d_k is accepted with probability
         min(1, p/q) (u_accept [B, γ]); the correction or bonus token is drawn with u_sample [B] from
-        the residual or from p (draft_probs [B, γ, V] is q). Same returns and rollback as verify."""
+        the residual or from p (draft_probs [B, γ, V] is q). Rows with coupled [B] set take the
+        coupled rule (core/acceptance.py: the target draws every position with u_accept then
+        u_sample, and drafts are kept while they equal its draws; q is not read). Same returns and
+        rollback as verify."""
 
 
 class TreeVerifierEngine(VerifierEngine, Protocol):

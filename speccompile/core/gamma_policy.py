@@ -75,10 +75,9 @@ class Acceptance:
 
 
 class GammaPolicy:
-    def __init__(self, timings: dict, prior_by_position: list[float], prior_weight: float = 8.0):
-        """timings at this batch size: {"target_step_ms", "draft_step_ms", "verify_ms": {γ: ms}}, and
-        optionally "draft_ms": {γ: ms} and "overhead_ms" (see LoopCosts.from_timings)."""
-        self.costs = LoopCosts.from_timings(timings)
+    def __init__(self, costs: LoopCosts, prior_by_position: list[float], prior_weight: float = 8.0):
+        """costs: the loop's at this batch size and context (a profile's, or a quick calibration's)."""
+        self.costs = costs
         self.gammas = self.costs.gammas
         self.prior = _conditional(prior_by_position, max(self.gammas))
         self.counts = Acceptance(self.prior, prior_weight)

@@ -1,26 +1,37 @@
 """One generation request and everything it owns: its token history, sampling parameters and
-random stream, its limits and stop conditions, its statistics, and where its tokens go.
+random stream, its proposer, its limits and stop conditions, its statistics, and where its tokens go.
 
 The scheduler (`scheduler.py`) is the only writer of a request's state, on its own thread; other
-threads read a request after it finished, or set `cancelled`.
+threads read a request after it finished, or set `cancelled` or `stop_at` (a stop string found at the
+edge, runtime/edge.py).
+
+Random numbers. A sampled request draws from its own stream (`seed`), by one of two rules (see
+core/acceptance.py). Coupled (the default): the uniform of the token at output position i is the
+i-th draw of the stream, whoever proposes that position and however many drafts an iteration carries;
+the draft model draws its proposal for position i with the same uniform, and the target's draw
+decides. So a seeded request's tokens depend on its prompt, seed and sampling parameters only: not on
+γ, the proposer, or the requests beside it. Rejection: draws are taken in the order the iterations
+consume them (each draft's acceptance test, each correction), so the tokens also depend on γ and on
+what was proposed.
 """
 
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from speccompile.core.proposers import NgramIndex, new_acceptance
-from speccompile.core.sampler import SamplingParams
+from speccompile.core.sampling import SamplingParams
 from speccompile.core.stats import GenerationStats
+
+if TYPE_CHECKING:
+    from speccompile.core.proposers import Proposer
 
 AUTO = "auto"  # γ chosen each iteration by the scheduler's policy for the current load
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
-
-# Given a request's generated tokens so far, the number of them to keep if a stop condition (a stop
-# string, in the runtime) completed in them, else None.
-StopCheck = Callable[[list[int]], int | None]
+SAMPLING_RULES = ("coupled", "rejection")
+UNIFORM_CHUNK = 256  # a coupled stream is drawn in chunks of this size, so its i-th draw never depends on when
 
 
 @dataclass(eq=False)
@@ -32,12 +43,12 @@ class Request:
     gamma: int | str = AUTO  # drafts per iteration at most: a compiled γ, 0 (plain decoding) or AUTO
     allow_plain: bool = True  # under AUTO: may the policy decode plainly (γ = 0) where speculation does not pay?
     stop_token_ids: frozenset[int] = frozenset()  # besides the model's EOS; kept in the tokens, as EOS
-    stop_check: StopCheck | None = None
     on_tokens: Callable[[list[int]], None] | None = None  # newly accepted tokens, as they are accepted
     on_finish: Callable[["Request"], None] | None = None
-    proposer: str = "draft"  # "draft" (the draft model), "ngram" (prompt lookup) or "auto": see proposers.py
+    # a kind's name (core/proposers: made by the scheduler's `Proposers` when queued) or a proposer
+    proposer: "str | Proposer" = "draft"
     p_min: float = 0.0  # the draft model stops drafting at a token it gives less probability (0: never)
-    lookup_priors: dict[int, float] | None = None  # prompt lookup's kept rate per matched length (a profile's)
+    sampling_rule: str = "coupled"  # how sampled tokens are drawn and verified: SAMPLING_RULES, above
     # Medusa trees (core/tree.py): "exact" (greedy, lossless) or "typical" (approximate, opt-in: its
     # (epsilon, delta)); a typical request batched with exact ones is verified exactly meanwhile
     acceptance_rule: str = "exact"
@@ -47,6 +58,7 @@ class Request:
     finish_reason: str | None = None
     error: Exception | None = None
     cancelled: bool = False  # set by any thread; the scheduler retires the request at its next iteration
+    stop_keep: int | None = None  # set by any thread (`stop_at`): a stop string ends the text here
     stats: GenerationStats = field(init=False)
 
     def __post_init__(self):
@@ -56,10 +68,9 @@ class Request:
         self.stats = GenerationStats("autoregressive" if self.gamma == 0 else "speculative", self.gamma)
         self.submitted = time.perf_counter()
         self.stats.acceptance = self.acceptance_rule
-        self.ngram = NgramIndex() if self.proposer in ("ngram", "auto") else None
-        self.next_tree = None  # Medusa: the heads' tree from the last verification (None: none yet)
-        # this request's own acceptance per draft position, per proposer (what "auto" chooses by)
-        self.acceptance = new_acceptance(self.lookup_priors)
+        assert self.sampling_rule in SAMPLING_RULES, self.sampling_rule
+        self.coupled = self.sampling_rule == "coupled"
+        self._position_uniforms = np.zeros(0, dtype=np.float32)  # coupled: the stream drawn so far
 
     @property
     def done(self) -> bool:
@@ -69,10 +80,47 @@ class Request:
     def remaining(self) -> int:
         return self.max_new_tokens - len(self.generated)
 
+    @property
+    def gamma_is_auto(self) -> bool:
+        return self.gamma == AUTO
+
     def uniforms(self, count: int) -> np.ndarray:
-        """The next `count` draws of this request's own stream (float32 in [0, 1)). Draws happen in a
-        fixed order per iteration, so its samples depend on its seed and its γ, not its company."""
+        """Rejection rule: the next `count` draws of this request's stream (float32 in [0, 1)). Draws
+        happen in a fixed order per iteration, so its samples depend on its seed and γ, not its company."""
         return self.rng.random(count, dtype=np.float32)
+
+    def uniforms_at(self, offset: int, count: int) -> np.ndarray:
+        """Coupled rule: the uniforms of output positions len(generated) + offset .. + count - 1."""
+        start = len(self.generated) + offset
+        while len(self._position_uniforms) < start + count:
+            chunk = self.rng.random(UNIFORM_CHUNK, dtype=np.float32)
+            self._position_uniforms = np.concatenate([self._position_uniforms, chunk])
+        return self._position_uniforms[start : start + count]
+
+    def draft_uniform(self, k: int) -> float:
+        """The uniform the draft model draws this iteration's draft k (from 0) with."""
+        return float(self.uniforms_at(k, 1)[0] if self.coupled else self.uniforms(1)[0])
+
+    def verify_uniforms(self, drafts: int, gamma: int) -> tuple[np.ndarray, float]:
+        """(u_accept [γ], u_sample) of a verification of `drafts` real drafts in a γ graph. Coupled: the
+        target's draws at the γ + 1 positions it scores; rejection: one per real draft (0.5 in the
+        pads, never read) and one for the correction or bonus token."""
+        if self.coupled:
+            u = self.uniforms_at(0, gamma + 1)
+            return u[:gamma], float(u[gamma])
+        u_accept = np.full(gamma, 0.5, dtype=np.float32)
+        u_accept[:drafts] = self.uniforms(drafts)
+        return u_accept, float(self.uniforms(1)[0])
+
+    def next_uniform(self) -> float:
+        """The uniform of one plain decoding step (or a prompt's first token)."""
+        return float(self.uniforms_at(0, 1)[0] if self.coupled else self.uniforms(1)[0])
+
+    def stop_at(self, keep: int) -> None:
+        """A stop condition found at the edge (any thread): the request ends with its first `keep`
+        generated tokens, at the scheduler's next iteration."""
+        if self.stop_keep is None or keep < self.stop_keep:
+            self.stop_keep = keep
 
     def emit(self, tokens, eos_ids: set[int]) -> None:
         """Append accepted tokens, stopping at EOS or a stop token (kept), max_new_tokens, or a
@@ -89,11 +137,6 @@ class Request:
         start = len(self.generated)
         self.generated.extend(kept)
         self.tokens.extend(kept)
-        if self.stop_check is not None:
-            keep = self.stop_check(self.generated)
-            if keep is not None:
-                del self.generated[keep:]
-                self.finish_reason = "stop"
         if self.on_tokens is not None and len(self.generated) > start:
             self.on_tokens(self.generated[start:])
         if start == 0 and self.generated:
@@ -101,6 +144,9 @@ class Request:
 
     def finish(self, reason: str, error: Exception | None = None) -> None:
         assert reason in FINISH_REASONS, reason
+        if self.stop_keep is not None and reason != "error":  # a stop string came first
+            del self.generated[self.stop_keep :]
+            self.finish_reason = "stop"
         self.finish_reason = self.finish_reason or reason
         self.error = error
         self.stats.new_tokens = len(self.generated)

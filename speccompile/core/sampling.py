@@ -1,4 +1,4 @@
-"""Numpy reference of the sampling transforms and of inverse-CDF sampling.
+"""Sampling controls, and the numpy reference of the sampling transforms and of inverse-CDF sampling.
 
 These define the distribution speculative sampling preserves: the target's next-token distribution
 after temperature, top-k and top-p, exactly as computed here (the in-graph ops and the plugin
@@ -6,7 +6,38 @@ kernels are tested against these functions). Every cut-off is a value threshold,
 or dropped together and the result never depends on sort order.
 """
 
+from dataclasses import dataclass
+
 import numpy as np
+
+from speccompile.errors import SpecCompileError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise SpecCompileError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise SpecCompileError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise SpecCompileError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def without_effect(self) -> list[str]:
+        """Controls set but inert: top-k and top-p always keep the most likely token, so greedy
+        decoding (temperature 0) is the same with or without them."""
+        if not self.greedy:
+            return []
+        settings = ((f"top_k={self.top_k}", self.top_k > 0), (f"top_p={self.top_p}", self.top_p < 1))
+        return [name for name, on in settings if on]
 
 
 def transform(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:

@@ -1,23 +1,24 @@
 """Continuous batching: the request-level speculative engine, over the backend-free interface of
-`engine.py`.
+`engine.py`. The scheduler only decides; proposers (core/proposers) own what each request proposes.
 
 Requests arrive at any time (`add`) and wait in a queue. Each `step` is one iteration:
-  1. cancelled requests leave;
+  1. cancelled and stopped requests leave;
   2. prefill: waiting requests join, a chunk of prompt at a time (below);
-  3. one decoding iteration over every decoding request at once:
-     a. γ for this iteration: the policy's choice for the current number of decoding requests and
-        their mean context (its profile measured each batch size and context), capped per request
-        by its own γ and by the tokens it still needs: rows may carry different numbers of drafts,
-        and the verification takes each row's draft length;
-     b. each row's proposer proposes (proposers.py): prompt lookup, or the draft model, one batched
-        step at a time, a row stopping at a draft it is less sure of than its p_min; the draft's
-        first step feeds each row the tokens it has not cached yet (normally [prev, last], more
-        after plain iterations), and lookup rows are fed their own proposals;
-     c. the target scores [last, d_1..d_γ] of every row in ONE verification pass whose SpecAccept
-        keeps each row's longest agreeing prefix (n drafts), returns the target's own next token
-        and rolls the target cache back (a length update); or, when γ is 0 for every row, one plain
-        decoding step;
-     d. d_1..d_n and the target's token are emitted; the draft cache is rolled back to match;
+  3. one decoding iteration over every decoding request at once, in three parts:
+     plan     γ for this iteration: the policy's choice for the current number of decoding requests
+              and their mean context (its profile measured each batch size and context), capped per
+              request by its own γ and by the tokens it still needs; each row's proposer makes its
+              offer (a lookup's tokens at once, the draft model's count); the verification graph is
+              the smallest compiled γ that holds the longest offer. Rows may carry different numbers
+              of drafts: the verification takes each row's draft length. A Medusa plan verifies
+              token trees instead. All of it is one `Plan`.
+     execute  the runners draft what the offers left to them (the draft model, batched, stopping a
+              row at a token less sure than its p_min), then the target scores [last, d_1..d_γ] of
+              every row in ONE verification pass whose SpecAccept keeps each row's longest agreeing
+              prefix (n drafts), returns the target's own next token and rolls the target cache back
+              (a length update); or, when no row carries drafts, one plain decoding step;
+     update   d_1..d_n and the target's token are emitted; each row's proposer and the γ policy learn
+              from the outcome; the runners roll their caches back to match;
   4. finished requests leave at once; their slots are refilled by moving the last decoding row.
 
 Slots. The caches have `max_batch` slots, allocated once. Decoding requests occupy slots
@@ -32,22 +33,21 @@ request decoding, whole prompts are prefilled at once. A long prompt thus joins 
 iterations, each costing its decoding requests one chunk.
 
 Invariant between iterations, per decoding request with history h (prompt + generated, last = h[-1]):
-the target has cached h[:-1]; the draft has cached a prefix of h[:-1] (normally h[:-2]: its first
-step re-reads [prev, last], which costs nothing extra and removes the special case where every
-draft was accepted and the draft never saw d_γ).
+the target has cached h[:-1]; each runner keeps its own (proposers/draft_model.py).
 """
 
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from speccompile.core.engine import DecoderEngine, VerifierEngine
 from speccompile.core.gamma_policy import GammaPolicy
-from speccompile.core.proposers import draft_rate, lookup_rate, lookup_source
+from speccompile.core.proposers import Offer, Proposers
+from speccompile.core.proposers.draft_model import DraftRunner, sampling_params
 from speccompile.core.request import AUTO, Request
-from speccompile.core.tree import TokenTree
 
 # (number of decoding requests, their mean context length) -> the γ policy for that load (None: no
 # costs known yet). Context matters as much as load: every step grows with it, and a draft's
@@ -55,30 +55,42 @@ from speccompile.core.tree import TokenTree
 PolicyFor = Callable[[int, int], GammaPolicy | None]
 
 
+@dataclass
+class Plan:
+    """One decoding iteration, as decided: its rows (the decoding requests, slot order), each row's
+    offer and the drafts it carries (at most its offer and the tokens it still needs), the compiled
+    γ whose verification runs (0: a plain step), and the policy that chose γ, which learns from it."""
+
+    rows: list[Request]
+    offers: list[Offer]
+    drafts: np.ndarray
+    gamma: int
+    policy: GammaPolicy | None = None
+    tree: bool = False  # a token-tree verification (Medusa) instead of a chain
+
+
 class Scheduler:
     def __init__(self, target: VerifierEngine, draft: DecoderEngine | None, max_batch: int, max_seq: int,
                  gammas: list[int], eos_ids: set[int], policy_for: PolicyFor | None = None,
                  profiled: bool = False, prefill_chunk: int = 64, fallback_gamma: int | None = None,
-                 tree: TokenTree | None = None):
+                 proposers: Proposers | None = None):
         """profiled: the policies' costs were measured by a profile of this hardware, so the policy may
         choose plain decoding from the start; otherwise only once it has observed acceptance.
         fallback_gamma: what AUTO requests run while there is no policy (default: the largest γ).
-        draft None: a draft-free bundle, whose requests all speculate with prompt lookup, or with
-        `tree` a Medusa bundle's: every iteration is one tree verification (`_tree_iteration`), which
-        the runtime may set or replace between iterations (it sizes the tree by measured cost, and
-        `tree_nodes`, the prefix each batch size verifies)."""
-        self.target, self.draft = target, draft
+        proposers: what the requests' proposers share (default: the draft model's runner over
+        `draft`, None for a bundle without a draft model)."""
+        self.target = target
         self.max_batch, self.max_seq, self.gammas = max_batch, max_seq, sorted(gammas)
         self.eos_ids, self.policy_for, self.prefill_chunk = eos_ids, policy_for, prefill_chunk
         self.profiled = profiled
         self.fallback_gamma = max(self.gammas) if fallback_gamma is None else fallback_gamma
+        self.proposers = proposers or Proposers(DraftRunner(draft, max_seq) if draft is not None else None)
+        self.runners = self.proposers.runners
         self.waiting: deque[Request] = deque()  # appended by any thread; popped here only
         self.decoding: list[Request] = []  # slot i holds decoding[i]
         self.joining: Request | None = None  # partly prefilled, in slot len(decoding)
         self._started = False
         self.last_gamma = 0  # the γ of the last decoding iteration's verification (0: a plain step), for metrics
-        self.tree = tree
-        self.tree_nodes: dict[int, int] = {}  # decoding requests -> nodes of the tree's prefix they verify
 
     # -- the queue --------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -93,12 +105,18 @@ class Scheduler:
     def gamma_cap(self, request: Request) -> int:
         """The most drafts one of this request's iterations may carry: its own γ, or under AUTO the
         largest compiled γ that its length leaves room for (0 if none: it decodes plainly)."""
-        if request.proposer == "medusa":  # a tree shrinks to the room its rows leave (_tree_iteration)
+        if not self.proposer(request).reserves_room:  # a tree shrinks to the room its rows leave
             return 0
         if request.gamma != AUTO:
             return request.gamma
         room = self.max_seq - len(request.prompt) - request.max_new_tokens
         return max([g for g in self.gammas if g <= room], default=0)
+
+    def proposer(self, request: Request):
+        """The request's proposer, made from its kind's name the first time it is asked for."""
+        if isinstance(request.proposer, str):
+            request.proposer = self.proposers.make(request.proposer, request.p_min)
+        return request.proposer
 
     @property
     def idle(self) -> bool:
@@ -112,13 +130,13 @@ class Scheduler:
     def step(self) -> None:
         if not self._started:  # caches for every slot, once
             self.target.start(self.max_batch)
-            if self.draft is not None:
-                self.draft.start(self.max_batch)
+            for runner in self.runners:
+                runner.start(self.max_batch)
             self._started = True
         self._retire_cancelled()
         self._prefill()
         if self.decoding:
-            self._decode()
+            self.execute(self.plan(self.decoding))
         self._retire_finished()
 
     def cancel_all(self) -> None:
@@ -132,6 +150,7 @@ class Scheduler:
     def _end_all(self, reason: str, error: Exception | None = None) -> None:
         for request in [*self.decoding, *([self.joining] if self.joining else []), *self.waiting]:
             request.finish(reason, error)
+            self.proposer(request).finish(request)
         self.decoding, self.joining = [], None
         self.waiting.clear()
 
@@ -158,8 +177,8 @@ class Scheduler:
             return
         slot = len(self.decoding)
         self.target.cache_lengths[slot] = 0
-        if self.draft is not None:
-            self.draft.cache_lengths[slot] = 0
+        for runner in self.runners:
+            runner.admit(slot)
         self.joining = request
 
     def _prefill_chunk(self, request: Request, budget: int) -> int:
@@ -169,143 +188,49 @@ class Scheduler:
         tokens = np.array([request.prompt[start : start + count]], dtype=np.int64)
         counts = np.array([count], dtype=np.int64)
         began = time.perf_counter()
-        if request.gamma != 0 and self.draft is not None:  # the draft reads the prompt too (not a plain request)
-            self.draft.forward(tokens, counts, first=slot)
         complete = start + count == len(request.prompt)
+        for runner in self.runners:
+            runner.prefill(request, tokens, counts, slot, complete)
         if complete and not request.params.greedy:
-            token, _ = self.target.forward_sample(tokens, counts, _params([request]), request.uniforms(1), first=slot)
+            uniform = np.array([request.next_uniform()], dtype=np.float32)
+            token, _ = self.target.forward_sample(tokens, counts, sampling_params([request]), uniform, first=slot)
         else:
             token = self.target.forward(tokens, counts, first=slot)
         request.prefilled += count
         if complete:
             request.emit(token, self.eos_ids)
-            if self.draft is not None:
-                self.draft.cache_lengths[slot] = min(self.draft.cache_lengths[slot], len(request.tokens) - 2)
         request.stats.prefill_ms += (time.perf_counter() - began) * 1e3
         return count
 
-    # -- decoding ---------------------------------------------------------------------------------
-    def _decode(self) -> None:
-        rows = self.decoding
-        if any(r.proposer == "medusa" and r.gamma != 0 for r in rows):
-            self._tree_iteration(rows)
-            return
+    # -- decoding: plan -------------------------------------------------------------------------
+    def plan(self, rows: list[Request]) -> Plan:
+        """Decide this iteration: γ, each row's offer and drafts, and the graph that verifies them."""
+        if any(self.proposer(r).tree and r.gamma != 0 for r in rows):
+            return Plan(rows, [], np.zeros(len(rows), dtype=np.int64), 0, tree=True)
         policy = None
-        if self.policy_for and any(r.gamma == AUTO or r.proposer == "auto" for r in rows):
+        if self.policy_for and any(r.gamma_is_auto or self.proposer(r).compares_costs for r in rows):
             policy = self.policy_for(len(rows), round(sum(len(r.tokens) for r in rows) / len(rows)))
         wanted = self._wanted_gamma(rows, policy)
-        # None: the draft model drafts (compared at the drafts the row can still use)
-        lookups = [self._lookup(r, min(int(w), r.remaining - 1), policy) for r, w in zip(rows, wanted)]
-        sources = ["draft" if lk is None else lookup_source(r.ngram) for r, lk in zip(rows, lookups)]
-        wanted = np.array([len(lk) if lk is not None else w for lk, w in zip(lookups, wanted)], dtype=np.int64)
-        gamma = self._graph_gamma(rows, wanted)
-        # A request near its end drafts only what it still needs (the target adds one token of its
-        # own), but keeps the iteration's graph: switching graphs costs more than the padded slots.
-        drafts = np.minimum(wanted, gamma)
-        drafts = np.minimum(drafts, np.array([r.remaining - 1 for r in rows], dtype=np.int64))
-        gamma = self.last_gamma = gamma if drafts.max() > 0 else 0
-        began = time.perf_counter()
-        if gamma == 0:
-            self._plain_iteration(rows, began)
-            return
-        proposed, probs, drafts = self._propose(rows, drafts, lookups)
-        if drafts.max() == 0:  # every row stopped before its first draft: a plain step is cheaper
-            self.last_gamma = 0
-            self._plain_iteration(rows, began)
-            return
-        gamma = self.last_gamma = min(g for g in self.gammas if g >= drafts.max())  # fewer drafts: a shorter one
-        drafted = time.perf_counter()
-        accepted, next_token = self._verify(rows, drafts, gamma, proposed, probs, lookups)
-        verified = time.perf_counter()
-        draft_ms, verify_ms = (drafted - began) * 1e3, (verified - drafted) * 1e3
-        if policy is not None and drafts.max() == gamma and all(lk is None for lk in lookups):
-            policy.observe_costs(gamma, draft_ms, verify_ms)
-        self._emit_verified(rows, lookups, sources, proposed, drafts, accepted, next_token, policy,
-                            (draft_ms, verify_ms))
+        needed = np.array([r.remaining - 1 for r in rows], dtype=np.int64)  # the target adds one token of its own
+        offers = [self._offer(r, int(w), policy) for r, w in zip(rows, np.minimum(wanted, needed))]
+        # A request near its end drafts only what it still needs, but a model drafter's row keeps the
+        # graph of the γ it wanted: switching graphs costs more than the padded slots.
+        counts = np.array([w if o.source.runs_model and o.count else o.count for o, w in zip(offers, wanted)],
+                          dtype=np.int64)
+        gamma = self._graph_gamma(rows, counts)
+        drafts = np.minimum(np.minimum(counts, gamma), needed)
+        return Plan(rows, offers, drafts, gamma if drafts.max() > 0 else 0, policy)
 
-    def _emit_verified(self, rows, lookups, sources, proposed, drafts, accepted, next_token, policy,
-                       phase_ms: tuple[float, float]) -> None:
-        """Each row's accepted drafts and the target's token go out; its statistics, its acceptance
-        per proposer and the γ policy learn from the iteration; the draft's cache is rolled back."""
-        draft_ms, verify_ms = phase_ms
-        for row, (request, lookup) in enumerate(zip(rows, lookups)):
-            n, d = int(accepted[row]), int(drafts[row])
-            request.stats.draft_ms += draft_ms
-            request.stats.verify_ms += verify_ms
-            request.stats.record_iteration(n, d, "draft" if lookup is None else "ngram")
-            if d:
-                request.acceptance[sources[row]].observe(d, n)
-            if d and lookup is not None:
-                request.stats.record_lookup(sources[row][1], d, n)
-            if policy is not None and request.gamma == AUTO and d and lookup is None:
-                policy.observe(d, n)
-            request.emit([*proposed[row, :n], next_token[row]], self.eos_ids)
-        # the draft keeps what it cached of the accepted tokens, re-reading the last two next time
-        if self.draft is not None:
-            lengths = np.array([len(r.tokens) for r in rows], dtype=np.int64)
-            self.draft.cache_lengths[: len(rows)] = np.minimum(self.draft.cache_lengths[: len(rows)], lengths - 2)
-
-    def _tree_iteration(self, rows: list[Request]) -> None:
-        """Medusa: one target pass verifies each row's token tree (the heads' proposal of the last
-        pass, rooted at its last token) and returns the next one. A row's first iteration, with no
-        proposal yet, and a plain row (γ 0) verify the root alone: a plain step that also reads the
-        heads. A row verifies the prefix of the tree at depths up to its γ and the tokens it still
-        needs; typical acceptance applies when every row asked for it. Heads propose nothing the
-        target has not verified, so a tree never needs room reserved: it shrinks near the end."""
-        assert self.tree is not None, "Medusa requests need the runtime's token tree"
-        # a tree writes all its nodes: near the cache's end, its first nodes (a tree too) only
-        room = self.max_seq - max(len(r.tokens) - 1 for r in rows)
-        size = min(room, self.tree_nodes.get(len(rows), self.tree.size))  # a batch may verify a smaller prefix
-        tree = self.tree.prefix(size)
-        tokens = np.zeros((len(rows), tree.size), dtype=np.int64)
-        draft_len = np.zeros(len(rows), dtype=np.int64)
-        for row, request in enumerate(rows):
-            tokens[row, 0] = request.tokens[-1]
-            if request.next_tree is not None and request.gamma != 0:
-                # the last pass's tree may have been a smaller prefix (less room then): verify what it proposed
-                have = min(tree.size, len(request.next_tree))
-                tokens[row, 1:have] = request.next_tree[1:have]
-                cap = request.remaining - 1 if request.gamma == AUTO else min(request.gamma, request.remaining - 1)
-                draft_len[row] = min(tree.nodes_within(cap), have - 1)
-        typical = None
-        if all(r.acceptance_rule == "typical" for r in rows):
-            typical = tuple(np.array([r.typical[k] for r in rows], dtype=np.float32) for k in (0, 1))
-        began = time.perf_counter()
-        best, next_token, next_tree = self.target.verify_tree(tokens, draft_len, tree, typical)
-        elapsed = (time.perf_counter() - began) * 1e3
-        self.last_gamma = int(tree.depths[draft_len].max())
-        for row, request in enumerate(rows):
-            path = tree.path_to(int(best[row]))
-            request.stats.verify_ms += elapsed
-            request.stats.record_iteration(len(path), int(tree.depths[draft_len[row]]), "medusa")
-            request.stats.tree_nodes += int(draft_len[row])
-            request.next_tree = next_tree[row]
-            request.emit([*tokens[row, path], next_token[row]], self.eos_ids)
-
-    def _lookup(self, request: Request, wanted: int, policy: GammaPolicy | None) -> list[int] | None:
-        """A request's prompt-lookup proposal this iteration (as many as its γ allows), or None when
-        the draft model drafts for it: always under "draft"; under "auto" when lookup finds nothing,
-        or when the draft model's predicted rate is the better one (see proposers.py)."""
-        if request.proposer == "draft" or request.gamma == 0:
-            return None
+    def _offer(self, request: Request, wanted: int, policy: GammaPolicy | None) -> Offer:
+        proposer = self.proposer(request)
+        if request.gamma == 0:
+            return Offer(0, proposer)
         cap = min(self.gamma_cap(request), request.remaining - 1)
-        lookup = request.ngram.propose(request.tokens, cap)
-        if request.proposer == "ngram" or self.draft is None:
-            return lookup
-        if not lookup:
-            return None
-        costs = policy.costs if policy is not None else None
-        ours = lookup_rate(costs, request.acceptance[lookup_source(request.ngram)].by_position(len(lookup)),
-                           len(lookup))
-        if wanted == 0:  # the draft model would not draft: lookup against plain decoding
-            return lookup if costs is None or ours > 1 / costs.target_step else None
-        theirs_by_position = (policy.acceptance_by_position(wanted) if policy is not None and request.gamma == AUTO
-                              else request.acceptance["draft"].by_position(wanted))
-        return lookup if ours >= draft_rate(costs, theirs_by_position, wanted) else None
+        return proposer.offer(request, wanted, cap, policy)
 
     def _wanted_gamma(self, rows: list[Request], policy: GammaPolicy | None) -> np.ndarray:
-        """The drafts each row asks for this iteration: its own γ, or under AUTO the policy's choice
-        for the current load, capped by the room its length leaves."""
+        """The drafts each row asks of a model drafter this iteration: its own γ, or under AUTO the
+        policy's choice for the current load, capped by the room its length leaves."""
         chosen = self.fallback_gamma
         if policy is not None:
             allow_plain = all(r.allow_plain for r in rows if r.gamma == AUTO)
@@ -324,104 +249,131 @@ class Scheduler:
         covering = [g for g in fitting if g >= longest]
         return min(covering) if covering else max(fitting, default=0)
 
-    def _plain_iteration(self, rows: list[Request], began: float) -> None:
-        """One plain decoding step of every row, its time (since `began`) counted as decoding."""
-        self._plain_step(rows)
-        elapsed = (time.perf_counter() - began) * 1e3
-        for request in rows:
-            request.stats.decode_ms += elapsed
-            request.stats.record_iteration(0, 0)
-
-    def _plain_step(self, rows: list[Request]) -> None:
-        last = np.array([[r.tokens[-1]] for r in rows], dtype=np.int64)
-        one = np.ones(len(rows), dtype=np.int64)
-        if all(r.params.greedy for r in rows):
-            next_token = self.target.forward(last, one)
-        else:
-            next_token, _ = self.target.forward_sample(last, one, _params(rows), _uniforms(rows, 1)[:, 0])
-        for row, request in enumerate(rows):
-            request.emit([next_token[row]], self.eos_ids)
-
-    def _propose(self, rows: list[Request], drafts: np.ndarray, lookups: list[list[int] | None]):
-        """Every row's proposals, tokens [B, max(drafts)], and, when sampling, the distributions
-        [B, max, V] the draft model drew its rows' from (None where no row drew any). Lookup rows
-        propose their lookup; the draft model runs max(its rows' drafts) batched steps over every
-        row, and is fed the lookup rows' proposals as their inputs, so that its cache holds their
-        tokens too (the rollback keeps what was accepted). A row's proposals past its own count are
-        never verified, and never draw from its random stream.
-
-        Confidence thresholding: a draft-model row stops drafting at the first token the draft gives
-        a probability below the request's p_min (that token is not proposed), and the steps stop
-        once no row drafts on. Returns (proposed, probs, drafts: each row's count after stopping)."""
-        drafts = drafts.copy()
+    # -- decoding: execute ----------------------------------------------------------------------
+    def execute(self, plan: Plan) -> None:
+        if plan.tree:
+            self._tree_iteration(plan.rows)
+            return
+        began = time.perf_counter()
+        if plan.gamma == 0:
+            self._plain_iteration(plan.rows, began)
+            return
+        rows, offers, drafts = plan.rows, plan.offers, plan.drafts.copy()
         proposed = np.zeros((len(rows), int(drafts.max())), dtype=np.int64)
-        for row, lookup in enumerate(lookups):
-            if lookup is not None:
-                proposed[row, : len(lookup)] = lookup
-        steps = max((int(d) for d, lk in zip(drafts, lookups) if lk is None), default=0)
-        if steps == 0:
-            return proposed, None, drafts
+        for row, offer in enumerate(offers):
+            if offer.tokens is not None:
+                proposed[row, : drafts[row]] = offer.tokens[: drafts[row]]
         sampling = not all(r.params.greedy for r in rows)
-        params = _params(rows) if sampling else None
-        self._catch_up(rows)
-        lengths = self.draft.cache_lengths[: len(rows)]
-        tokens, counts = _pad([r.tokens[length:] for r, length in zip(rows, lengths)])
-        p_min = np.array([r.p_min for r in rows], dtype=np.float32)
-        probs_out = []
-        for k in range(steps):
-            drafting = [lk is None and k < d for d, lk in zip(drafts, lookups)]
-            if not any(drafting):  # every draft-model row stopped below its p_min
-                break
-            if sampling:
-                u = np.array([r.uniforms(1)[0] if on and r.rng is not None else 0.5 for r, on in zip(rows, drafting)],
-                             dtype=np.float32)
-                token, probs = self.draft.forward_sample(tokens, counts, params, u)
-                confidence = probs[np.arange(len(rows)), token]
-                probs_out.append(probs)
-            else:
-                token, confidence = self.draft.forward_confident(tokens, counts)
-            for row, lookup in enumerate(lookups):
-                if drafting[row] and confidence[row] < p_min[row]:
-                    drafts[row] = k
-                elif drafting[row]:
-                    proposed[row, k] = token[row]
-                elif lookup is not None and k < len(lookup):
-                    token[row] = lookup[k]
-            tokens, counts = token[:, None], np.ones(len(rows), dtype=np.int64)
-        return proposed, (np.stack(probs_out, axis=1) if sampling else None), drafts
+        q = {}  # runner -> the distributions [B, steps, V] its rows drew from (sampling)
+        for runner in {id(o.source.runner): o.source.runner for o in offers if o.source.runner}.values():
+            q[runner] = runner.draft(rows, offers, drafts, proposed, sampling)
+        if drafts.max() == 0:  # every row stopped before its first draft: a plain step is cheaper
+            self.last_gamma = 0
+            self._plain_iteration(rows, began)
+            return
+        gamma = self.last_gamma = min(g for g in self.gammas if g >= drafts.max())  # fewer drafts: a shorter one
+        drafted = time.perf_counter()
+        accepted, next_token = self._verify(rows, offers, drafts, gamma, proposed, q)
+        verified = time.perf_counter()
+        draft_ms, verify_ms = (drafted - began) * 1e3, (verified - drafted) * 1e3
+        if plan.policy is not None and drafts.max() == gamma and all(o.source.runs_model for o in offers):
+            plan.policy.observe_costs(gamma, draft_ms, verify_ms)
+        self.update(plan, drafts, proposed, accepted, next_token, (draft_ms, verify_ms))
 
-    def _catch_up(self, rows: list[Request]) -> None:
-        """Feed the draft what it missed (after plain iterations) in chunks, until every row lacks
-        at most its last two tokens; chunks are sized so that no row's padded write leaves the cache."""
-        while True:
-            lengths = self.draft.cache_lengths[: len(rows)]
-            behind = [max(0, len(r.tokens) - 2 - int(length)) for r, length in zip(rows, lengths)]
-            if not any(behind):
-                return
-            size = min(max(behind), self.max_seq - int(lengths.max()))
-            self.draft.forward(*_pad([r.tokens[int(length) : int(length) + min(b, size)]
-                                      for r, length, b in zip(rows, lengths, behind)]))
-
-    def _verify(self, rows: list[Request], drafts: np.ndarray, gamma: int, proposed: np.ndarray, probs, lookups):
+    def _verify(self, rows: list[Request], offers: list[Offer], drafts: np.ndarray, gamma: int,
+                proposed: np.ndarray, q: dict):
         candidates = np.zeros((len(rows), gamma + 1), dtype=np.int64)
         candidates[:, 0] = [r.tokens[-1] for r in rows]
         width = min(gamma, proposed.shape[1])
         candidates[:, 1 : width + 1] = proposed[:, :width]
         if all(r.params.greedy for r in rows):
             return self.target.verify(candidates, drafts)
-        vocab = probs.shape[2] if probs is not None else self.target.vocab_size
-        q = np.zeros((len(rows), gamma, vocab), dtype=np.float32)
-        if probs is not None:
-            q[:, : min(width, probs.shape[1])] = probs[:, :width]
-        for row, lookup in enumerate(lookups):  # a lookup proposal is a point mass
-            if lookup is not None:
-                q[row, :width] = 0.0
-                q[row, np.arange(len(lookup[:width])), lookup[:width]] = 1.0
+        vocab = next((probs.shape[2] for probs in q.values() if probs is not None), self.target.vocab_size)
+        draft_probs = np.zeros((len(rows), gamma, vocab), dtype=np.float32)
         u_accept = np.full((len(rows), gamma), 0.5, dtype=np.float32)
-        for row, (request, d) in enumerate(zip(rows, drafts)):
+        u_sample = np.full(len(rows), 0.5, dtype=np.float32)
+        coupled = np.array([r.coupled for r in rows])
+        for row, (request, offer, d) in enumerate(zip(rows, offers, drafts)):
             if request.rng is not None:
-                u_accept[row, :d] = request.uniforms(int(d))
-        return self.target.verify_sample(candidates, drafts, q, _params(rows), u_accept, _uniforms(rows, 1)[:, 0])
+                u_accept[row], u_sample[row] = request.verify_uniforms(int(d), gamma)
+            if request.coupled or not d:  # the coupled rule never reads q
+                continue
+            probs = q.get(offer.source.runner)
+            if probs is not None:  # drawn by a runner: its distributions
+                steps = min(int(d), probs.shape[1])
+                draft_probs[row, :steps] = probs[row, :steps]
+            else:  # a point proposal (a lookup) is a point mass
+                draft_probs[row, np.arange(d), proposed[row, :d]] = 1.0
+        return self.target.verify_sample(candidates, drafts, draft_probs, sampling_params(rows), u_accept, u_sample,
+                                         coupled)
+
+    def _plain_iteration(self, rows: list[Request], began: float) -> None:
+        """One plain decoding step of every row, its time (since `began`) counted as decoding."""
+        last = np.array([[r.tokens[-1]] for r in rows], dtype=np.int64)
+        one = np.ones(len(rows), dtype=np.int64)
+        if all(r.params.greedy for r in rows):
+            next_token = self.target.forward(last, one)
+        else:
+            uniform = np.array([r.next_uniform() if r.rng is not None else 0.5 for r in rows], dtype=np.float32)
+            next_token, _ = self.target.forward_sample(last, one, sampling_params(rows), uniform)
+        elapsed = (time.perf_counter() - began) * 1e3
+        for row, request in enumerate(rows):
+            request.emit([next_token[row]], self.eos_ids)
+            request.stats.decode_ms += elapsed
+            request.stats.record_iteration(0, 0)
+
+    def _tree_iteration(self, rows: list[Request]) -> None:
+        """Medusa: one target pass verifies each row's token tree (the heads' proposal of the last
+        pass, rooted at its last token) and returns the next one. A row with no proposal yet, and a
+        plain row (γ 0), verify the root alone. A row verifies the prefix of the tree at depths up to
+        its γ and the tokens it still needs; typical acceptance applies when every row asked for it."""
+        shape = self.proposer(rows[0]).shape
+        assert shape.tree is not None, "Medusa requests need the runtime's token tree"
+        # a tree writes all its nodes: near the cache's end, its first nodes (a tree too) only
+        tree = shape.for_batch(len(rows), self.max_seq - max(len(r.tokens) - 1 for r in rows))
+        tokens = np.zeros((len(rows), tree.size), dtype=np.int64)
+        draft_len = np.zeros(len(rows), dtype=np.int64)
+        for row, request in enumerate(rows):
+            tokens[row, 0] = request.tokens[-1]
+            proposal = request.proposer.next_tree
+            if proposal is not None and request.gamma != 0:
+                # the last pass's tree may have been a smaller prefix (less room then): verify what it proposed
+                have = min(tree.size, len(proposal))
+                tokens[row, 1:have] = proposal[1:have]
+                cap = request.remaining - 1 if request.gamma == AUTO else min(request.gamma, request.remaining - 1)
+                draft_len[row] = min(tree.nodes_within(cap), have - 1)
+        typical = None
+        if all(r.acceptance_rule == "typical" for r in rows):
+            typical = tuple(np.array([r.typical[k] for r in rows], dtype=np.float32) for k in (0, 1))
+        began = time.perf_counter()
+        best, next_token, next_tree = self.target.verify_tree(tokens, draft_len, tree, typical)
+        elapsed = (time.perf_counter() - began) * 1e3
+        self.last_gamma = int(tree.depths[draft_len].max())
+        for row, request in enumerate(rows):
+            path = tree.path_to(int(best[row]))
+            request.stats.verify_ms += elapsed
+            request.stats.record_iteration(len(path), int(tree.depths[draft_len[row]]), request.proposer.name)
+            request.stats.tree_nodes += int(draft_len[row])
+            request.proposer.next_tree = next_tree[row]
+            request.emit([*tokens[row, path], next_token[row]], self.eos_ids)
+
+    # -- decoding: update -----------------------------------------------------------------------
+    def update(self, plan: Plan, drafts: np.ndarray, proposed: np.ndarray, accepted: np.ndarray,
+               next_token: np.ndarray, phase_ms: tuple[float, float]) -> None:
+        """Each row's accepted drafts and the target's token go out; its statistics, its proposer and
+        the γ policy learn from the iteration; the runners roll their caches back."""
+        draft_ms, verify_ms = phase_ms
+        for row, (request, offer) in enumerate(zip(plan.rows, plan.offers)):
+            n, d = int(accepted[row]), int(drafts[row])
+            request.stats.draft_ms += draft_ms
+            request.stats.verify_ms += verify_ms
+            offer.source.record(request.stats, offer, d, n)
+            offer.source.observe(offer, d, n)
+            if plan.policy is not None and request.gamma == AUTO and d and offer.source.learns_policy:
+                plan.policy.observe(d, n)
+            request.emit([*proposed[row, :n], next_token[row]], self.eos_ids)
+        for runner in self.runners:
+            runner.after_verify(plan.rows)
 
     # -- leaving ----------------------------------------------------------------------------------
     def _retire_cancelled(self) -> None:
@@ -432,9 +384,10 @@ class Scheduler:
             self.joining.finish("cancelled")
             self.joining = None
         self._retire(lambda r: r.cancelled, "cancelled")
+        self._retire(lambda r: r.stop_keep is not None, "stop")  # a stop string found at the edge
 
     def _retire_finished(self) -> None:
-        self._retire(lambda r: r.done, "stop")
+        self._retire(lambda r: r.done or r.stop_keep is not None, "stop")
 
     def _retire(self, leaves: Callable[[Request], bool], reason: str) -> None:
         """Finished requests leave; the last decoding row moves into each freed slot (and the joining
@@ -451,29 +404,10 @@ class Scheduler:
             if self.joining is not None:
                 self._move(last + 1, last)
             request.finish(reason)
+            self.proposer(request).finish(request)
 
     def _move(self, source: int, destination: int) -> None:
         self.target.move(source, destination)
-        if self.draft is not None:
-            self.draft.move(source, destination)
+        for runner in self.runners:
+            runner.move(source, destination)
 
-
-def _pad(token_lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pad token lists into [B, T_max] (T_max >= 1); returns (ids, counts)."""
-    counts = np.array([len(t) for t in token_lists], dtype=np.int64)
-    ids = np.zeros((len(token_lists), max(1, int(counts.max()))), dtype=np.int64)
-    for row, tokens in enumerate(token_lists):
-        ids[row, : len(tokens)] = tokens
-    return ids, counts
-
-
-def _params(rows: list[Request]) -> dict:
-    """The sampling graphs' per-row controls (greedy rows: temperature 0, i.e. one-hot)."""
-    return {"temperature": np.array([r.params.temperature for r in rows], dtype=np.float32),
-            "top_k": np.array([r.params.top_k for r in rows], dtype=np.int64),
-            "top_p": np.array([r.params.top_p for r in rows], dtype=np.float32)}
-
-
-def _uniforms(rows: list[Request], count: int) -> np.ndarray:
-    """[B, count]: each sampling row's next draws from its own stream; greedy rows draw nothing."""
-    return np.stack([r.uniforms(count) if r.rng is not None else np.full(count, 0.5, dtype=np.float32) for r in rows])

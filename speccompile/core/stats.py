@@ -7,11 +7,7 @@ that stops early at EOS reports its own latency, and tokens_per_s is the rate at
 its tokens.
 """
 
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-
-PHASES = ("prefill", "draft", "verify", "decode")  # the Clock phases the loops time
 
 
 @dataclass
@@ -58,11 +54,6 @@ class GenerationStats:
         """A lookup iteration's drafts, from a suffix of `matched` tokens: positions 1..accepted+1 reached."""
         counts = self.lookup_by_match.setdefault(matched, [0, 0])
         counts[0], counts[1] = counts[0] + min(accepted + 1, drafts), counts[1] + accepted
-
-    def take_times(self, clock: "Clock") -> None:
-        """This sequence is done: its times are the batch's clocks as they stand now."""
-        self.prefill_ms, self.draft_ms, self.verify_ms, self.decode_ms = (clock.ms.get(p, 0.0) for p in PHASES)
-        self.total_ms = clock.elapsed_ms()
 
     @property
     def auto_chose_plain(self) -> bool:
@@ -156,21 +147,3 @@ def pooled(stats: list[GenerationStats]) -> GenerationStats:
             total.lookup_by_match[n] = [a + b for a, b in zip(total.lookup_by_match.get(n, [0, 0]), counts)]
     return total
 
-
-class Clock:
-    """Accumulates wall time per phase name."""
-
-    def __init__(self):
-        self.ms: dict[str, float] = {}
-        self._start = time.perf_counter()
-
-    @contextmanager
-    def __call__(self, phase: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.ms[phase] = self.ms.get(phase, 0.0) + (time.perf_counter() - start) * 1e3
-
-    def elapsed_ms(self) -> float:
-        return (time.perf_counter() - self._start) * 1e3

@@ -34,6 +34,8 @@ from functools import cached_property
 
 import numpy as np
 
+from speccompile.core.cost_model import rate
+
 TYPICAL_EPSILON, TYPICAL_DELTA = 0.09, 0.3  # Medusa's defaults (posterior_threshold, posterior_alpha)
 ACCEPTANCE_RULES = ("exact", "typical")
 MAX_TREE_NODES = 64  # the largest tree a runtime sizes (root included); more never paid on the hardware measured
@@ -187,7 +189,7 @@ def best_tree(accuracies, verify_ms: dict[int, float], extra_ms: float = 0.0,
     for tokens, ms in sorted(verify_ms.items()):
         expected = grow_tree(accuracies, tokens - 1, measured).expected_accepted(accuracies, measured)
         predictions[tokens] = {"expected_accepted": round(expected, 3), "verify_ms": round(ms, 3),
-                               "tokens_per_ms": round((1 + expected) / (ms + extra_ms), 4)}
+                               "tokens_per_ms": round(rate(1 + expected, ms + extra_ms), 4)}
     best = max(predictions, key=lambda t: predictions[t]["tokens_per_ms"])
     return grow_tree(accuracies, best - 1, measured), predictions
 

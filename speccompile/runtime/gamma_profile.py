@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from speccompile.core.cost_model import LoopCosts
 from speccompile.runtime.hardware import fingerprint, fingerprint_key
 
 PROFILES_DIR = "profiles"
@@ -40,9 +41,8 @@ class ProfilePoint:
         """P_k at the largest γ (k <= γ: the γ policy's prior at this point)."""
         return self.acceptance_by_gamma[max(self.acceptance_by_gamma)]
 
-    def timings(self) -> dict:
-        """The costs, as GammaPolicy and LoopCosts.from_timings take them."""
-        return {key: getattr(self, key) for key in COST_KEYS}
+    def costs(self) -> LoopCosts:
+        return LoopCosts.from_timings({key: getattr(self, key) for key in COST_KEYS})
 
     @classmethod
     def from_json(cls, fields_: dict) -> "ProfilePoint":
@@ -78,7 +78,7 @@ class GammaProfile:
         nearest = min(self.batch_sizes, key=lambda b: (abs(b - batch), b))
         return next(p for p in self.points if p.batch == nearest and p.context == context)
 
-    def timings(self, batch: int, context: int) -> dict:
+    def costs(self, batch: int, context: int) -> LoopCosts:
         """Loop costs at the batch size closest to `batch`, interpolated linearly between the
         measured contexts (held at the nearest one outside them): attention and cache reads make
         every step grow with context, and a request's costs are those at its own lengths."""
@@ -87,12 +87,12 @@ class GammaProfile:
         upper = next(c for c in contexts if c >= context)
         lower = max(c for c in contexts if c <= context)
         w = 0.0 if upper == lower else (context - lower) / (upper - lower)
-        return mix_costs([self.point(batch, lower).timings(), self.point(batch, upper).timings()], [1 - w, w])
+        return self.point(batch, lower).costs().mix(self.point(batch, upper).costs(), w)
 
-    def prior(self, batch: int, context: int) -> tuple[dict, list[float]]:
+    def prior(self, batch: int, context: int) -> tuple[LoopCosts, list[float]]:
         """A γ policy's start at a batch size and a profiled context: the costs and the acceptance
         by position measured there."""
-        return self.timings(batch, context), self.point(batch, context).acceptance_by_position
+        return self.costs(batch, context), self.point(batch, context).acceptance_by_position
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -102,18 +102,6 @@ class GammaProfile:
         return cls(**{**fields_, "points": [ProfilePoint.from_json(p) for p in fields_["points"]],
                       "p_min_speedups": {float(p): v for p, v in fields_.get("p_min_speedups", {}).items()},
                       "lookup_priors": {int(n): v for n, v in fields_.get("lookup_priors", {}).items()}})
-
-
-def mix_costs(costs: list[dict], weights: list[float]) -> dict:
-    """Σ weight · costs, key by key (per-γ keys γ by γ)."""
-    mixed = {}
-    for key in COST_KEYS:
-        first = costs[0][key]
-        if isinstance(first, dict):
-            mixed[key] = {g: sum(w * c[key][g] for c, w in zip(costs, weights)) for g in first}
-        else:
-            mixed[key] = sum(w * c[key] for c, w in zip(costs, weights))
-    return mixed
 
 
 # ---------------------------------------------------------------------------------------------

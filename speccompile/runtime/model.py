@@ -55,12 +55,13 @@ class CachedModel:
         self.cache_lengths[rows] = out["new_len"]
         return out["accepted"].copy(), out["next_token"].copy()
 
-    def verify_sample(self, tokens, draft_len, draft_probs, params, u_accept, u_sample,
+    def verify_sample(self, tokens, draft_len, draft_probs, params, u_accept, u_sample, coupled=None,
                       first: int = 0) -> tuple[np.ndarray, np.ndarray]:
         rows = self._rows(first, len(tokens))
+        coupled = np.zeros(len(tokens), bool) if coupled is None else np.asarray(coupled, bool)
         out = self._run(GraphId.verification(tokens.shape[1] - 1, sample=True), first, input_ids=tokens,
                         past_len=self.cache_lengths[rows], draft_len=draft_len, draft_probs=draft_probs,
-                        u_accept=u_accept, u_sample=u_sample, **params)
+                        u_accept=u_accept, u_sample=u_sample, coupled=coupled, **params)
         self.cache_lengths[rows] = out["new_len"]
         return out["accepted"].copy(), out["next_token"].copy()
 

@@ -68,6 +68,7 @@ from pathlib import Path
 
 import numpy as np
 
+from speccompile.core.cost_model import LoopCosts
 from speccompile.core.gamma_policy import GammaPolicy, best_gamma
 from speccompile.core.stats import pooled
 from speccompile.errors import SpecCompileError
@@ -341,7 +342,7 @@ def point_entry(samples: list[dict[int, LoopRun]], batch: int, context: int) -> 
     costs = context_costs(samples)
     gammas = sorted(costs["verify_ms"])
     acceptance = {g: point_acceptance(samples, g) for g in gammas}
-    predicted = {0: 1.0, **{g: GammaPolicy(costs, acceptance[g]).speedup(g) for g in gammas}}
+    predicted = {0: 1.0, **{g: GammaPolicy(LoopCosts.from_timings(costs), acceptance[g]).speedup(g) for g in gammas}}
 
     def ratio(gamma: int, rate: str) -> float:
         return statistics.median(getattr(s[gamma], rate) / getattr(s[0], rate) for s in samples)

@@ -5,7 +5,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from speccompile.compiler.onnx_graph import FLOAT, INT64, GraphBuilder
+from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT64, GraphBuilder
 from speccompile.compiler.spec_accept import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION, spec_accept_node, spec_op
 from speccompile.compiler.trt_rules import tensorrt_violations
 from speccompile.core.acceptance import greedy_accept, sample_accept
@@ -130,7 +130,8 @@ def sample_accept_session(gamma, vocab):
         ins = [g.input("target_probs", FLOAT, ["batch", gamma + 1, vocab]),
                g.input("draft_probs", FLOAT, ["batch", gamma, vocab]), g.input("draft_tokens", INT64, ["batch", gamma]),
                g.input("draft_len", INT64, ["batch"]), g.input("u_accept", FLOAT, ["batch", gamma]),
-               g.input("u_sample", FLOAT, ["batch"]), g.input("past_len", INT64, ["batch"])]
+               g.input("u_sample", FLOAT, ["batch"]), g.input("past_len", INT64, ["batch"]),
+               g.input("coupled", BOOL, ["batch"])]
         for name in spec_op(g, "SpecAccept", *ins, mode="sample", outputs=3, out=["accepted", "next_token", "new_len"]):
             g.output(name, name, INT64, ["batch"])
     return session_for(build_graph)
@@ -144,7 +145,7 @@ def sampling_feeds(rng, gamma, vocab, batch):
     drafts = np.stack([sample_from(q[:, j], u_draft[:, j]) for j in range(gamma)], axis=1)
     return {"target_probs": p, "draft_probs": q, "draft_tokens": drafts, "draft_len": np.full(batch, gamma),
             "u_accept": rng.random((batch, gamma), dtype=np.float32), "u_sample": rng.random(batch, dtype=np.float32),
-            "past_len": rng.integers(0, 30, batch)}
+            "past_len": rng.integers(0, 30, batch), "coupled": np.zeros(batch, bool)}
 
 
 def assert_agrees(got, expected):
@@ -181,6 +182,32 @@ def test_in_graph_sampling_rule_with_a_draft_len_per_row_equals_numpy_reference(
     assert_agrees(got, expected)
     assert (expected[0] <= feeds["draft_len"]).all()
     assert ((expected[0] == feeds["draft_len"]) & (feeds["draft_len"] < gamma)).sum() >= 8
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_in_graph_coupled_rule_equals_numpy_reference(gamma):
+    """Odd rows take the coupled rule, their drafts drawn from q with the uniforms the target draws
+    with (as the loop couples them), some with fewer real drafts than γ; even rows take rejection
+    sampling. Both rows' results must match the reference, and a coupled row's emitted tokens must
+    be the target's own draws with those uniforms, whatever the draft proposed."""
+    vocab, batch = 11, 96
+    rng = np.random.default_rng(20 + gamma)
+    feeds = sampling_feeds(rng, gamma, vocab, batch)
+    feeds["draft_len"] = draft_lengths(rng, batch, gamma)
+    feeds["coupled"] = np.arange(batch) % 2 == 1
+    shared = np.stack([sample_from(feeds["draft_probs"][:, j], feeds["u_accept"][:, j]) for j in range(gamma)], 1)
+    feeds["draft_tokens"] = np.where(feeds["coupled"][:, None], shared, feeds["draft_tokens"])
+    got = sample_accept_session(gamma, vocab).run(["accepted", "next_token", "new_len"], feeds)
+    expected = sample_accept(**feeds)
+    assert_agrees(got, expected)
+    uniforms = np.concatenate([feeds["u_accept"], feeds["u_sample"][:, None]], axis=1)
+    own = sample_from(feeds["target_probs"], uniforms)  # [B, γ+1]: the target's draw at every position
+    accepted, next_token = expected[0], expected[1]
+    for row in np.flatnonzero(feeds["coupled"]):
+        n = accepted[row]
+        assert [*feeds["draft_tokens"][row, :n], next_token[row]] == own[row, : n + 1].tolist()
+    same = feeds["coupled"] & (np.arange(batch) < 8)  # q = p: the draws coincide, every real draft is kept
+    assert (accepted[same] == feeds["draft_len"][same]).all()
 
 
 def test_one_hot_sampling_rule_is_the_greedy_rule():

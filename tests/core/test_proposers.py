@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from speccompile.core.cost_model import LoopCosts
 from speccompile.core.gamma_policy import Acceptance, GammaPolicy
 from speccompile.core.proposers import NgramIndex
 from speccompile.core.request import Request
@@ -77,8 +78,9 @@ class CheckedScheduler(Scheduler):
     def step(self):
         super().step()
         for slot, request in enumerate(self.decoding):
-            length = int(self.draft.cache_lengths[slot])
-            assert list(self.draft.cache[slot, :length]) == request.tokens[:length], f"draft cache of slot {slot}"
+            draft = self.proposers.draft.engine
+            length = int(draft.cache_lengths[slot])
+            assert list(draft.cache[slot, :length]) == request.tokens[:length], f"draft cache of slot {slot}"
 
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2], [2, 6, 5, 3, 5, 8, 9, 7], [7, 7, 1, 2, 7, 7, 1]]
@@ -95,7 +97,7 @@ COSTS = {"target_step_ms": 10.0, "draft_step_ms": 1.0, "verify_ms": {g: 10.0 + g
 def test_every_proposer_equals_autoregressive(proposer, gamma, draft):
     """With a fixed γ and no costs known, and under γ auto with a policy's costs (rates compared)."""
     target = RepeatingEngine()
-    policy = GammaPolicy(COSTS, [0.8, 0.6, 0.4, 0.3, 0.2, 0.1])
+    policy = GammaPolicy(LoopCosts.from_timings(COSTS), [0.8, 0.6, 0.4, 0.3, 0.2, 0.1])
     s = CheckedScheduler(target, draft(), 3, 256, [1, 2, 4, 6], set(), policy_for=lambda n, context: policy)
     requests = [Request(p, 40, gamma=gamma, proposer=proposer) for p in PROMPTS]
     for request in requests:
@@ -105,7 +107,7 @@ def test_every_proposer_equals_autoregressive(proposer, gamma, draft):
     for request, prompt in zip(requests, PROMPTS):
         assert request.generated == reference(target, prompt, 40), (proposer, prompt)
         by = request.stats.by_proposer
-        assert set(by) <= {"draft", "ngram"} and request.stats.draft_tokens == sum(c[1] for c in by.values())
+        assert set(by) <= {"draft", "ngram", "suffix"} and request.stats.draft_tokens == sum(c[1] for c in by.values())
         if proposer != "auto":
             assert set(by) <= {proposer}
     lookups = sum(r.stats.by_proposer.get("ngram", [0, 0, 0])[1] for r in requests)
@@ -121,7 +123,7 @@ def test_lookup_on_repeating_text_saves_most_target_passes():
         s.step()
     assert request.generated == reference(target, request.prompt, 60)
     assert request.stats.iterations <= 12 and request.stats.acceptance_rate > 0.9  # plain decoding: 59
-    assert s.draft.calls == 1  # the draft model read the prompt and never drafted
+    assert s.proposers.draft.engine.calls == 1  # the draft model read the prompt and never drafted
 
 
 def test_auto_drafts_with_the_model_where_lookup_finds_nothing():

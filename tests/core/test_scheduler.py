@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from speccompile.core.cost_model import LoopCosts
 from speccompile.core.gamma_policy import GammaPolicy
 from speccompile.core.request import Request
 from speccompile.core.scheduler import Scheduler
@@ -87,8 +88,11 @@ def test_stops_at_eos_and_stop_tokens_and_keeps_them():
     assert b.generated == full[: full.index(stop_token) + 1] and b.finish_reason == "stop"
 
 
-def test_a_stop_check_cuts_the_tokens_where_it_says():
-    request = Request(PROMPTS[1], 30, gamma=4, stop_check=lambda generated: 5 if len(generated) >= 5 else None)
+def test_a_stop_found_at_the_edge_cuts_the_tokens_where_it_says():
+    """The edge (a stop string) tells the request to stop once it has seen 5 tokens: the scheduler
+    retires it at its next iteration with exactly those."""
+    request = Request(PROMPTS[1], 30, gamma=4)
+    request.on_tokens = lambda tokens: len(request.generated) >= 5 and request.stop_at(5)
     run(scheduler(), [request])
     assert request.generated == reference(PROMPTS[1], 30)[:5] and request.finish_reason == "stop"
 
@@ -193,7 +197,8 @@ class CyclingPolicy(GammaPolicy):
 
     def __init__(self, schedule):
         gammas = {g for g in schedule if g}
-        super().__init__({"target_step_ms": 1.0, "draft_step_ms": 0.1, "verify_ms": {g: 1.0 for g in gammas}},
+        super().__init__(LoopCosts.from_timings({"target_step_ms": 1.0, "draft_step_ms": 0.1,
+                                                 "verify_ms": {g: 1.0 for g in gammas}}),
                          [0.5] * max(schedule))
         self.schedule = itertools.cycle(schedule)
 
@@ -212,8 +217,8 @@ def test_plain_iterations_leave_the_draft_behind_and_it_catches_up():
 
 
 def test_auto_observes_acceptance_and_costs():
-    policy = GammaPolicy({"target_step_ms": 1.0, "draft_step_ms": 0.1, "verify_ms": {2: 1.2, 4: 1.5}},
-                         [0.5, 0.25, 0.12, 0.06])
+    costs = LoopCosts.from_timings({"target_step_ms": 1.0, "draft_step_ms": 0.1, "verify_ms": {2: 1.2, 4: 1.5}})
+    policy = GammaPolicy(costs, [0.5, 0.25, 0.12, 0.06])
     [request] = requests = [Request([1, 2, 3], 20)]
     run(scheduler(gammas=(2, 4), policy=policy), requests)
     assert request.generated == reference([1, 2, 3], 20)

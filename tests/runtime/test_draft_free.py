@@ -25,10 +25,12 @@ def test_a_draft_free_bundle_holds_the_target_alone(bundles):
 def test_draft_free_greedy_is_hf_alone_and_in_a_batch(family, bundles, checkpoints):
     runtime = speccompile.load(bundles(family, "none"))
     expected = [hf_greedy(checkpoints(family), p, MAX_NEW) for p in PROMPTS]
-    batched = runtime.generate(PROMPTS, max_new_tokens=MAX_NEW, gamma=4)
-    alone = [runtime.generate([p], max_new_tokens=MAX_NEW, gamma=4)[0] for p in PROMPTS]
-    assert [r.token_ids for r in batched] == expected and [r.token_ids for r in alone] == expected
-    assert {name for r in batched + alone for name in r.stats.by_proposer} == {"ngram"}  # tiny models repeat
+    for proposer in ("ngram", "suffix", "auto"):
+        batched = runtime.generate(PROMPTS, max_new_tokens=MAX_NEW, gamma=4, proposer=proposer)
+        alone = [runtime.generate([p], max_new_tokens=MAX_NEW, gamma=4, proposer=proposer)[0] for p in PROMPTS]
+        assert [r.token_ids for r in batched] == expected and [r.token_ids for r in alone] == expected
+        used = {name for r in batched + alone for name in r.stats.by_proposer}  # tiny models repeat
+        assert used == {proposer} if proposer != "auto" else used and used <= {"ngram", "suffix"}
 
 
 def test_draft_free_sampling_is_the_targets_with_any_company(bundles):

@@ -54,8 +54,10 @@ def test_a_sampled_request_depends_on_its_seed_not_its_company(runtime):
     assert other_seed != alone
 
 
-def test_requests_beyond_max_batch_queue_and_cancelling_frees_a_slot(runtime):
-    slow = dict(max_new_tokens=80, gamma=1, on_tokens=lambda ids: time.sleep(0.01))  # ~2 s each, in parallel
+def test_requests_beyond_max_batch_queue_and_cancelling_frees_a_slot(runtime, monkeypatch):
+    verify = runtime.target.verify
+    monkeypatch.setattr(runtime.target, "verify", lambda *args, **kw: time.sleep(0.03) or verify(*args, **kw))
+    slow = dict(max_new_tokens=80, gamma=1)  # 30 ms an iteration: over 1 s each, in parallel
     long = [runtime.submit([7, 8, 9], **slow) for _ in range(runtime.max_batch)]
     waiting = runtime.submit([10, 11], max_new_tokens=5, gamma=1)
     time.sleep(0.3)

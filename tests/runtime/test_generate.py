@@ -123,16 +123,17 @@ def test_graphs_are_loaded_before_the_clock_starts(bundles, temperature, graphs)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("proposer", ["ngram", "auto"])
-def test_prompt_lookup_and_auto_match_hf(family, proposer, bundles, hf_reference):
-    """Tiny random models repeat themselves, so lookups match; the draft is unrelated, so under auto
-    both proposers draft. Alone and in a batch, the tokens are HF's."""
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "auto"])
+def test_prompt_lookup_suffix_and_auto_match_hf(family, proposer, bundles, hf_reference):
+    """Tiny random models repeat themselves, so lookups and suffixes match; the draft is unrelated, so
+    under auto the free proposers draft too. Alone and in a batch, the tokens are HF's."""
     runtime = speccompile.load(bundles(family, "random"))
     expected = [hf_reference(family, i) for i in range(len(PROMPTS))]
     batched = runtime.generate(PROMPTS, max_new_tokens=MAX_NEW, gamma=4, proposer=proposer)
     alone = [runtime.generate([p], max_new_tokens=MAX_NEW, gamma=4, proposer=proposer)[0] for p in PROMPTS]
     assert [r.token_ids for r in batched] == expected and [r.token_ids for r in alone] == expected
-    lookups = sum(r.stats.by_proposer.get("ngram", [0, 0, 0])[1] for r in batched + alone)
+    free = ("ngram", "suffix") if proposer == "auto" else (proposer,)
+    lookups = sum(r.stats.by_proposer.get(name, [0, 0, 0])[1] for r in batched + alone for name in free)
     assert lookups > 0
 
 

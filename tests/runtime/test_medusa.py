@@ -39,7 +39,7 @@ def test_medusa_greedy_is_hf_with_any_tree_alone_and_in_a_batch(family, bundles,
         alone = [runtime.generate([p], max_new_tokens=MAX_NEW)[0] for p in PROMPTS]
         assert [r.token_ids for r in batched] == expected and [r.token_ids for r in alone] == expected, tree
         assert all(set(r.stats.by_proposer) == {"medusa"} for r in batched + alone)
-    assert runtime.tree_sizing is not None  # the first generation sized the tree by measured cost
+    assert runtime.tree_sizing.record is not None  # the first generation sized the tree by measured cost
 
 
 def with_oracle_heads(runtime, continuations: dict):
@@ -189,9 +189,9 @@ def test_compaction_leaves_the_cache_a_sequential_pass_would(bundles, checkpoint
 def test_a_larger_batch_verifies_the_prefix_sized_for_it(bundles, checkpoints):
     runtime = speccompile.load(bundles("llama", "medusa"))
     runtime.generate([PROMPTS[0]], max_new_tokens=2)  # sizes the tree, and the prefix per batch size
-    assert set(runtime.scheduler.tree_nodes) == set(range(1, runtime.max_batch + 1))
+    assert set(runtime.proposers.tree.nodes_per_batch) == set(range(1, runtime.max_batch + 1))
     runtime.set_tree(ORACLE_TREE)
-    runtime.scheduler.tree_nodes = {2: 3}
+    runtime.proposers.tree.nodes_per_batch = {2: 3}
     widths = []
     verify_tree = runtime.target.verify_tree
 
@@ -212,10 +212,10 @@ def test_the_sized_tree_is_recorded_in_the_bundle_and_read_back(bundles, monkeyp
     first = speccompile.load(bundle)
     first.generate([PROMPTS[0]], max_new_tokens=2)
     [record] = (bundle / "profiles").glob("tree-*.json")
-    assert json.loads(record.read_text())["tree"] == first.scheduler.tree.to_json()
+    assert json.loads(record.read_text())["tree"] == first.proposers.tree.tree.to_json()
     import speccompile.runtime.calibration as calibration
 
     monkeypatch.setattr(calibration, "measure_tree_costs", lambda *a, **k: pytest.fail("sized again"))
     second = speccompile.load(bundle)
     second.generate([PROMPTS[0]], max_new_tokens=2)
-    assert second.scheduler.tree == first.scheduler.tree and second.scheduler.tree_nodes == first.scheduler.tree_nodes
+    assert second.proposers.tree == first.proposers.tree  # the tree and its prefix per batch size

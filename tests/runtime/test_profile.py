@@ -149,14 +149,13 @@ def test_costs_between_contexts_are_interpolated():
         point(1, 16, target_step_ms=2.0, draft_step_ms=0.2, draft_ms={4: 1.0}, verify_ms={4: 5.0}, overhead_ms=0.2),
         point(1, 48, target_step_ms=4.0, draft_step_ms=0.6, draft_ms={4: 3.0}, verify_ms={4: 9.0}, overhead_ms=0.4),
         point(4, 16, target_step_ms=8.0), point(4, 48, target_step_ms=8.0)])
-    middle = profile.timings(1, context=24)
-    assert middle == {"target_step_ms": pytest.approx(2.5), "draft_step_ms": pytest.approx(0.3),
-                      "draft_ms": {4: pytest.approx(1.5)}, "verify_ms": {4: pytest.approx(6.0)},
-                      "overhead_ms": pytest.approx(0.25)}
-    assert profile.timings(1, context=4)["target_step_ms"] == 2.0  # held outside the range
-    assert profile.timings(1, context=500)["verify_ms"][4] == 9.0
-    assert profile.timings(2, context=16)["target_step_ms"] == 2.0  # the nearest batch size, the smaller on a tie
-    assert profile.timings(3, context=16)["target_step_ms"] == 8.0
+    middle = profile.costs(1, context=24)
+    assert middle == LoopCosts(pytest.approx(2.5), {4: pytest.approx(1.5)}, {4: pytest.approx(6.0)},
+                               pytest.approx(0.25))
+    assert profile.costs(1, context=4).target_step == 2.0  # held outside the range
+    assert profile.costs(1, context=500).verify[4] == 9.0
+    assert profile.costs(2, context=16).target_step == 2.0  # the nearest batch size, the smaller on a tie
+    assert profile.costs(3, context=16).target_step == 8.0
 
 
 def test_the_table_prints_every_batch_size_context_and_gamma_and_the_largest_gap():
@@ -194,7 +193,7 @@ def test_a_copy_draft_s_profile_counts_every_draft_accepted_and_its_policy_choos
         point = loaded.point(batch, 16)
         assert point.tokens_per_iteration == {1: 2.0, 4: 5.0}
         assert min(point.target_step_ms, *point.draft_ms.values(), *point.verify_ms.values()) > 0
-        policy = GammaPolicy(loaded.timings(batch, 16), point.acceptance_by_position)
+        policy = GammaPolicy(loaded.costs(batch, 16), point.acceptance_by_position)
         assert point.best_gamma == policy.choose()
         assert point.predicted_speedup == {0: 1.0, **{g: pytest.approx(policy.speedup(g)) for g in (1, 4)}}
         assert point.measured_speedup.keys() == point.end_to_end_speedup.keys() == {1, 4}
@@ -330,8 +329,8 @@ def test_auto_reads_the_profile_s_costs_at_each_load(random_bundle, monkeypatch)
     write_never_agreeing_profile(random_bundle)
     runtime = speccompile.load(random_bundle)
     asked = []
-    real = gamma_profile.GammaProfile.timings
-    monkeypatch.setattr(gamma_profile.GammaProfile, "timings",
+    real = gamma_profile.GammaProfile.costs
+    monkeypatch.setattr(gamma_profile.GammaProfile, "costs",
                         lambda p, b, context: asked.append(b) or real(p, b, context))
     runtime.generate([[5, 6, 7], [8, 9, 10, 11, 12]], max_new_tokens=8, gamma="auto")
     runtime.close()
@@ -344,7 +343,7 @@ def test_auto_without_a_profile_says_so_once_and_calibrates_in_the_loop_s_order(
         runtime.generate(["import os"], max_new_tokens=4, gamma="auto")
     runtime.close()
     assert sum("no γ profile for this hardware" in r.getMessage() for r in caplog.records) == 1
-    assert all(costs["draft_ms"].keys() == {1, 4} for costs in runtime._calibration.values())
+    assert all(costs.draft.keys() == {1, 4} for costs in runtime.policies.calibration.values())
 
 
 def test_auto_follows_the_profile_at_the_requests_context(tmp_path, bundles):

@@ -14,6 +14,7 @@ import transformers
 
 import speccompile
 from speccompile.compiler import spec_accept
+from speccompile.core.request import Request
 from speccompile.core.sampling import transform
 from tests.tiny_models import make_checkpoint, make_word_tokenizer
 
@@ -55,12 +56,13 @@ def exact_joint(target_dir, temperature, top_k, top_p, prompt=PROMPT) -> np.ndar
 
 
 def speculative_samples(bundle, temperature, top_k, top_p, prompt=PROMPT, proposer="draft", stats=None,
-                        p_min=0.0) -> np.ndarray:
+                        p_min=0.0, sampling_rule="coupled") -> np.ndarray:
     runtime = speccompile.load(bundle)
     samples = []
     for seed in range(SEEDS):
         results = runtime.generate([prompt] * BATCH, max_new_tokens=3, gamma=GAMMA, temperature=temperature,
-                                   top_k=top_k, top_p=top_p, seed=seed, proposer=proposer, p_min=p_min)
+                                   top_k=top_k, top_p=top_p, seed=seed, proposer=proposer, p_min=p_min,
+                                   sampling_rule=sampling_rule)
         samples += [r.token_ids for r in results]
         if stats is not None:
             stats += [r.stats for r in results]
@@ -98,10 +100,14 @@ def bundle(pair, tmp_path_factory):
     return build(pair, tmp_path_factory.mktemp("b") / "bundle")
 
 
+RULES = ["coupled", "rejection"]
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("temperature, top_k, top_p", SETTINGS)
-def test_speculative_samples_follow_the_target_distribution(pair, bundle, temperature, top_k, top_p):
-    samples = speculative_samples(bundle, temperature, top_k, top_p)
+def test_speculative_samples_follow_the_target_distribution(pair, bundle, temperature, top_k, top_p, rule):
+    samples = speculative_samples(bundle, temperature, top_k, top_p, sampling_rule=rule)
     rejected, verdicts = check(samples, exact_joint(pair[0], temperature, top_k, top_p))
     assert not rejected, verdicts
 
@@ -123,22 +129,26 @@ def repeating_prompt(pair) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("proposer", ["ngram", "auto"])
-def test_lookup_proposals_sample_the_target_distribution(pair, bundle, repeating_prompt, proposer):
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "auto"])
+def test_lookup_proposals_sample_the_target_distribution(pair, bundle, repeating_prompt, proposer, rule):
     stats = []
-    samples = speculative_samples(bundle, 1.0, 0, 1.0, prompt=repeating_prompt, proposer=proposer, stats=stats)
-    lookups = sum(s.by_proposer.get("ngram", [0, 0, 0])[1] for s in stats)
-    kept = sum(s.by_proposer.get("ngram", [0, 0, 0])[2] for s in stats)
+    samples = speculative_samples(bundle, 1.0, 0, 1.0, prompt=repeating_prompt, proposer=proposer, stats=stats,
+                                  sampling_rule=rule)
+    free = ("ngram", "suffix") if proposer == "auto" else (proposer,)  # point proposals: q one-hot
+    lookups = sum(s.by_proposer.get(name, [0, 0, 0])[1] for s in stats for name in free)
+    kept = sum(s.by_proposer.get(name, [0, 0, 0])[2] for s in stats for name in free)
     assert lookups > 500 and 0 < kept < lookups, (lookups, kept)  # proposed often, and sometimes rejected
     rejected, verdicts = check(samples, exact_joint(pair[0], 1.0, 0, 1.0, prompt=repeating_prompt))
     assert not rejected, verdicts
 
 
 @pytest.mark.slow
-def test_thresholded_drafts_sample_the_target_distribution(pair, bundle):
+@pytest.mark.parametrize("rule", RULES)
+def test_thresholded_drafts_sample_the_target_distribution(pair, bundle, rule):
     """A row that stops drafting at an unsure token verifies fewer drafts: still exact."""
     stats = []
-    samples = speculative_samples(bundle, 1.0, 0, 1.0, stats=stats, p_min=0.3)
+    samples = speculative_samples(bundle, 1.0, 0, 1.0, stats=stats, p_min=0.3, sampling_rule=rule)
     # unthresholded, every request drafts in its first iteration (2 tokens to go: 1 draft)
     none, some = sum(s.draft_tokens == 0 for s in stats), sum(s.draft_tokens > 0 for s in stats)
     assert none > 0 and some > 0, (none, some)
@@ -157,7 +167,22 @@ def test_a_broken_residual_step_is_detected(pair, tmp_path, monkeypatch):
     """Negative control: sampling the correction from p instead of max(0, p - q) must fail the test."""
     monkeypatch.setattr(spec_accept, "residual_weights", lambda f, p_n, q_n: p_n)
     broken = build(pair, tmp_path / "broken")
-    samples = speculative_samples(broken, 1.0, 0, 1.0)
+    samples = speculative_samples(broken, 1.0, 0, 1.0, sampling_rule="rejection")
+    rejected, verdicts = check(samples, exact_joint(pair[0], 1.0, 0, 1.0))
+    assert rejected, verdicts
+
+
+@pytest.mark.slow
+def test_a_coupled_draw_reusing_a_uniform_is_detected(pair, bundle, monkeypatch):
+    """Negative control of the coupled rule: an off-by-one in the positions' uniforms (the target's
+    draw at each position reuses the previous position's uniform) must fail the test."""
+    real = Request.uniforms_at
+
+    def shifted(request, offset, count):
+        return real(request, offset - 1 if len(request.generated) + offset > 0 else offset, count)
+
+    monkeypatch.setattr(Request, "uniforms_at", shifted)
+    samples = speculative_samples(bundle, 1.0, 0, 1.0)
     rejected, verdicts = check(samples, exact_joint(pair[0], 1.0, 0, 1.0))
     assert rejected, verdicts
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from speccompile.core.sampler import SamplingParams
+from speccompile.core.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("params, inert", [

@@ -1,0 +1,78 @@
+"""What every proposer is: an object per request that owns that request's proposal state, offers
+drafts each iteration, and learns from what the verification kept.
+
+A proposer never runs a model itself: one that needs a model step for its drafts (the draft model)
+names the shared `Runner` that runs its rows batched, and the scheduler executes every runner of the
+iteration's plan. What differs between kinds is data on the class (`runs_model`, `tree`,
+`reserves_room`), so the scheduler never asks which kind a row has.
+"""
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from speccompile.core.cost_model import LoopCosts, tokens_per_ms
+from speccompile.core.gamma_policy import GammaPolicy
+
+
+@dataclass
+class Offer:
+    """One row's proposal for one iteration, as its proposer made it.
+
+    count: drafts offered (0: none; the row's verification is then a plain step for it).
+    tokens: the drafts themselves when known at once (lookups); None while a runner has yet to draft them.
+    source: the proposer that made it (under `auto`, the chosen one), which learns from its outcome.
+    acceptance_by_position: what the source expects P_1..P_count to be (for `auto` and the tree).
+    """
+
+    count: int
+    source: "Proposer"
+    tokens: list[int] | None = None
+    acceptance_by_position: list[float] = field(default_factory=list)
+
+    def rate(self, costs: LoopCosts | None) -> float:
+        """Expected tokens per ms of an iteration carrying this offer (per iteration without costs)."""
+        return tokens_per_ms(costs, self.acceptance_by_position, self.count, self.source.runs_model)
+
+
+class Proposer:
+    """One request's proposer. Subclasses set the class data and implement `offer`; `observe` and
+    the rest have the common meaning. name: the key its statistics are counted under."""
+
+    name = "proposer"
+    runs_model = False  # its drafts cost model steps (they count in the iteration's draft time)
+    tree = False  # it proposes a token tree, verified by a tree pass (core/tree.py), not a chain
+    reserves_room = True  # its drafts need cache room reserved up front (a tree shrinks to fit instead)
+    learns_policy = False  # its outcomes teach the load's γ policy (whose acceptance is the draft model's)
+    compares_costs = False  # it needs the load's costs (the γ policy's) whatever the request's γ
+    runner: "Runner | None" = None  # the shared runner that drafts its offers (None: its offers hold their tokens)
+
+    def offer(self, request, wanted: int, cap: int, policy: GammaPolicy | None) -> Offer:
+        """The row's proposal this iteration: `wanted` drafts are what the γ policy (or the request's
+        own γ) asks of a model drafter, `cap` the most its length leaves room for."""
+        raise NotImplementedError
+
+    def observe(self, offer: Offer, drafts: int, accepted: int) -> None:
+        """The verification kept the first `accepted` of the `drafts` proposed (drafts may be fewer than
+        offered: a runner can stop early, the graph can hold fewer)."""
+
+    def record(self, stats, offer: Offer, drafts: int, accepted: int) -> None:
+        """Count the iteration in the request's statistics, under this proposer's name."""
+        stats.record_iteration(accepted, drafts, self.name)
+
+    def finish(self, request) -> None:
+        """The request ended (its output may teach proposers of later requests)."""
+
+
+class Runner(Protocol):
+    """Shared work behind the proposers that run a model (one per runtime): it keeps that model's
+    cache in step with the target's slots, and drafts for its rows of a plan, batched."""
+
+    def start(self, slots: int) -> None: ...
+    def admit(self, slot: int) -> None: ...
+    def prefill(self, request, tokens: np.ndarray, counts: np.ndarray, slot: int, complete: bool) -> None: ...
+    def move(self, source: int, destination: int) -> None: ...
+    def draft(self, rows: list, offers: list[Offer], counts: np.ndarray, proposed: np.ndarray,
+              sampling: bool) -> np.ndarray | None: ...
+    def after_verify(self, rows: list) -> None: ...

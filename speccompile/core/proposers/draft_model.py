@@ -1,0 +1,138 @@
+"""The draft model: a small model of the target's family drafts γ tokens, one batched step at a time.
+
+Per request (`DraftModel`): how often its drafts were kept per position (what `auto` weighs it by)
+and its confidence threshold p_min: a row stops drafting at the first token the draft gives less
+probability than p_min (that token is not proposed).
+
+Shared (`DraftRunner`): the draft's cache, kept in step with the target's slots. Invariant between
+iterations, per decoding request with history h (prompt + generated, last = h[-1]): the draft has
+cached a prefix of h[:-1], normally h[:-2]; its first step re-reads [prev, last], which costs nothing
+extra and removes the special case where every draft was accepted and the draft never saw d_γ. After
+plain iterations it is further behind and catches up in chunks before it drafts.
+"""
+
+import numpy as np
+
+from speccompile.core.engine import DecoderEngine
+from speccompile.core.gamma_policy import Acceptance, GammaPolicy
+from speccompile.core.proposers.base import Offer, Proposer
+
+# Without a γ policy (a fixed γ): what a request believes of its draft model until it has its own.
+DRAFT_PRIOR, DRAFT_PRIOR_WEIGHT = 0.7, 2.0
+
+
+class DraftRunner:
+    """Runs the draft model for the rows of a plan whose proposer drafts with it."""
+
+    def __init__(self, engine: DecoderEngine, max_seq: int):
+        self.engine, self.max_seq = engine, max_seq
+
+    def start(self, slots: int) -> None:
+        self.engine.start(slots)
+
+    def admit(self, slot: int) -> None:
+        self.engine.cache_lengths[slot] = 0
+
+    def prefill(self, request, tokens: np.ndarray, counts: np.ndarray, slot: int, complete: bool) -> None:
+        """The draft reads a joining request's prompt chunk too (not a plain request's); once the
+        prompt is in, it keeps all but the last prompt token (its first step re-reads it)."""
+        if request.gamma != 0:
+            self.engine.forward(tokens, counts, first=slot)
+        if complete:
+            self.engine.cache_lengths[slot] = min(self.engine.cache_lengths[slot], len(request.prompt) - 1)
+
+    def move(self, source: int, destination: int) -> None:
+        self.engine.move(source, destination)
+
+    def after_verify(self, rows: list) -> None:
+        """The draft keeps what it cached of the accepted tokens, re-reading the last two next time."""
+        lengths = np.array([len(r.tokens) for r in rows], dtype=np.int64)
+        self.engine.cache_lengths[: len(rows)] = np.minimum(self.engine.cache_lengths[: len(rows)], lengths - 2)
+
+    def draft(self, rows: list, offers: list[Offer], drafts: np.ndarray, proposed: np.ndarray,
+              sampling: bool) -> np.ndarray | None:
+        """Draft for the rows whose offer is this runner's: max(their drafts) batched steps over every
+        row, the other rows fed their own proposals so that the draft's cache holds their tokens too
+        (the rollback keeps what was accepted). Writes the drafts into proposed [B, max] and each
+        row's count after thresholding into `drafts`; returns, when sampling, the distributions
+        [B, steps, V] its rows drew from. A row's proposals past its count never draw a uniform."""
+        mine = [offer.source.runner is self for offer in offers]
+        steps = max((int(d) for d, m in zip(drafts, mine) if m), default=0)
+        if steps == 0:
+            return None
+        self._catch_up(rows)
+        lengths = self.engine.cache_lengths[: len(rows)]
+        tokens, counts = pad([r.tokens[length:] for r, length in zip(rows, lengths)])
+        p_min = np.array([offer.source.p_min if m else 0.0 for offer, m in zip(offers, mine)], dtype=np.float32)
+        params = sampling_params(rows) if sampling else None
+        probs_out = []
+        for k in range(steps):
+            drafting = [m and k < d for m, d in zip(mine, drafts)]
+            if not any(drafting):  # every row stopped below its p_min
+                break
+            if sampling:
+                u = np.array([r.draft_uniform(k) if on and r.rng is not None else 0.5 for r, on in zip(rows, drafting)],
+                             dtype=np.float32)
+                token, probs = self.engine.forward_sample(tokens, counts, params, u)
+                confidence = probs[np.arange(len(rows)), token]
+                probs_out.append(probs)
+            else:
+                token, confidence = self.engine.forward_confident(tokens, counts)
+            for row, offer in enumerate(offers):
+                if drafting[row] and confidence[row] < p_min[row]:
+                    drafts[row] = k
+                elif drafting[row]:
+                    proposed[row, k] = token[row]
+                elif offer.tokens is not None and k < len(offer.tokens):
+                    token[row] = offer.tokens[k]
+            tokens, counts = token[:, None], np.ones(len(rows), dtype=np.int64)
+        return np.stack(probs_out, axis=1) if sampling else None
+
+    def _catch_up(self, rows: list) -> None:
+        """Feed the draft what it missed (after plain iterations) in chunks, until every row lacks
+        at most its last two tokens; chunks are sized so that no row's padded write leaves the cache."""
+        while True:
+            lengths = self.engine.cache_lengths[: len(rows)]
+            behind = [max(0, len(r.tokens) - 2 - int(length)) for r, length in zip(rows, lengths)]
+            if not any(behind):
+                return
+            size = min(max(behind), self.max_seq - int(lengths.max()))
+            self.engine.forward(*pad([r.tokens[int(length) : int(length) + min(b, size)]
+                                      for r, length, b in zip(rows, lengths, behind)]))
+
+
+class DraftModel(Proposer):
+    name = "draft"
+    runs_model = True
+    learns_policy = True
+
+    def __init__(self, runner: DraftRunner, p_min: float = 0.0):
+        self.runner, self.p_min = runner, p_min
+        self.acceptance = Acceptance([DRAFT_PRIOR], DRAFT_PRIOR_WEIGHT)
+
+    def offer(self, request, wanted: int, cap: int, policy: GammaPolicy | None) -> Offer:
+        """`wanted` drafts, expected to be kept as the load's policy has learned (γ auto) or as this
+        request's own drafts were (a fixed γ)."""
+        expected = (policy.acceptance_by_position(wanted) if policy is not None and request.gamma_is_auto
+                    else self.acceptance.by_position(wanted))
+        return Offer(wanted, self, None, expected)
+
+    def observe(self, offer: Offer, drafts: int, accepted: int) -> None:
+        if drafts:
+            self.acceptance.observe(drafts, accepted)
+
+
+def pad(token_lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad token lists into [B, T_max] (T_max >= 1); returns (ids, counts)."""
+    counts = np.array([len(t) for t in token_lists], dtype=np.int64)
+    ids = np.zeros((len(token_lists), max(1, int(counts.max()))), dtype=np.int64)
+    for row, tokens in enumerate(token_lists):
+        ids[row, : len(tokens)] = tokens
+    return ids, counts
+
+
+def sampling_params(rows: list) -> dict:
+    """The sampling graphs' per-row controls (greedy rows: temperature 0, i.e. one-hot)."""
+    return {"temperature": np.array([r.params.temperature for r in rows], dtype=np.float32),
+            "top_k": np.array([r.params.top_k for r in rows], dtype=np.int64),
+            "top_p": np.array([r.params.top_p for r in rows], dtype=np.float32)}

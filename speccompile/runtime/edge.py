@@ -1,0 +1,100 @@
+"""The runtime's output side: tokens leave the engine thread here, and text is made of them.
+
+The engine thread only appends each request's newly accepted tokens to this queue; the edge thread
+delivers them to the request's handle (and its user's callback) and, for a request with stop
+strings, decodes them incrementally and checks the stop strings on the new text alone (with the few
+characters before it that a stop string could begin in). When one completes, the tokens after the
+one completing it are never delivered, and the request is told to stop (`Request.stop_at`): the
+engine retires it at its next iteration. So no iteration waits on detokenizing, and the cost per
+iteration does not grow with the output's length (vLLM's output processor does the same).
+"""
+
+import logging
+import threading
+from collections import deque
+
+log = logging.getLogger("speccompile")
+
+
+class StopWatcher:
+    """A request's stop strings over its continuation, fed token by token."""
+
+    def __init__(self, tokenizer, prompt: list[int], stops: list[str]):
+        self.text = tokenizer.stream(prompt)
+        self.stops = stops
+        self.reach = max(len(s) for s in stops) - 1  # characters a stop string may reach back
+        self.tail = ""  # the last `reach` characters decoded
+        self.delivered = 0  # tokens passed on so far
+        self.stopped = False
+
+    def feed(self, tokens: list[int]) -> int | None:
+        """How many of `tokens` to keep when one of them completes a stop string (it is kept; the
+        text is cut before the stop string), else None."""
+        for i, token in enumerate(tokens):
+            piece = self.text.add([token])
+            if not piece:
+                continue
+            window = self.tail + piece
+            if any(stop in window for stop in self.stops):
+                return i + 1
+            self.tail = window[len(window) - self.reach :] if self.reach else ""
+        return None
+
+
+class Edge:
+    """One thread per runtime that hands each request's tokens and its end to its sink (a handle:
+    `_push(tokens)`, `_finished(request)`), in the order the engine produced them."""
+
+    def __init__(self):
+        self._items: deque = deque()
+        self._ready = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="speccompile-edge", daemon=True)
+        self._thread.start()
+
+    def attach(self, request, sink, watcher: StopWatcher | None = None) -> None:
+        """Route the request's tokens and its end through the edge to `sink`."""
+        request.on_tokens = lambda tokens: self._put((request, sink, watcher, list(tokens)))
+        request.on_finish = lambda finished: self._put((request, sink, watcher, None))
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Deliver what is queued, then stop."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+        self._thread.join(timeout)
+
+    def _put(self, item) -> None:
+        with self._ready:
+            self._items.append(item)
+            self._ready.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._items and not self._closed:
+                    self._ready.wait()
+                if not self._items:
+                    return
+                item = self._items.popleft()
+            try:
+                self._deliver(*item)
+            except Exception:  # a user's callback failed: the other requests go on
+                log.exception("delivering a request's tokens failed")
+
+    @staticmethod
+    def _deliver(request, sink, watcher: StopWatcher | None, tokens: list[int] | None) -> None:
+        if tokens is None:
+            sink._finished(request)
+            return
+        if watcher is not None:
+            if watcher.stopped:
+                return
+            keep = watcher.feed(tokens)
+            if keep is not None:
+                watcher.stopped = True
+                tokens = tokens[:keep]
+                request.stop_at(watcher.delivered + keep)
+            watcher.delivered += len(tokens)
+        if tokens:
+            sink._push(tokens)
