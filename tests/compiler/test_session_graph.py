@@ -61,7 +61,8 @@ def sampling_feeds(rng, batch, gamma, vocab):
     probs = rng.random((batch, gamma, vocab)).astype(np.float32)
     return {"draft_probs": probs / probs.sum(-1, keepdims=True), "temperature": np.full(batch, 0.9, np.float32),
             "top_k": np.zeros(batch, np.int64), "top_p": np.full(batch, 0.95, np.float32),
-            "u_accept": rng.random((batch, gamma)).astype(np.float32), "u_sample": rng.random(batch).astype(np.float32)}
+            "u_accept": rng.random((batch, gamma)).astype(np.float32), "u_sample": rng.random(batch).astype(np.float32),
+            "coupled": np.arange(batch) % 2 == 1}  # the coupled rule in odd rows
 
 
 @pytest.mark.parametrize("family", FAMILIES)
