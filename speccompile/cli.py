@@ -9,6 +9,7 @@ import sys
 import click
 
 from speccompile.core.proposers import DEFAULT_PROPOSER, PROPOSERS
+from speccompile.core.request import SAMPLING_RULES
 from speccompile.errors import SpecCompileError
 
 
@@ -175,6 +176,9 @@ def resolve_bundle(bundle):
     return demo_bundle()
 
 
+SAMPLING_RULE_HELP = ("How sampled tokens are verified: coupled (the target draws each position with the "
+                      "request's own uniform for it, so a seed gives the same tokens at any γ, proposer or load) or "
+                      "rejection (Leviathan et al.'s; its tokens depend on γ and the drafts).")
 TREE_HELP = ("Medusa bundles: the token tree, 'chain' (each head's top candidate), a number of nodes grown from the "
              "heads' accuracies, or 'auto' (default: the size measured fastest here).")
 ACCEPTANCE_HELP = ("Medusa bundles: 'typical' accepts plausible tokens the target would not have chosen greedily "
@@ -195,8 +199,11 @@ ACCEPTANCE_HELP = ("Medusa bundles: 'typical' accepts plausible tokens the targe
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass (1: off).")
 @click.option("--seed", type=int, default=None, help="Random seed: the same seed gives the same tokens.")
 @click.option("--proposer", type=click.Choice(PROPOSERS), default=DEFAULT_PROPOSER, show_default=True,
-              help="Who drafts: the draft model, prompt lookup in the request's own text (ngram), or per "
-              "iteration the one predicted faster (auto).")
+              help="Who drafts: the draft model, prompt lookup in the request's own text (ngram), suffix decoding "
+              "over its text and earlier outputs (suffix), the Medusa heads (medusa), or per iteration the one "
+              "predicted fastest (auto).")
+@click.option("--sampling-rule", type=click.Choice(SAMPLING_RULES), default="coupled", show_default=True,
+              help=SAMPLING_RULE_HELP)
 @click.option("--p-min", type=float, default=None,
               help="The draft model stops drafting at a token it gives less probability than this (0: never; "
               "default: the γ profile's measured threshold, else 0).")
@@ -205,8 +212,8 @@ ACCEPTANCE_HELP = ("Medusa bundles: 'typical' accepts plausible tokens the targe
               help=ACCEPTANCE_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print results as a JSON list.")
 @user_errors
-def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, top_p, seed, proposer, p_min, tree,
-             acceptance, as_json):
+def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, top_p, seed, proposer, sampling_rule,
+             p_min, tree, acceptance, as_json):
     """Generate text with speculative decoding (or the target alone).
 
     BUNDLE defaults to the embedded demo pair.
@@ -219,7 +226,7 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
     stream = None if as_json else _Streamer(runtime.tokenizer, list(prompts), max_new_tokens)
     results = runtime.generate(list(prompts), max_new_tokens=max_new_tokens, mode=mode, gamma=gamma,
                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, on_tokens=stream,
-                               proposer=proposer, p_min=p_min, acceptance=acceptance)
+                               proposer=proposer, p_min=p_min, acceptance=acceptance, sampling_rule=sampling_rule)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=1))
         return
@@ -254,6 +261,8 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
               help="Who drafts (default: auto); repeat to compare proposers against the same plain runs.")
 @click.option("--p-min", type=float, default=None,
               help="Confidence threshold of the draft model's drafts (see generate --p-min).")
+@click.option("--sampling-rule", type=click.Choice(SAMPLING_RULES), default="coupled", show_default=True,
+              help=SAMPLING_RULE_HELP)
 @click.option("--tree", default=None, help=TREE_HELP)
 @click.option("--acceptance", "rules", type=click.Choice(["exact", "typical"]), multiple=True,
               help="Medusa bundles: compare acceptance rules (repeat: exact and typical) against the same plain "
@@ -263,7 +272,7 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
               "JSON list, one object per proposer, or per concurrency and mode).")
 @user_errors
 def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, concurrency, requests, rate,
-          always_speculate, proposers, p_min, tree, rules, plot_path, as_json):
+          always_speculate, proposers, p_min, sampling_rule, tree, rules, plot_path, as_json):
     """Speculative vs autoregressive tokens/s on the same prompts (medians over repeats): at batch 1,
     or with --concurrency, serving many requests at once (γ auto by default)."""
     import speccompile
@@ -278,11 +287,13 @@ def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, con
         load = {"concurrencies": _int_list(concurrency), "requests": requests, "rate": rate,
                 "max_new_tokens": max_new_tokens, "repeats": repeats, "gamma": _gamma_option(gamma),
                 "always_speculate": always_speculate,
-                "sampling": ({"temperature": temperature} if temperature else {}) | _p_min_option(p_min),
+                "sampling": ({"temperature": temperature, "sampling_rule": sampling_rule} if temperature else {})
+                | _p_min_option(p_min),
                 "proposer": proposers[0] if proposers else DEFAULT_PROPOSER}
         _bench_load(runtime, read_prompts(prompts_file), load, as_json, plot_path)
         return
-    sampling = ({"temperature": temperature, "seed": 0} if temperature else {}) | _p_min_option(p_min)
+    sampling = ({"temperature": temperature, "seed": 0, "sampling_rule": sampling_rule} if temperature else {}) \
+        | _p_min_option(p_min)
     if len(proposers) > 1:
         _bench_proposers(runtime, read_prompts(prompts_file), list(proposers), max_new_tokens, repeats,
                          _gamma_option(gamma), sampling, as_json)

@@ -28,7 +28,7 @@ PROMPT = "def parse_args(argv):"
 
 def timed_engines(runtime) -> dict:
     """Wrap the engines' calls; returns the accumulator {"ms": ...}."""
-    spent = {"ms": 0.0}
+    spent = {"ms": 0.0, "depth": 0}  # depth: a call made inside another (forward -> forward_confident) counts once
     for engine in (e for e in (runtime.target, runtime.draft) if e is not None):
         for name in ENGINE_CALLS:
             call = getattr(engine, name, None)
@@ -37,27 +37,32 @@ def timed_engines(runtime) -> dict:
 
             def wrapped(*args, _call=call, **kwargs):
                 start = time.perf_counter()
+                spent["depth"] += 1
                 try:
                     return _call(*args, **kwargs)
                 finally:
-                    spent["ms"] += (time.perf_counter() - start) * 1e3
+                    spent["depth"] -= 1
+                    if spent["depth"] == 0:
+                        spent["ms"] += (time.perf_counter() - start) * 1e3
 
             setattr(engine, name, wrapped)
     return spent
 
 
-def counted_steps(runtime) -> dict:
-    """Wrap the scheduler's step: iterations that decoded, and their wall time."""
+def counted_steps(runtime, spent: dict) -> dict:
+    """Wrap the scheduler's step: iterations that began with requests decoding (the first, which
+    prefills, does not count), their wall time and the engines' time within them."""
     scheduler, steps = runtime.scheduler, {"n": 0, "ms": 0.0, "engine_ms": 0.0}
     step = scheduler.step
 
     def wrapped():
-        decoding = bool(scheduler.decoding)
-        start = time.perf_counter()
+        decoding = bool(scheduler.decoding) and not scheduler.waiting and scheduler.joining is None
+        start, engine = time.perf_counter(), spent["ms"]
         step()
         if decoding:
             steps["n"] += 1
             steps["ms"] += (time.perf_counter() - start) * 1e3
+            steps["engine_ms"] += spent["ms"] - engine
 
     scheduler.step = wrapped
     return steps
@@ -77,7 +82,8 @@ def main() -> None:
 
         args.bundle = demo_bundle()
     runtime = speccompile.load(args.bundle)
-    spent, steps = timed_engines(runtime), counted_steps(runtime)
+    spent = timed_engines(runtime)
+    steps = counted_steps(runtime, spent)
     prompts = [PROMPT + " " * i for i in range(args.batch)]
     options = dict(max_new_tokens=args.max_new_tokens, gamma=4, proposer=args.proposer)
     if args.stop:
@@ -85,15 +91,12 @@ def main() -> None:
     runtime.generate(prompts, **{**options, "max_new_tokens": 16})  # warm-up
     results = []
     for _ in range(args.rounds):
-        spent["ms"], steps["n"], steps["ms"] = 0.0, 0, 0.0
-        engine_before = spent["ms"]
+        steps["n"], steps["ms"], steps["engine_ms"] = 0, 0.0, 0.0
         start = time.perf_counter()
         outs = runtime.generate(prompts, **options)
         wall = (time.perf_counter() - start) * 1e3
-        # engine time inside decoding iterations only is not separable from prefill here: prefill
-        # runs in the first iteration, so subtract its own clock (the requests' prefill_ms)
         prefill = max(o.stats.prefill_ms for o in outs)
-        overhead = (steps["ms"] - (spent["ms"] - engine_before) - 0.0) / max(1, steps["n"])
+        overhead = (steps["ms"] - steps["engine_ms"]) / max(1, steps["n"])
         row = {"batch": args.batch, "stop_strings": args.stop, "iterations": steps["n"],
                "tokens": sum(len(o.token_ids) for o in outs), "wall_ms": round(wall, 1),
                "prefill_ms": round(prefill, 2), "overhead_ms_per_iteration": round(overhead, 4)}

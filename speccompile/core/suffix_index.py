@@ -204,8 +204,12 @@ class SuffixCache:
     def finish(self, request_key, remember: bool = True) -> None:
         """Close a request; with `remember`, its output joins the global tree, evicting the oldest past the bound."""
         tree, prompt_len = self._requests.pop(request_key)
-        output = tree.sequence(0)[prompt_len:]
-        if not remember or not output or self.max_sequences <= 0:
+        if remember:
+            self.remember(tree.sequence(0)[prompt_len:])
+
+    def remember(self, output: list[int]) -> None:
+        """A finished request's output joins the global tree (the oldest is evicted past the bound)."""
+        if not output or self.max_sequences <= 0:
             return
         self.global_tree.add(self._next_id, output)
         self._finished.append(self._next_id)
