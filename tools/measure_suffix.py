@@ -23,8 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import speccompile  # noqa: E402
 from measure_proposers import heldout_functions, workloads  # noqa: E402
+
+import speccompile  # noqa: E402
 from speccompile.core.proposers.auto import Auto  # noqa: E402
 from speccompile.core.proposers.suffix import SuffixDecoding  # noqa: E402
 from speccompile.core.stats import pooled  # noqa: E402
