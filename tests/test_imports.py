@@ -30,7 +30,6 @@ ALLOWED = {
 # Within the runtime, bench and profile drive a Runtime (generate, its engines); runtime.py calling
 # into them makes a loop that no import cycle shows, so it counts as a wrong-way edge here.
 DRIVERS = {"speccompile.runtime.bench", "speccompile.runtime.profile"}
-KNOWN_WRONG_WAY: set[tuple[str, str]] = set()  # none left: calibration drives engines, not a Runtime
 
 
 def module_name(path: Path) -> str:
@@ -123,14 +122,9 @@ def test_no_import_cycle_between_modules():
 
 
 def test_dependencies_point_one_way():
-    wrong = sorted(edge for edge in edges() if is_wrong_way(*edge) and edge not in KNOWN_WRONG_WAY)
+    wrong = sorted(edge for edge in edges() if is_wrong_way(*edge))
     listed = "\n".join(f"{source} -> {target}" for source, target in wrong)
     assert wrong == [], f"imports against the layers in this file's docstring:\n{listed}"
-
-
-def test_known_exceptions_are_still_there():
-    """An exception that was fixed is removed from the list, so that it cannot come back unnoticed."""
-    assert KNOWN_WRONG_WAY <= edges()
 
 
 def test_a_wrong_way_edge_is_caught():

@@ -21,15 +21,9 @@
  *             = min(p(x), q(x)) + max(0, p(x) - q(x)) = p(x),
  * because sum_y max(0, p - q) = 1 - sum_y min(p, q). With u ~ U[0, 1), "u q(d) < p(d)" is that accept.
  *
- * A coupled row instead lets the target draw its own token at every position, t_j = inverse-CDF of p_j
- * at the j-th uniform (u_accept, then u_sample), and keeps drafts while they equal those draws: the
- * greedy rule on sampled targets. Each emitted token is a fresh inverse-CDF draw from p, so the output
- * is distributed as p whatever was proposed (q is not read).
- *
  * A row with k = draft_len[b] < γ real drafts is verified as at γ = k: the target is causal, so its
- * scores at inputs 0..k never saw the pads after d_k, and the kernels read no pad slot's draft id or
- * draft probability (a coupled row's token after d_k, k < γ, draws with u_accept[k], as the reference
- * does; see speccompile/core/acceptance.py).
+ * scores at inputs 0..k never saw the pads after d_k, and the kernels read no pad slot (see
+ * speccompile/core/acceptance.py).
  */
 #include "spec_accept_kernels.h"
 
@@ -219,55 +213,15 @@ __device__ int leadingAccepts(const float* p, const float* q, const int64_t* dra
     return k;
 }
 
-// The coupled rule (`coupled_accept`), on thread 0 of the row's block: t_j = `sample_from`(p_j, u_j) with
-// u_j = u_accept[j] for j < G and u_sample at j = G, and n = min(leading run of d_j == t_j, k). Only
-// t_0..t_n are needed, so positions are drawn one by one up to the first mismatch or to k (two in-order
-// passes over V each). t_n with n = k < G draws with u_accept[k], the uniform of the first pad slot, as
-// the reference does. A draft id outside [0, V) never equals a draw: rejected, as in the reference.
-__device__ void coupledAccept(const float* p, const int64_t* draft, const float* uAccept, float uSample, int k,
-    int G, int V, float* stage, int& n, int64_t& token)
-{
-    __shared__ bool stop;
-    for (int j = 0;; ++j)
-    {
-        const float u = j < G ? uAccept[j] : uSample;
-        const int64_t t = sampleRow(Weights{p + static_cast<int64_t>(j) * V, nullptr, false}, V, u, stage);
-        if (threadIdx.x == 0)
-        {
-            stop = j == k || draft[j] != t; // the correction, or the target's own token after d_k
-            n = j;
-            token = t;
-        }
-        __syncthreads();
-        // Every thread reads the same `stop`, so the block leaves together; thread 0 rewrites it only
-        // after the barriers in the next sampleRow, which every thread reaches after reading it here.
-        if (stop)
-            return;
-    }
-}
-
 __global__ void sampleAcceptKernel(const float* targetProbs, const float* draftProbs, const int64_t* draftTokens,
-    const int64_t* draftLen, const float* uAccept, const float* uSample, const int64_t* pastLen, const bool* coupled,
-    int G, int V, int64_t* accepted, int64_t* nextToken, int64_t* newLen)
+    const int64_t* draftLen, const float* uAccept, const float* uSample, const int64_t* pastLen, int G, int V,
+    int64_t* accepted, int64_t* nextToken, int64_t* newLen)
 {
     __shared__ float stage[kChunk];
     __shared__ int run;
     const int64_t b = blockIdx.x;
     const int k = realDrafts(draftLen, b, G);
     const float* p = targetProbs + b * (G + 1) * V;
-    if (coupled != nullptr && coupled[b]) // the same for every thread of the block: no divergent barrier
-    {
-        int n = 0;
-        int64_t token = 0;
-        coupledAccept(p, draftTokens + b * G, uAccept + b * G, uSample[b], k, G, V, stage, n, token);
-        if (threadIdx.x == 0)
-        {
-            accepted[b] = n;
-            nextToken[b] = token;
-            newLen[b] = pastLen[b] + n + 1;
-        }
-        return;
-    }
     const float* q = draftProbs + b * G * V;
     if (threadIdx.x == 0)
         run = leadingAccepts(p, q, draftTokens + b * G, uAccept + b * G, k, V); // only the k real drafts
@@ -757,8 +711,8 @@ extern "C" int speccompile_greedy_accept(const float* logits, const int64_t* dra
 
 extern "C" int speccompile_sample_accept(const float* target_probs, const float* draft_probs,
     const int64_t* draft_tokens, const int64_t* draft_len, const float* u_accept, const float* u_sample,
-    const int64_t* past_len, const bool* coupled, int B, int G, int V, int64_t* accepted, int64_t* next_token,
-    int64_t* new_len, cudaStream_t stream)
+    const int64_t* past_len, int B, int G, int V, int64_t* accepted, int64_t* next_token, int64_t* new_len,
+    cudaStream_t stream)
 {
     if (B < 0 || G < 0 || V < 1)
         return cudaErrorInvalidValue;
@@ -768,7 +722,7 @@ extern "C" int speccompile_sample_accept(const float* target_probs, const float*
         || !past_len || !accepted || !next_token || !new_len)
         return cudaErrorInvalidValue;
     sampleAcceptKernel<<<B, kThreads, 0, stream>>>(target_probs, draft_probs, draft_tokens, draft_len, u_accept,
-        u_sample, past_len, coupled, G, V, accepted, next_token, new_len);
+        u_sample, past_len, G, V, accepted, next_token, new_len);
     return launched();
 }
 

@@ -22,7 +22,6 @@
 #define SPECCOMPILE_SPEC_ACCEPT_KERNELS_H
 
 #include <cuda_runtime_api.h>
-#include <stdbool.h>
 #include <stdint.h>
 
 #if defined(_WIN32)
@@ -48,25 +47,19 @@ SPECCOMPILE_API int speccompile_greedy_accept(const float* logits, const int64_t
     int64_t* new_len, cudaStream_t stream);
 
 /*
- * Speculative sampling (`sample_accept`), or the coupled rule (`coupled_accept`) in rows with coupled[b] set.
+ * Speculative sampling (`sample_accept`).
  *   accept d_j (j < k) iff u_accept[b, j] * q_j(d_j) < p_j(d_j); n = leading run of accepts (n <= k)
  *   next ~ max(0, p_n - q_n) with q_k := 0 (after k accepts the draw is from p_k); when that residual
  *          has no mass (p_n == q_n) the draw is from p_n; drawn with u_sample[b] as `sample_from`
  *   new_len = past_len + n + 1
- * Coupled rows (draft_probs not read):
- *   t_j      = `sample_from`(p_j, u_j), u_j = j-th of (u_accept[b, 0..G-1], u_sample[b]), j = 0..G
- *   n        = leading run of j < k with draft_tokens[b, j] == t_j
- *   next     = t_n                                 (so with n = k < G it is drawn with u_accept[b, k])
- *   new_len  = past_len + n + 1
- *   only t_0..t_n are drawn: position by position, up to the first mismatch or to k.
  * target_probs [B, G+1, V], draft_probs [B, G, V], u_accept [B, G], u_sample [B] fp32;
- * draft_tokens [B, G], draft_len [B], past_len [B] int64; coupled [B] bool (one byte per row; NULL: no
- * row is coupled); outputs [B] int64. A draft id outside [0, V) is rejected.
+ * draft_tokens [B, G], draft_len [B], past_len [B] int64; outputs [B] int64. A draft id outside [0, V)
+ * is rejected.
  */
 SPECCOMPILE_API int speccompile_sample_accept(const float* target_probs, const float* draft_probs,
     const int64_t* draft_tokens, const int64_t* draft_len, const float* u_accept, const float* u_sample,
-    const int64_t* past_len, const bool* coupled, int B, int G, int V, int64_t* accepted, int64_t* next_token,
-    int64_t* new_len, cudaStream_t stream);
+    const int64_t* past_len, int B, int G, int V, int64_t* accepted, int64_t* next_token, int64_t* new_len,
+    cudaStream_t stream);
 
 /*
  * Inverse-CDF sampling (`sample_from`): token[b] = #{i : c_i <= uniform[b] * c_{V-1}}, clamped to V-1,

@@ -60,12 +60,11 @@ constexpr DataType kSAMPLE_INPUTS[] = {
     DataType::kFLOAT, // u_accept      [B, γ]
     DataType::kFLOAT, // u_sample      [B]
     DataType::kINT64, // past_len      [B]
-    DataType::kBOOL,  // coupled       [B]
 };
-// `coupled` and the tree mask are bool, as the graph feeds them: PluginTensorDesc's documentation still warns
-// that kBOOL is unsupported, yet plugins in TensorRT's own repository (PointPillarScatter) declare kBOOL inputs.
-// coupled is read as one byte per row (C++ bool). The kernels never read the mask, since walking tree_parents
-// decides the same paths; it is an input only because the node has it.
+// The mask is bool, as the graph feeds it: PluginTensorDesc's documentation still warns that kBOOL is
+// unsupported, yet plugins in TensorRT's own repository (PointPillarScatter) declare kBOOL inputs. The
+// kernels never read it, since walking tree_parents decides the same paths; it is an input only because the
+// node has it.
 constexpr DataType kTREE_INPUTS[] = {
     DataType::kFLOAT, // target_logits [B, N, V]
     DataType::kINT64, // tree_tokens   [B, N]
@@ -190,8 +189,7 @@ bool shapesAgree(AcceptMode mode, PluginTensorDesc const* in)
         return isShape(in[1].dims, {B, G}) && isShape(in[2].dims, {B}) && isShape(in[3].dims, {B});
     case AcceptMode::kSAMPLE:
         return isShape(in[1].dims, {B, G, V}) && isShape(in[2].dims, {B, G}) && isShape(in[3].dims, {B})
-            && isShape(in[4].dims, {B, G}) && isShape(in[5].dims, {B}) && isShape(in[6].dims, {B})
-            && isShape(in[7].dims, {B});
+            && isShape(in[4].dims, {B, G}) && isShape(in[5].dims, {B}) && isShape(in[6].dims, {B});
     case AcceptMode::kTREE:
     case AcceptMode::kTREE_TYPICAL:
         break;
@@ -328,15 +326,14 @@ int32_t SpecAcceptPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTenso
     auto* bestNode = isTree(mMode) ? static_cast<int64_t*>(outputs[3]) : nullptr;
     auto f32 = [inputs](int32_t i) { return static_cast<float const*>(inputs[i]); };
     auto i64 = [inputs](int32_t i) { return static_cast<int64_t const*>(inputs[i]); };
-    auto boolean = [inputs](int32_t i) { return static_cast<bool const*>(inputs[i]); };
     // Inputs in the order of the mode's table (kGREEDY_INPUTS, ...); the trees' input 6, tree_mask, is not read.
     switch (mMode)
     {
     case AcceptMode::kGREEDY:
         return speccompile_greedy_accept(f32(0), i64(1), i64(2), i64(3), B, G, V, accepted, nextToken, newLen, stream);
     case AcceptMode::kSAMPLE:
-        return speccompile_sample_accept(f32(0), f32(1), i64(2), i64(3), f32(4), f32(5), i64(6), boolean(7), B, G, V,
-            accepted, nextToken, newLen, stream);
+        return speccompile_sample_accept(
+            f32(0), f32(1), i64(2), i64(3), f32(4), f32(5), i64(6), B, G, V, accepted, nextToken, newLen, stream);
     case AcceptMode::kTREE:
         return speccompile_tree_accept(
             f32(0), i64(1), i64(2), i64(3), i64(4), i64(5), B, N, V, accepted, nextToken, newLen, bestNode, stream);

@@ -8,8 +8,7 @@
  *
  *   greedy: target_logits f32 [B, γ+1, V], draft_tokens i64 [B, γ], draft_len i64 [B], past_len i64 [B]
  *   sample: target_probs f32 [B, γ+1, V], draft_probs f32 [B, γ, V], draft_tokens i64 [B, γ],
- *           draft_len i64 [B], u_accept f32 [B, γ], u_sample f32 [B], past_len i64 [B], coupled bool [B]
- *           (rows with coupled[b] set take the coupled rule and ignore draft_probs)
+ *           draft_len i64 [B], u_accept f32 [B, γ], u_sample f32 [B], past_len i64 [B]
  *   outputs (both modes): accepted, next_token, new_len, i64 [B]
  *
  *   tree:         target_logits f32 [B, N, V], tree_tokens i64 [B, N], draft_len i64 [B], past_len i64 [B],

@@ -23,10 +23,10 @@ input j is its own choice for the token after input j.
 
 Sampling rule (Leviathan et al.; Chen et al.): accept d_j (j <= k) iff u_j q_j(d_j) < p_j(d_j); at
 the first rejection n sample from normalise(max(0, p_n - q_n)); after k acceptances sample from p_k.
-Rows with `coupled` set take the coupled rule instead: the target draws t_j from p_j with the j-th of
-the uniforms (u_accept, then u_sample) at every position, and the greedy rule runs on those draws.
-Why both emit exactly p, and why the pads cannot matter (the target is causal), is next to the
-numpy reference (`speccompile.core.acceptance`).
+Why it emits exactly p, and why the pads cannot matter (the target is causal), is next to the numpy
+reference (`speccompile.core.acceptance`). The coupled rule needs no mode of its own: it is the
+greedy rule on the target's Gumbel-perturbed log-probabilities (`gumbel_scores`), so a verification
+graph that samples holds a greedy SpecAccept beside the sampling one and picks per row.
 """
 
 import numpy as np
@@ -40,8 +40,7 @@ PLUGIN_VERSION = "1"
 ATTRIBUTES = ["plugin_namespace", "plugin_version", "mode"]
 OUTPUTS = ["accepted", "next_token", "new_len"]
 GREEDY_INPUTS = ["target_logits", "draft_tokens", "draft_len", "past_len"]
-SAMPLE_INPUTS = ["target_probs", "draft_probs", "draft_tokens", "draft_len", "u_accept", "u_sample", "past_len",
-                 "coupled"]
+SAMPLE_INPUTS = ["target_probs", "draft_probs", "draft_tokens", "draft_len", "u_accept", "u_sample", "past_len"]
 # token trees (core/tree.py): the topology is an input (parents [N], depths [N], ancestor-or-self mask [N, N])
 TREE_OUTPUTS = [*OUTPUTS, "best_node"]
 TREE_INPUTS = ["target_logits", "tree_tokens", "draft_len", "past_len", "tree_parents", "tree_depths", "tree_mask"]
@@ -53,7 +52,7 @@ FLOAT32_MIN = float(np.finfo(np.float32).min)
 # shared pieces of the bodies
 
 
-def _leading_run(f: FunctionBuilder, accepted_each: str, out: str = "accepted") -> str:
+def _leading_run(f: FunctionBuilder, accepted_each: str, out: str | None = "accepted") -> str:
     """Number of leading True values per row of a [B, γ] bool tensor.
 
     A position counts while no rejection has occurred at or before it. (CumSum runs in float:
@@ -65,15 +64,31 @@ def _leading_run(f: FunctionBuilder, accepted_each: str, out: str = "accepted") 
     return f.op("ReduceSum", in_run, f.const([1]), keepdims=0, out=out)
 
 
-def _proposed(f: FunctionBuilder) -> str:
+def _proposed(f: FunctionBuilder, draft_tokens: str = "draft_tokens", draft_len: str = "draft_len") -> str:
     """[B, γ] bool: slot j of row b holds a real draft, j < draft_len[b]."""
-    gamma = f.op("Squeeze", f.op("Shape", "draft_tokens", start=1, end=2), f.const([0]))
+    gamma = f.op("Squeeze", f.op("Shape", draft_tokens, start=1, end=2), f.const([0]))
     slots = f.op("Range", f.const(0), gamma, f.const(1))  # [γ]
-    return f.op("Less", f.op("Unsqueeze", slots, f.const([0])), f.op("Unsqueeze", "draft_len", f.const([1])))
+    return f.op("Less", f.op("Unsqueeze", slots, f.const([0])), f.op("Unsqueeze", draft_len, f.const([1])))
 
 
-def _new_len(f: FunctionBuilder, past_len: str, accepted: str) -> str:
-    return f.op("Add", f.op("Add", past_len, accepted), f.const(1), out="new_len")
+def _new_len(f: FunctionBuilder, past_len: str, accepted: str, out: str | None = "new_len") -> str:
+    return f.op("Add", f.op("Add", past_len, accepted), f.const(1), out=out)
+
+
+def accept_tokens(b, target_tokens: str, draft_tokens: str, draft_len: str, past_len: str,
+                  out: list | None = None) -> list[str]:
+    """The greedy rule on the target's own tokens t [B, γ+1] (its choice after each input): the
+    body of greedy SpecAccept, in standard ops with any builder (the coupled rule runs it on the
+    target's Gumbel-max draws). Returns (accepted, next_token, new_len), named `out` if given."""
+    accepted_out, next_out, new_len_out = out or (None, None, None)
+    # t_0 .. t_{γ-1} are the target's choices at the positions the drafts d_1..d_γ occupy.
+    target_choice = b.op("Slice", target_tokens, b.const([0]), b.const([-1]), b.const([1]))
+    proposed = _proposed(b, draft_tokens, draft_len)
+    accepted = _leading_run(b, b.op("And", b.op("Equal", draft_tokens, target_choice), proposed), out=accepted_out)
+    # next = t_n: the correction at the first mismatch, or the target's own token after the last real draft.
+    next_col = b.op("GatherElements", target_tokens, b.op("Unsqueeze", accepted, b.const([1])), axis=1)
+    next_token = b.op("Squeeze", next_col, b.const([1]), out=next_out)
+    return [accepted, next_token, _new_len(b, past_len, accepted, out=new_len_out)]
 
 
 def inverse_cdf(f: FunctionBuilder, weights: str, uniform: str, out: str) -> str:
@@ -87,21 +102,22 @@ def inverse_cdf(f: FunctionBuilder, weights: str, uniform: str, out: str) -> str
     return f.op("Min", count, last_index, out=out)
 
 
+def gumbel_scores(b, probs: str, noise: str) -> str:
+    """log p + G with G = -log(-log u), u the noise (uniforms in [0, 1), shaped like probs, or
+    broadcast to it): its argmax is a sample from p (the Gumbel-max trick), and a token of
+    probability 0 scores -inf. Standard ops only: with any builder, outside our functions too."""
+    gumbel = b.op("Neg", b.op("Log", b.op("Neg", b.op("Log", noise))))
+    return b.op("Add", b.op("Log", probs), gumbel)
+
+
 # ---------------------------------------------------------------------------------------------
 # SpecAccept
 
 
 def spec_accept_greedy_function() -> onnx.FunctionProto:
     f = FunctionBuilder(DOMAIN, "SpecAccept", GREEDY_INPUTS, ATTRIBUTES)
-    # t_j: the target's greedy token after each of the γ+1 inputs.
-    target_tokens = f.op("ArgMax", "target_logits", axis=-1, keepdims=0)
-    # t_0 .. t_{γ-1} are the target's choices at the positions the drafts d_1..d_γ occupy.
-    target_choice = f.op("Slice", target_tokens, f.const([0]), f.const([-1]), f.const([1]))
-    accepted = _leading_run(f, f.op("And", f.op("Equal", "draft_tokens", target_choice), _proposed(f)))
-    # next = t_n: the correction at the first mismatch, or the target's own token after the last real draft.
-    next_col = f.op("GatherElements", target_tokens, f.op("Unsqueeze", accepted, f.const([1])), axis=1)
-    f.op("Squeeze", next_col, f.const([1]), out="next_token")
-    _new_len(f, "past_len", accepted)
+    target_tokens = f.op("ArgMax", "target_logits", axis=-1, keepdims=0)  # t_j: the target's token after input j
+    accept_tokens(f, target_tokens, "draft_tokens", "draft_len", "past_len", out=OUTPUTS)
     return f.function(OUTPUTS, OPSET)
 
 
@@ -114,38 +130,16 @@ def spec_accept_sample_function() -> onnx.FunctionProto:
     p_of_draft = f.op("Squeeze", f.op("GatherElements", p_head, drafts, axis=2), f.const([2]))
     q_of_draft = f.op("Squeeze", f.op("GatherElements", "draft_probs", drafts, axis=2), f.const([2]))
     # accept d_j with probability min(1, p/q):  u q < p  (no division, so q = 0 cannot blow up)
-    accepted = _leading_run(f, f.op("And", f.op("Less", f.op("Mul", "u_accept", q_of_draft), p_of_draft), proposed),
-                            out="rejection_accepted")
+    accepted = _leading_run(f, f.op("And", f.op("Less", f.op("Mul", "u_accept", q_of_draft), p_of_draft), proposed))
     p_n, q_n = _rows_at(f, "target_probs", accepted), _rows_at(f, _padded_draft_probs(f), accepted)
     # q_k := 0 at k = the row's number of real drafts, so that the token after them samples from p_k.
     real_drafts = f.op("ReduceSum", f.op("Cast", proposed, to=onnx.TensorProto.INT64), f.const([1]), keepdims=1)
     rejected = f.op("Greater", real_drafts, f.op("Unsqueeze", accepted, f.const([1])))  # [B, 1]: n < k
     q_n = f.op("Where", rejected, q_n, f.const(0.0, np.float32))
     residual = residual_weights(f, p_n, q_n)
-    rejection_next = inverse_cdf(f, residual, "u_sample", out="rejection_next")
-    coupled_accepted, coupled_next = _coupled(f, proposed)
-    coupled = "coupled"
-    accepted = f.op("Where", coupled, coupled_accepted, accepted, out="accepted")
-    f.op("Where", coupled, coupled_next, rejection_next, out="next_token")
+    inverse_cdf(f, residual, "u_sample", out="next_token")
     _new_len(f, "past_len", accepted)
     return f.function(OUTPUTS, OPSET)
-
-
-def _coupled(f: FunctionBuilder, proposed: str) -> tuple[str, str]:
-    """The coupled rule's (accepted, next): t_j = inverse-CDF draw from p_j with uniform j of
-    concat(u_accept, u_sample), then the greedy rule on t."""
-    uniforms = f.op("Concat", "u_accept", f.op("Unsqueeze", "u_sample", f.const([1])), axis=1)  # [B, γ+1]
-    cdf = f.op("CumSum", "target_probs", f.const(2))
-    total = f.op("Slice", cdf, f.const([-1]), f.const([np.iinfo(np.int64).max]), f.const([2]))  # [B, γ+1, 1]
-    threshold = f.op("Mul", f.op("Unsqueeze", uniforms, f.const([2])), total)
-    below = f.op("Cast", f.op("LessOrEqual", cdf, threshold), to=onnx.TensorProto.INT64)
-    last_index = f.op("Sub", f.op("Squeeze", f.op("Shape", "target_probs", start=2, end=3), f.const([0])), f.const(1))
-    target_tokens = f.op("Min", f.op("ReduceSum", below, f.const([2]), keepdims=0), last_index)  # [B, γ+1]
-    target_choice = f.op("Slice", target_tokens, f.const([0]), f.const([-1]), f.const([1]))
-    accepted = _leading_run(f, f.op("And", f.op("Equal", "draft_tokens", target_choice), proposed),
-                            out="coupled_accepted")
-    next_col = f.op("GatherElements", target_tokens, f.op("Unsqueeze", accepted, f.const([1])), axis=1)
-    return accepted, f.op("Squeeze", next_col, f.const([1]))
 
 
 def _padded_draft_probs(f: FunctionBuilder) -> str:

@@ -28,7 +28,15 @@ from speccompile.bundle import kv_cache_shape
 from speccompile.compiler.checkpoint import ModelSpec
 from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT32, INT64, ORT_DOMAIN, GraphBuilder
 from speccompile.compiler.rope import Rope, inverse_frequencies
-from speccompile.compiler.spec_accept import OUTPUTS, TREE_OUTPUTS, spec_accept_node, spec_accept_tree_node, spec_op
+from speccompile.compiler.spec_accept import (
+    OUTPUTS,
+    TREE_OUTPUTS,
+    accept_tokens,
+    gumbel_scores,
+    spec_accept_node,
+    spec_accept_tree_node,
+    spec_op,
+)
 from speccompile.compiler.tensors import columns, concatenated
 
 
@@ -118,13 +126,17 @@ def greedy_confidence(b: GraphBuilder, logits: str) -> str:
 
 
 def sampled_next(b: GraphBuilder, logits: str, vocab_out: int) -> tuple[str, str]:
-    """A token sampled from the transformed distribution of logits [B, V] with a supplied uniform per
-    sequence; returns (next_token [B], probs [B, V])."""
+    """A token sampled from the transformed distribution of logits [B, V]: by inverse CDF with a
+    supplied uniform per sequence, or in the rows marked `coupled` by Gumbel-max with a supplied noise
+    [B, V] (core/acceptance.py, the coupled rule); returns (next_token [B], probs [B, V])."""
     params = _sampling_inputs(b)
     uniform = b.input("uniform", FLOAT, ["batch"])
+    coupled = b.input("coupled", BOOL, ["batch"])
+    noise = b.input("noise", FLOAT, ["batch", "noise_vocab"])  # V, or 1 when no row is coupled
     probs = spec_op(b, "SpecTransform", b.op("Unsqueeze", logits, b.const([1])), *params, vocab_size=vocab_out)
     probs = b.op("Squeeze", probs, b.const([1]))
-    return spec_op(b, "SpecSample", probs, uniform), probs
+    gumbel_max = b.op("ArgMax", gumbel_scores(b, probs, noise), axis=-1, keepdims=0)
+    return b.op("Where", coupled, gumbel_max, spec_op(b, "SpecSample", probs, uniform)), probs
 
 
 def accept(b: GraphBuilder, logits: str, ids: str, past_len: str, gamma: int | str, vocab_out: int,
@@ -140,10 +152,15 @@ def accept(b: GraphBuilder, logits: str, ids: str, past_len: str, gamma: int | s
     params = _sampling_inputs(b)
     u_accept = b.input("u_accept", FLOAT, ["batch", gamma])
     u_sample = b.input("u_sample", FLOAT, ["batch"])
-    coupled = b.input("coupled", BOOL, ["batch"])  # rows verified by the coupled rule (core/acceptance.py)
+    # rows verified by the coupled rule (core/acceptance.py): the greedy rule on Gumbel-perturbed scores
+    coupled = b.input("coupled", BOOL, ["batch"])
+    noise = b.input("verify_noise", FLOAT, ["batch", "positions", "noise_vocab"])  # [B, γ+1, V (or 1: none coupled)]
     target_probs = spec_op(b, "SpecTransform", logits, *params, vocab_size=vocab_out)
-    return spec_op(b, "SpecAccept", target_probs, draft_probs, drafts, draft_len, u_accept, u_sample, past_len,
-                   coupled, mode="sample", outputs=3, out=OUTPUTS)
+    rejection = spec_op(b, "SpecAccept", target_probs, draft_probs, drafts, draft_len, u_accept, u_sample, past_len,
+                        mode="sample", outputs=3)
+    draws = b.op("ArgMax", gumbel_scores(b, target_probs, noise), axis=-1, keepdims=0)  # [B, γ+1]
+    drawn = accept_tokens(b, draws, drafts, draft_len, past_len)
+    return [b.op("Where", coupled, c, r) for c, r in zip(drawn, rejection)]
 
 
 def accept_tree(b: GraphBuilder, logits: str, ids: str, past_len: str, typical: bool) -> list[str]:

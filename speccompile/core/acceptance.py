@@ -17,7 +17,7 @@ every proof below holds row by row with γ := k, and k = γ everywhere is the pl
 
 import numpy as np
 
-from speccompile.core.sampling import sample_from
+from speccompile.core.sampling import gumbel_argmax, sample_from
 
 
 def proposed(draft_len, batch: int, gamma: int) -> np.ndarray:
@@ -51,10 +51,8 @@ def greedy_accept(target_tokens: np.ndarray, draft_tokens: np.ndarray, past_len:
     return accepted, next_token.astype(np.int64), (past_len + accepted + 1).astype(np.int64)
 
 
-def sample_accept(target_probs, draft_probs, draft_tokens, u_accept, u_sample, past_len, draft_len=None,
-                  coupled=None):
-    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023), batched; rows with
-    coupled[b] set follow the coupled rule instead (`coupled_accept`).
+def sample_accept(target_probs, draft_probs, draft_tokens, u_accept, u_sample, past_len, draft_len=None):
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023), batched.
 
     target_probs p [B, γ+1, V] and draft_probs q [B, γ, V] are the transformed distributions the
     target and the draft had at each position; d_j was drawn from q_j. Row b proposes its first
@@ -87,33 +85,27 @@ def sample_accept(target_probs, draft_probs, draft_tokens, u_accept, u_sample, p
     # p == q leaves no residual; rejection then has probability 0, but keep a valid distribution.
     residual = np.where(residual.sum(-1, keepdims=True) > 0, residual, p_n)
     next_token = sample_from(residual, u_sample)
-    if coupled is not None and np.any(coupled):
-        coupled = np.asarray(coupled, bool)
-        c_accepted, c_next, _ = coupled_accept(p, drafts, u_accept, u_sample, past_len, draft_len)
-        accepted, next_token = np.where(coupled, c_accepted, accepted), np.where(coupled, c_next, next_token)
     return accepted, next_token, (np.asarray(past_len) + accepted + 1).astype(np.int64)
 
 
-def coupled_accept(target_probs, draft_tokens, u_accept, u_sample, past_len, draft_len=None):
-    """The coupled rule: the target samples every position itself, and drafts are kept while they
-    equal its samples. With u_j = concat(u_accept, u_sample)[:, j], the target's token after input j
-    is t_j = sample_from(p_j, u_j) for j = 0..γ; then exactly the greedy rule on t:
+def coupled_accept(target_probs, draft_tokens, noise, past_len, draft_len=None):
+    """The coupled rule (drafter-invariant speculative sampling; Daliri, Musco and Suresh 2024): the
+    target draws every position itself by the Gumbel-max trick, t_j = argmax_x log p_j(x) + G_j(x)
+    with G_j = -log(-log u_j) from the noise u_j [V] of that position, and drafts are kept while they
+    equal its draws: the greedy rule on t,
 
       n    = min(leading run of d_{j+1} == t_j, k)
       next = t_n
 
-    Every emitted token is t_j for its own position j, so the output is a function of p and the
-    uniforms alone: the proposals decide only how many tokens one pass yields. When a request's
-    uniforms are keyed by output position (core/request.py), its tokens equal those of sampling the
-    target autoregressively with the same uniforms, whatever γ, proposer or batch produced them;
-    each token is an inverse-CDF draw from p with a fresh uniform, so the output is distributed
-    exactly as p. A proposer that samples with the same uniforms from a q close to p (the draft
-    model: inverse-CDF over the same token order) agrees with t_j as often as their CDFs cross the
-    uniform at the same token; point proposals (lookup) are kept when they equal the target's draw.
+    Every emitted token is t_j for its own position j, so the output is a function of p and the noise
+    alone: the proposals decide only how many tokens one pass yields. When a request's noise is keyed
+    by output position (core/request.py), its tokens equal those of sampling the target
+    autoregressively by Gumbel-max with the same noise, whatever γ, proposer or batch produced them;
+    each token is a Gumbel-max draw from p with fresh noise, so the output is distributed exactly as
+    p. A draft model that proposes by Gumbel-max with the same noise agrees with t_j with probability
+    at least (1 - TV) / (1 + TV) for the total variation TV between p_j and q_j, against 1 - TV for
+    rejection sampling; point proposals (lookups) are kept when they equal the target's draw.
+    noise: [B, γ+1, V] uniforms in [0, 1).
     """
-    p = np.asarray(target_probs, np.float32)
-    batch, gamma = np.asarray(draft_tokens).shape
-    uniforms = np.concatenate([np.asarray(u_accept, np.float32).reshape(batch, gamma),
-                               np.asarray(u_sample, np.float32)[:, None]], axis=1)
-    target_tokens = sample_from(p, uniforms)  # [B, γ+1]
+    target_tokens = gumbel_argmax(target_probs, noise)  # [B, γ+1]
     return greedy_accept(target_tokens, np.asarray(draft_tokens), np.asarray(past_len), draft_len)

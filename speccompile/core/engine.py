@@ -37,9 +37,11 @@ class DecoderEngine(Protocol):
         """forward, returning (next_token [B], its probability [B]: how sure the model is of it)."""
 
     def forward_sample(self, tokens: np.ndarray, token_count: np.ndarray, params: dict, uniform: np.ndarray,
+                       coupled: np.ndarray | None = None, noise: np.ndarray | None = None,
                        first: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Like forward, but the next token is sampled from the distribution that `params`
-        (temperature, top_k, top_p per row) make of the logits, with one uniform per row.
+        (temperature, top_k, top_p per row) make of the logits: by inverse CDF with one uniform per
+        row, or in the rows marked coupled [B] by Gumbel-max with the noise [B, V] (uniforms).
         Returns (next_token [B], that distribution [B, V])."""
 
     def move(self, source: int, destination: int) -> None:
@@ -60,13 +62,13 @@ class VerifierEngine(DecoderEngine, Protocol):
 
     def verify_sample(self, tokens: np.ndarray, draft_len: np.ndarray, draft_probs: np.ndarray, params: dict,
                       u_accept: np.ndarray, u_sample: np.ndarray, coupled: np.ndarray | None = None,
-                      first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                      noise: np.ndarray | None = None, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """verify with rejection sampling: draft token d_k is accepted with probability
         min(1, p/q) (u_accept [B, γ]); the correction or bonus token is drawn with u_sample [B] from
         the residual or from p (draft_probs [B, γ, V] is q). Rows with coupled [B] set take the
-        coupled rule (core/acceptance.py: the target draws every position with u_accept then
-        u_sample, and drafts are kept while they equal its draws; q is not read). Same returns and
-        rollback as verify."""
+        coupled rule (core/acceptance.py: the target draws every position by Gumbel-max with the
+        noise [B, γ+1, V], and drafts are kept while they equal its draws; q and the u are not
+        read). Same returns and rollback as verify."""
 
 
 class TreeVerifierEngine(VerifierEngine, Protocol):

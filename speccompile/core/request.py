@@ -6,13 +6,13 @@ threads read a request after it finished, or set `cancelled` or `stop_at` (a sto
 edge, runtime/edge.py).
 
 Random numbers. A sampled request draws from its own stream (`seed`), by one of two rules (see
-core/acceptance.py). Coupled (the default): the uniform of the token at output position i is the
-i-th draw of the stream, whoever proposes that position and however many drafts an iteration carries;
-the draft model draws its proposal for position i with the same uniform, and the target's draw
-decides. So a seeded request's tokens depend on its prompt, seed and sampling parameters only: not on
-γ, the proposer, or the requests beside it. Rejection: draws are taken in the order the iterations
-consume them (each draft's acceptance test, each correction), so the tokens also depend on γ and on
-what was proposed.
+core/acceptance.py). Coupled (the default): the token at output position i is the Gumbel-max draw of
+the target's distribution there with the noise of position i, the i-th block of the stream, whoever
+proposes that position and however many drafts an iteration carries; the draft model proposes for
+position i by Gumbel-max with the same noise, and the target's draw decides. So a seeded request's
+tokens depend on its prompt, seed and sampling parameters only: not on γ, the proposer, or the
+requests beside it. Rejection: draws are taken in the order the iterations consume them (each draft's
+acceptance test, each correction), so the tokens also depend on γ and on what was proposed.
 """
 
 import time
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 AUTO = "auto"  # γ chosen each iteration by the scheduler's policy for the current load
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 SAMPLING_RULES = ("coupled", "rejection")
-UNIFORM_CHUNK = 256  # a coupled stream is drawn in chunks of this size, so its i-th draw never depends on when
 
 
 @dataclass(eq=False)
@@ -69,8 +68,9 @@ class Request:
         self.submitted = time.perf_counter()
         self.stats.acceptance = self.acceptance_rule
         assert self.sampling_rule in SAMPLING_RULES, self.sampling_rule
-        self.coupled = self.sampling_rule == "coupled"
-        self._position_uniforms = np.zeros(0, dtype=np.float32)  # coupled: the stream drawn so far
+        self.coupled = self.sampling_rule == "coupled" and self.rng is not None
+        self._noise: dict[int, np.ndarray] = {}  # coupled: output position -> its noise, while it may be asked for
+        self._noise_drawn = 0  # positions drawn from the stream so far
 
     @property
     def done(self) -> bool:
@@ -89,32 +89,17 @@ class Request:
         happen in a fixed order per iteration, so its samples depend on its seed and γ, not its company."""
         return self.rng.random(count, dtype=np.float32)
 
-    def uniforms_at(self, offset: int, count: int) -> np.ndarray:
-        """Coupled rule: the uniforms of output positions len(generated) + offset .. + count - 1."""
+    def noise(self, offset: int, count: int, vocab: int) -> np.ndarray:
+        """Coupled rule: the Gumbel-max noise [count, vocab] (uniforms) of output positions
+        len(generated) + offset onwards. Position i's noise is the i-th block of `vocab` draws of the
+        request's stream, drawn in order whenever first asked for, so it is the same whoever asks."""
         start = len(self.generated) + offset
-        while len(self._position_uniforms) < start + count:
-            chunk = self.rng.random(UNIFORM_CHUNK, dtype=np.float32)
-            self._position_uniforms = np.concatenate([self._position_uniforms, chunk])
-        return self._position_uniforms[start : start + count]
-
-    def draft_uniform(self, k: int) -> float:
-        """The uniform the draft model draws this iteration's draft k (from 0) with."""
-        return float(self.uniforms_at(k, 1)[0] if self.coupled else self.uniforms(1)[0])
-
-    def verify_uniforms(self, drafts: int, gamma: int) -> tuple[np.ndarray, float]:
-        """(u_accept [γ], u_sample) of a verification of `drafts` real drafts in a γ graph. Coupled: the
-        target's draws at the γ + 1 positions it scores; rejection: one per real draft (0.5 in the
-        pads, never read) and one for the correction or bonus token."""
-        if self.coupled:
-            u = self.uniforms_at(0, gamma + 1)
-            return u[:gamma], float(u[gamma])
-        u_accept = np.full(gamma, 0.5, dtype=np.float32)
-        u_accept[:drafts] = self.uniforms(drafts)
-        return u_accept, float(self.uniforms(1)[0])
-
-    def next_uniform(self) -> float:
-        """The uniform of one plain decoding step (or a prompt's first token)."""
-        return float(self.uniforms_at(0, 1)[0] if self.coupled else self.uniforms(1)[0])
+        for position in [p for p in self._noise if p < len(self.generated)]:  # behind us: never asked again
+            del self._noise[position]
+        while self._noise_drawn < start + count:
+            self._noise[self._noise_drawn] = self.rng.random(vocab, dtype=np.float32)
+            self._noise_drawn += 1
+        return np.stack([self._noise[p] for p in range(start, start + count)])
 
     def stop_at(self, keep: int) -> None:
         """A stop condition found at the edge (any thread): the request ends with its first `keep`
@@ -155,3 +140,21 @@ class Request:
             self.stats.mode = "autoregressive"  # the policy judged that speculation does not pay here
         if self.on_finish is not None:
             self.on_finish(self)
+
+
+def draws(rows: list[Request], vocab: int, offset: int = 0, active=None) -> tuple:
+    """What one sampled token of each row is drawn with (a sampling step's graph inputs): (uniform [B]
+    for the rows by inverse CDF, coupled [B], noise [B, V] for the coupled rows, by Gumbel-max; both
+    None when no row is coupled). offset: the output position after the row's last token (a draft
+    step k: k); `active` rows only draw (others get inputs that are never read)."""
+    uniform = np.full(len(rows), 0.5, dtype=np.float32)
+    coupled = np.array([r.coupled for r in rows])
+    noise = np.zeros((len(rows), vocab), dtype=np.float32) if coupled.any() else None
+    for row, request in enumerate(rows):
+        if request.rng is None or (active is not None and not active[row]):
+            continue
+        if request.coupled:
+            noise[row] = request.noise(offset, 1, vocab)[0]
+        else:
+            uniform[row] = request.uniforms(1)[0]
+    return uniform, (coupled if noise is not None else None), noise

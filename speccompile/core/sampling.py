@@ -77,3 +77,11 @@ def sample_from(weights: np.ndarray, uniform: np.ndarray) -> np.ndarray:
     cdf = np.cumsum(np.asarray(weights, dtype=np.float32), axis=-1)
     scaled = np.asarray(uniform, dtype=np.float32)[..., None] * cdf[..., -1:]
     return np.minimum((cdf <= scaled).sum(-1), weights.shape[-1] - 1).astype(np.int64)
+
+
+def gumbel_argmax(probs: np.ndarray, noise: np.ndarray) -> np.ndarray:
+    """Gumbel-max sampling along the last axis: argmax of log p + G, G = -log(-log u) for the noise u
+    (uniforms in [0, 1), shaped like probs). A token of zero probability scores -inf, never chosen."""
+    with np.errstate(divide="ignore"):
+        scores = np.log(np.asarray(probs, np.float32)) - np.log(-np.log(np.asarray(noise, np.float32)))
+    return scores.argmax(-1).astype(np.int64)

@@ -47,7 +47,7 @@ from speccompile.core.engine import DecoderEngine, VerifierEngine
 from speccompile.core.gamma_policy import GammaPolicy
 from speccompile.core.proposers import Offer, Proposers
 from speccompile.core.proposers.draft_model import DraftRunner, sampling_params
-from speccompile.core.request import AUTO, Request
+from speccompile.core.request import AUTO, Request, draws
 
 # (number of decoding requests, their mean context length) -> the γ policy for that load (None: no
 # costs known yet). Context matters as much as load: every step grows with it, and a draft's
@@ -192,8 +192,9 @@ class Scheduler:
         for runner in self.runners:
             runner.prefill(request, tokens, counts, slot, complete)
         if complete and not request.params.greedy:
-            uniform = np.array([request.next_uniform()], dtype=np.float32)
-            token, _ = self.target.forward_sample(tokens, counts, sampling_params([request]), uniform, first=slot)
+            uniform, coupled, noise = draws([request], self.target.vocab_size)
+            token, _ = self.target.forward_sample(tokens, counts, sampling_params([request]), uniform, coupled, noise,
+                                                  first=slot)
         else:
             token = self.target.forward(tokens, counts, first=slot)
         request.prefilled += count
@@ -293,10 +294,15 @@ class Scheduler:
         u_accept = np.full((len(rows), gamma), 0.5, dtype=np.float32)
         u_sample = np.full(len(rows), 0.5, dtype=np.float32)
         coupled = np.array([r.coupled for r in rows])
+        noise = np.zeros((len(rows), gamma + 1, self.target.vocab_size), dtype=np.float32) if coupled.any() else None
         for row, (request, offer, d) in enumerate(zip(rows, offers, drafts)):
-            if request.rng is not None:
-                u_accept[row], u_sample[row] = request.verify_uniforms(int(d), gamma)
-            if request.coupled or not d:  # the coupled rule never reads q
+            if request.coupled:  # the target's draws at the γ+1 positions it scores; q is never read
+                noise[row] = request.noise(0, gamma + 1, self.target.vocab_size)
+                continue
+            if request.rng is not None:  # one uniform per real draft, one for the correction or bonus token
+                u_accept[row, :d] = request.uniforms(int(d))
+                u_sample[row] = request.uniforms(1)[0]
+            if not d:
                 continue
             probs = q.get(offer.source.runner)
             if probs is not None:  # drawn by a runner: its distributions
@@ -305,7 +311,7 @@ class Scheduler:
             else:  # a point proposal (a lookup) is a point mass
                 draft_probs[row, np.arange(d), proposed[row, :d]] = 1.0
         return self.target.verify_sample(candidates, drafts, draft_probs, sampling_params(rows), u_accept, u_sample,
-                                         coupled)
+                                         coupled if noise is not None else None, noise)
 
     def _plain_iteration(self, rows: list[Request], began: float) -> None:
         """One plain decoding step of every row, its time (since `began`) counted as decoding."""
@@ -314,8 +320,8 @@ class Scheduler:
         if all(r.params.greedy for r in rows):
             next_token = self.target.forward(last, one)
         else:
-            uniform = np.array([r.next_uniform() if r.rng is not None else 0.5 for r in rows], dtype=np.float32)
-            next_token, _ = self.target.forward_sample(last, one, sampling_params(rows), uniform)
+            next_token, _ = self.target.forward_sample(last, one, sampling_params(rows),
+                                                       *draws(rows, self.target.vocab_size))
         elapsed = (time.perf_counter() - began) * 1e3
         for row, request in enumerate(rows):
             request.emit([next_token[row]], self.eos_ids)

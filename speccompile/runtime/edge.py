@@ -10,8 +10,8 @@ iteration does not grow with the output's length (vLLM's output processor does t
 """
 
 import logging
+import queue
 import threading
-from collections import deque
 
 log = logging.getLogger("speccompile")
 
@@ -46,37 +46,23 @@ class Edge:
     `_push(tokens)`, `_finished(request)`), in the order the engine produced them."""
 
     def __init__(self):
-        self._items: deque = deque()
-        self._ready = threading.Condition()
-        self._closed = False
+        self._items: queue.SimpleQueue = queue.SimpleQueue()  # put without a Python-level lock: the engine's side
         self._thread = threading.Thread(target=self._run, name="speccompile-edge", daemon=True)
         self._thread.start()
 
     def attach(self, request, sink, watcher: StopWatcher | None = None) -> None:
         """Route the request's tokens and its end through the edge to `sink`."""
-        request.on_tokens = lambda tokens: self._put((request, sink, watcher, list(tokens)))
-        request.on_finish = lambda finished: self._put((request, sink, watcher, None))
+        put = self._items.put
+        request.on_tokens = lambda tokens: put((request, sink, watcher, list(tokens)))
+        request.on_finish = lambda finished: put((request, sink, watcher, None))
 
     def close(self, timeout: float = 30.0) -> None:
         """Deliver what is queued, then stop."""
-        with self._ready:
-            self._closed = True
-            self._ready.notify()
+        self._items.put(None)
         self._thread.join(timeout)
 
-    def _put(self, item) -> None:
-        with self._ready:
-            self._items.append(item)
-            self._ready.notify()
-
     def _run(self) -> None:
-        while True:
-            with self._ready:
-                while not self._items and not self._closed:
-                    self._ready.wait()
-                if not self._items:
-                    return
-                item = self._items.popleft()
+        while (item := self._items.get()) is not None:
             try:
                 self._deliver(*item)
             except Exception:  # a user's callback failed: the other requests go on

@@ -41,10 +41,14 @@ class CachedModel:
         self.cache_lengths[rows] += token_count
         return out["next_token"].copy(), out["confidence"].copy()
 
-    def forward_sample(self, tokens, token_count, params, uniform, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    def forward_sample(self, tokens, token_count, params, uniform, coupled=None, noise=None,
+                       first: int = 0) -> tuple[np.ndarray, np.ndarray]:
         rows = self._rows(first, len(tokens))
+        if coupled is None:  # every row by inverse CDF: the noise is never read
+            coupled, noise = np.zeros(len(tokens), bool), np.zeros((len(tokens), 1), np.float32)
         out = self._run(GraphId.step(self.role, sample=True), first, input_ids=tokens,
-                        past_len=self.cache_lengths[rows], token_count=token_count, uniform=uniform, **params)
+                        past_len=self.cache_lengths[rows], token_count=token_count, uniform=uniform, coupled=coupled,
+                        noise=noise, **params)
         self.cache_lengths[rows] += token_count
         return out["next_token"].copy(), out["probs"].copy()
 
@@ -55,13 +59,14 @@ class CachedModel:
         self.cache_lengths[rows] = out["new_len"]
         return out["accepted"].copy(), out["next_token"].copy()
 
-    def verify_sample(self, tokens, draft_len, draft_probs, params, u_accept, u_sample, coupled=None,
+    def verify_sample(self, tokens, draft_len, draft_probs, params, u_accept, u_sample, coupled=None, noise=None,
                       first: int = 0) -> tuple[np.ndarray, np.ndarray]:
         rows = self._rows(first, len(tokens))
-        coupled = np.zeros(len(tokens), bool) if coupled is None else np.asarray(coupled, bool)
+        if coupled is None:  # every row by rejection sampling: the noise is never read
+            coupled, noise = np.zeros(len(tokens), bool), np.zeros((len(tokens), tokens.shape[1], 1), np.float32)
         out = self._run(GraphId.verification(tokens.shape[1] - 1, sample=True), first, input_ids=tokens,
                         past_len=self.cache_lengths[rows], draft_len=draft_len, draft_probs=draft_probs,
-                        u_accept=u_accept, u_sample=u_sample, coupled=coupled, **params)
+                        u_accept=u_accept, u_sample=u_sample, coupled=coupled, verify_noise=noise, **params)
         self.cache_lengths[rows] = out["new_len"]
         return out["accepted"].copy(), out["next_token"].copy()
 

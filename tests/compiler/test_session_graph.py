@@ -62,7 +62,8 @@ def sampling_feeds(rng, batch, gamma, vocab):
     return {"draft_probs": probs / probs.sum(-1, keepdims=True), "temperature": np.full(batch, 0.9, np.float32),
             "top_k": np.zeros(batch, np.int64), "top_p": np.full(batch, 0.95, np.float32),
             "u_accept": rng.random((batch, gamma)).astype(np.float32), "u_sample": rng.random(batch).astype(np.float32),
-            "coupled": np.arange(batch) % 2 == 1}  # the coupled rule in odd rows
+            "coupled": np.arange(batch) % 2 == 1,  # the coupled rule in odd rows
+            "verify_noise": rng.random((batch, gamma + 1, vocab)).astype(np.float32)}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -91,7 +92,8 @@ def test_session_graph_agrees_with_the_graph_of_every_kind(family, batch, bundle
     steps = {"input_ids": rng.integers(0, vocab, (batch, 1)), "past_len": lengths,
              "token_count": np.ones(batch, np.int64)}
     controls = {k: v for k, v in sampling_feeds(rng, batch, 1, vocab).items() if k in SAMPLING}
-    sampled = {**controls, "uniform": rng.random(batch).astype(np.float32)}
+    sampled = {**controls, "uniform": rng.random(batch).astype(np.float32), "coupled": np.arange(batch) % 2 == 1,
+               "noise": rng.random((batch, vocab)).astype(np.float32)}
     for kind, extra in (("forward", {}), ("sample", sampled)):
         feeds = {**steps, **extra}
         expected = run_with_cache(graph_session(bundle, f"target_{kind}", fused), dict(feeds), copied(cache))

@@ -5,11 +5,19 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT64, GraphBuilder
-from speccompile.compiler.spec_accept import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION, spec_accept_node, spec_op
+from speccompile.compiler.onnx_graph import FLOAT, INT64, GraphBuilder
+from speccompile.compiler.spec_accept import (
+    DOMAIN,
+    PLUGIN_NAMESPACE,
+    PLUGIN_VERSION,
+    accept_tokens,
+    gumbel_scores,
+    spec_accept_node,
+    spec_op,
+)
 from speccompile.compiler.trt_rules import tensorrt_violations
-from speccompile.core.acceptance import greedy_accept, sample_accept
-from speccompile.core.sampling import sample_from, transform
+from speccompile.core.acceptance import coupled_accept, greedy_accept, sample_accept
+from speccompile.core.sampling import gumbel_argmax, sample_from, transform
 
 
 def spec_accept_model(gamma: int, vocab: int) -> onnx.ModelProto:
@@ -130,8 +138,7 @@ def sample_accept_session(gamma, vocab):
         ins = [g.input("target_probs", FLOAT, ["batch", gamma + 1, vocab]),
                g.input("draft_probs", FLOAT, ["batch", gamma, vocab]), g.input("draft_tokens", INT64, ["batch", gamma]),
                g.input("draft_len", INT64, ["batch"]), g.input("u_accept", FLOAT, ["batch", gamma]),
-               g.input("u_sample", FLOAT, ["batch"]), g.input("past_len", INT64, ["batch"]),
-               g.input("coupled", BOOL, ["batch"])]
+               g.input("u_sample", FLOAT, ["batch"]), g.input("past_len", INT64, ["batch"])]
         for name in spec_op(g, "SpecAccept", *ins, mode="sample", outputs=3, out=["accepted", "next_token", "new_len"]):
             g.output(name, name, INT64, ["batch"])
     return session_for(build_graph)
@@ -145,7 +152,7 @@ def sampling_feeds(rng, gamma, vocab, batch):
     drafts = np.stack([sample_from(q[:, j], u_draft[:, j]) for j in range(gamma)], axis=1)
     return {"target_probs": p, "draft_probs": q, "draft_tokens": drafts, "draft_len": np.full(batch, gamma),
             "u_accept": rng.random((batch, gamma), dtype=np.float32), "u_sample": rng.random(batch, dtype=np.float32),
-            "past_len": rng.integers(0, 30, batch), "coupled": np.zeros(batch, bool)}
+            "past_len": rng.integers(0, 30, batch)}
 
 
 def assert_agrees(got, expected):
@@ -184,30 +191,54 @@ def test_in_graph_sampling_rule_with_a_draft_len_per_row_equals_numpy_reference(
     assert ((expected[0] == feeds["draft_len"]) & (feeds["draft_len"] < gamma)).sum() >= 8
 
 
+def coupled_session(gamma, vocab):
+    """The coupled rule as the verification graph runs it: the greedy rule (standard ops) on the
+    target's Gumbel-max draws."""
+    def build_graph(g):
+        probs, noise = g.input("target_probs", FLOAT, ["batch", gamma + 1, vocab]), g.input("noise", FLOAT,
+                                                                                           ["batch", gamma + 1, vocab])
+        draws = g.op("ArgMax", gumbel_scores(g, probs, noise), axis=-1, keepdims=0)
+        outs = accept_tokens(g, draws, g.input("draft_tokens", INT64, ["batch", gamma]),
+                             g.input("draft_len", INT64, ["batch"]), g.input("past_len", INT64, ["batch"]))
+        for tensor, name in zip(outs, ["accepted", "next_token", "new_len"]):
+            g.output(tensor, name, INT64, ["batch"])
+    return session_for(build_graph)
+
+
 @pytest.mark.parametrize("gamma", [1, 4])
 def test_in_graph_coupled_rule_equals_numpy_reference(gamma):
-    """Odd rows take the coupled rule, their drafts drawn from q with the uniforms the target draws
-    with (as the loop couples them), some with fewer real drafts than γ; even rows take rejection
-    sampling. Both rows' results must match the reference, and a coupled row's emitted tokens must
-    be the target's own draws with those uniforms, whatever the draft proposed."""
+    """Drafts drawn by Gumbel-max from q with the noise the target draws with (as the loop couples
+    them), some rows with fewer real drafts than γ: the graph matches the reference, and every row's
+    emitted tokens are the target's own draws with that noise, whatever the draft proposed."""
     vocab, batch = 11, 96
     rng = np.random.default_rng(20 + gamma)
     feeds = sampling_feeds(rng, gamma, vocab, batch)
-    feeds["draft_len"] = draft_lengths(rng, batch, gamma)
-    feeds["coupled"] = np.arange(batch) % 2 == 1
-    shared = np.stack([sample_from(feeds["draft_probs"][:, j], feeds["u_accept"][:, j]) for j in range(gamma)], 1)
-    feeds["draft_tokens"] = np.where(feeds["coupled"][:, None], shared, feeds["draft_tokens"])
-    got = sample_accept_session(gamma, vocab).run(["accepted", "next_token", "new_len"], feeds)
-    expected = sample_accept(**feeds)
+    noise = rng.random((batch, gamma + 1, vocab), dtype=np.float32)
+    drafts = gumbel_argmax(feeds["draft_probs"], noise[:, :gamma])
+    case = {"target_probs": feeds["target_probs"], "noise": noise, "draft_tokens": drafts,
+            "draft_len": draft_lengths(rng, batch, gamma), "past_len": feeds["past_len"]}
+    got = coupled_session(gamma, vocab).run(["accepted", "next_token", "new_len"], case)
+    expected = coupled_accept(**case)
     assert_agrees(got, expected)
-    uniforms = np.concatenate([feeds["u_accept"], feeds["u_sample"][:, None]], axis=1)
-    own = sample_from(feeds["target_probs"], uniforms)  # [B, γ+1]: the target's draw at every position
-    accepted, next_token = expected[0], expected[1]
-    for row in np.flatnonzero(feeds["coupled"]):
-        n = accepted[row]
-        assert [*feeds["draft_tokens"][row, :n], next_token[row]] == own[row, : n + 1].tolist()
-    same = feeds["coupled"] & (np.arange(batch) < 8)  # q = p: the draws coincide, every real draft is kept
-    assert (accepted[same] == feeds["draft_len"][same]).all()
+    own = gumbel_argmax(case["target_probs"], noise)  # [B, γ+1]: the target's draw at every position
+    for row in range(batch):
+        n = expected[0][row]
+        assert [*drafts[row, :n], expected[1][row]] == own[row, : n + 1].tolist()
+    same = np.arange(batch) < 8  # q = p: the draws coincide, every real draft is kept
+    assert (expected[0][same] == case["draft_len"][same]).all()
+
+
+def test_gumbel_max_never_draws_a_token_of_zero_probability_and_matches_the_graph():
+    rng = np.random.default_rng(5)
+    probs = transform(rng.standard_normal((256, 1, 13)) * 2, 1.0, 4, 1.0)  # top-4: 9 zeros per row
+    noise = rng.random((256, 1, 13), dtype=np.float32)
+    noise[:4, 0, :] = 0.0  # the edge of the noise's range: every token scores -inf but the argmax stays defined
+    def build_graph(g):
+        p, u = g.input("probs", FLOAT, ["batch", 1, 13]), g.input("noise", FLOAT, ["batch", 1, 13])
+        g.output(g.op("ArgMax", gumbel_scores(g, p, u), axis=-1, keepdims=0), "token", INT64, ["batch", 1])
+    [tokens] = session_for(build_graph).run(None, {"probs": probs, "noise": noise})
+    assert tokens[4:].tolist() == gumbel_argmax(probs, noise)[4:].tolist()
+    assert (np.take_along_axis(probs[4:, 0], tokens[4:], axis=1) > 0).all()
 
 
 def test_one_hot_sampling_rule_is_the_greedy_rule():

@@ -173,7 +173,7 @@ def test_single_sequence_verification_agrees_with_the_standard_graph(bundles, sa
             feeds.update(draft_probs=probs / probs.sum(-1, keepdims=True), temperature=np.ones(1, np.float32),
                          top_k=np.zeros(1, np.int64), top_p=np.ones(1, np.float32),
                          u_accept=rng.random((1, 4)).astype(np.float32), u_sample=rng.random(1).astype(np.float32),
-                         coupled=np.array([trial % 2 == 1]))
+                         coupled=np.array([trial % 2 == 1]), verify_noise=rng.random((1, 5, vocab)).astype(np.float32))
         if trial == 0:  # d_1 = the target's own choice after `last`, so an accepted draft is exercised too
             context = {"input_ids": np.array([[5, 17, 33, 2, 9, feeds["input_ids"][0, 0]]], np.int64),
                        "past_len": np.zeros(1, np.int64), "token_count": np.array([6], np.int64)}

@@ -20,7 +20,7 @@ MAX_TREE_NODES = 1024  # SPECCOMPILE_MAX_TREE_NODES in spec_accept_kernels.h
 P, N, S = ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p  # device pointer, int, cudaStream_t
 SIGNATURES = {
     "speccompile_greedy_accept": [P, P, P, P, N, N, N, P, P, P, S],
-    "speccompile_sample_accept": [P, P, P, P, P, P, P, P, N, N, N, P, P, P, S],
+    "speccompile_sample_accept": [P, P, P, P, P, P, P, N, N, N, P, P, P, S],
     "speccompile_sample": [P, P, N, N, P, S],
     "speccompile_transform": [P, P, P, P, N, N, N, P, S],
     "speccompile_tree_accept": [P, P, P, P, P, P, N, N, N, P, P, P, P, S],
@@ -183,15 +183,12 @@ def greedy_accept(lib, device, logits, draft_tokens, draft_len, past_len):
     return tuple(device.get(p) for p in outs)
 
 
-def sample_accept(lib, device, target_probs, draft_probs, draft_tokens, draft_len, u_accept, u_sample, past_len,
-                  coupled=None):
-    """coupled [B] bool, or None: the kernel gets NULL (no row coupled)."""
+def sample_accept(lib, device, target_probs, draft_probs, draft_tokens, draft_len, u_accept, u_sample, past_len):
     batch, positions, vocab = target_probs.shape
     outs = _outputs(device, batch, 3)
     arrays = [(target_probs, np.float32), (draft_probs, np.float32), (draft_tokens, np.int64), (draft_len, np.int64),
               (u_accept, np.float32), (u_sample, np.float32), (past_len, np.int64)]
     ins = [device.put(np.asarray(a, dt)) for a, dt in arrays]
-    ins.append(None if coupled is None else device.put(np.asarray(coupled, np.bool_)))  # one byte per row
     assert lib.speccompile_sample_accept(*ins, batch, positions - 1, vocab, *outs, device.stream) == 0
     return tuple(device.get(p) for p in outs)
 

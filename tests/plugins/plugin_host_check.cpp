@@ -69,12 +69,12 @@ extern "C" int speccompile_greedy_accept(const float* logits, const int64_t* dra
 
 extern "C" int speccompile_sample_accept(const float* target_probs, const float* draft_probs,
     const int64_t* draft_tokens, const int64_t* draft_len, const float* u_accept, const float* u_sample,
-    const int64_t* past_len, const bool* coupled, int B, int G, int V, int64_t* accepted, int64_t* next_token,
-    int64_t* new_len, cudaStream_t)
+    const int64_t* past_len, int B, int G, int V, int64_t* accepted, int64_t* next_token, int64_t* new_len,
+    cudaStream_t)
 {
     return record("sample",
-        {target_probs, draft_probs, draft_tokens, draft_len, u_accept, u_sample, past_len, coupled, accepted,
-            next_token, new_len},
+        {target_probs, draft_probs, draft_tokens, draft_len, u_accept, u_sample, past_len, accepted, next_token,
+            new_len},
         {B, G, V});
 }
 
@@ -138,8 +138,7 @@ std::vector<Dims> shapesOf(std::string const& mode)
     if (mode == "greedy")
         return {dims({B, P, V}), dims({B, G}), dims({B}), dims({B})};
     if (mode == "sample")
-        return {dims({B, P, V}), dims({B, G, V}), dims({B, G}), dims({B}), dims({B, G}), dims({B}), dims({B}),
-            dims({B})};
+        return {dims({B, P, V}), dims({B, G, V}), dims({B, G}), dims({B}), dims({B, G}), dims({B}), dims({B})};
     std::vector<Dims> tree{dims({B, N, V}), dims({B, N}), dims({B}), dims({B}), dims({N}), dims({N}), dims({N, N})};
     if (mode == "tree_typical")
         tree.insert(tree.end(), {dims({B}), dims({B})});
@@ -298,7 +297,7 @@ int main()
     auto const f = DataType::kFLOAT, i = DataType::kINT64, b = DataType::kBOOL;
     Mode const modes[] = {
         {"greedy", {f, i, i, i}, 3},
-        {"sample", {f, f, i, i, f, f, i, b}, 3},
+        {"sample", {f, f, i, i, f, f, i}, 3},
         {"tree", {f, i, i, i, i, i, b}, 4},
         {"tree_typical", {f, i, i, i, i, i, b, f, f}, 4},
     };

@@ -44,14 +44,14 @@ def test_bad_arguments_are_refused_before_any_launch(kernels_library):
     """Argument checks return cudaErrorInvalidValue without touching the GPU, so they run anywhere."""
     lib = load_kernels(kernels_library("sm_80"))
     outs = [None] * 3
-    greedy_ins, sample_ins = [None] * 4, [None] * 8  # sample: the 8th, coupled, may be NULL
+    greedy_ins, sample_ins = [None] * 4, [None] * 7
     assert lib.speccompile_greedy_accept(*greedy_ins, 2, 1, 0, *outs, None) == CUDA_ERROR_INVALID_VALUE  # V = 0
     assert lib.speccompile_greedy_accept(*greedy_ins, 2, 1, 8, *outs, None) == CUDA_ERROR_INVALID_VALUE  # NULLs
     assert lib.speccompile_sample_accept(*sample_ins, -1, 1, 8, *outs, None) == CUDA_ERROR_INVALID_VALUE  # B < 0
     fake = 256  # a device pointer that is never dereferenced: every call below is refused before a launch
     no_draft_len = [fake, fake, None, fake]  # draft_len is [B]: required even with γ = 0
     assert lib.speccompile_greedy_accept(*no_draft_len, 2, 0, 8, *[fake] * 3, None) == CUDA_ERROR_INVALID_VALUE
-    no_draft_len = [fake, None, None, None, None, fake, fake, fake]
+    no_draft_len = [fake, None, None, None, None, fake, fake]
     assert lib.speccompile_sample_accept(*no_draft_len, 2, 0, 8, *[fake] * 3, None) == CUDA_ERROR_INVALID_VALUE
     assert lib.speccompile_sample(None, None, 1, 8, None, None) == CUDA_ERROR_INVALID_VALUE
     assert lib.speccompile_transform(*[None] * 4, 2, 1, 0, None, None) == CUDA_ERROR_INVALID_VALUE  # V = 0

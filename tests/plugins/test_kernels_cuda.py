@@ -1,6 +1,6 @@
 """The speccompile CUDA kernels against the numpy oracle, on a CUDA device.
 
-The oracle is speccompile.core.acceptance (greedy_accept, sample_accept, its coupled rows included),
+The oracle is speccompile.core.acceptance (greedy_accept, sample_accept),
 speccompile.core.sampling (sample_from, transform) and speccompile.core.tree (tree_accept,
 typical_accept). Sampling compares exactly, not statistically: the kernels repeat numpy's fp32
 operations in numpy's order, so the same uniforms must pick the same tokens. The transform's
@@ -24,7 +24,6 @@ SHAPES = [(1, 1, 2), (2, 0, 16), (5, 3, 50), (4, 4, 1000), (3, 4, 8192)]  # (B, 
 SAMPLE_SHAPES = [shape for shape in SHAPES if shape[1] > 0]  # k = 0 is covered by rows with draft_len 0
 SAMPLE_KINDS = ["mixed", "all_accepted", "none_accepted", "one_hot", "p_equals_q"]
 DRAFT_LENS = ["gamma", "per_row"]  # every row proposes γ drafts (the rule before draft_len), or its own number
-COUPLINGS = ["null", "some"]  # coupled = NULL (no row coupled), or rows 0, 2, 3, 5, ... coupled
 
 
 @pytest.fixture(scope="module")
@@ -173,44 +172,22 @@ def test_greedy_argmax_takes_the_first_maximum(kernels, device):
 # ---- speculative sampling ---------------------------------------------------------------------------
 
 
-def coupled_rows(coupling, batch):
-    """coupled [B] bool, or None for NULL. "some": every row but 1, 4, 7, ...: row 0 (all γ drafts), row 2
-    (none, with per-row draft lengths) and odd row 3 are coupled, rows 1 and 4 keep rejection sampling."""
-    return None if coupling == "null" else np.arange(batch) % 3 != 1
-
-
-def couple(p, q, drafts, u_accept, coupled):
-    """Coupled rows propose as the coupled draft model does, d_j = sample_from(q_j, u_accept[:, j]) with the
-    target's own uniforms, and their q becomes NaN: the kernel must not read it."""
-    if coupled is None:
-        return q, drafts
-    drafts = drafts.copy()
-    for j in range(drafts.shape[1]):
-        drafts[coupled, j] = sample_from(q[coupled, j], u_accept[coupled, j])
-    return np.where(coupled[:, None, None], np.float32(np.nan), q), drafts
-
-
-@pytest.mark.parametrize("coupling", COUPLINGS)
 @pytest.mark.parametrize("draft_lens", DRAFT_LENS)
 @pytest.mark.parametrize("kind", SAMPLE_KINDS)
 @pytest.mark.parametrize("batch,gamma,vocab", SAMPLE_SHAPES)
-def test_sample_accept_equals_reference(kernels, device, kind, batch, gamma, vocab, draft_lens, coupling):
+def test_sample_accept_equals_reference(kernels, device, kind, batch, gamma, vocab, draft_lens):
     rng = np.random.default_rng([batch, gamma, vocab, SAMPLE_KINDS.index(kind), DRAFT_LENS.index(draft_lens)])
     p, q, drafts, u_accept = sample_case(rng, kind, batch, gamma, vocab)
-    coupled = coupled_rows(coupling, batch)
-    q, drafts = couple(p, q, drafts, u_accept, coupled)
     draft_len = draft_lengths(rng, draft_lens, batch, gamma)
     drafts, q = padded(rng, drafts, q, draft_len, vocab)
     u_sample, past_len = uniforms(rng, batch), rng.integers(0, 100, size=batch)
-    got = kernels_lib.sample_accept(kernels, device, p, q, drafts, draft_len, u_accept, u_sample, past_len, coupled)
-    want = sample_accept(p, q, drafts, u_accept, u_sample, past_len, draft_len, coupled=coupled)
+    got = kernels_lib.sample_accept(kernels, device, p, q, drafts, draft_len, u_accept, u_sample, past_len)
+    want = sample_accept(p, q, drafts, u_accept, u_sample, past_len, draft_len)
     assert_same(got, want)
-    if kind == "all_accepted":  # coupled rows too: u = 0 draws token 0 from every softmax, p's and q's alike
+    if kind == "all_accepted":
         assert got[0].tolist() == draft_len.tolist()
-    if kind == "none_accepted":  # coupled rows too: d_j ~ q_j is never p_j's one token
+    if kind == "none_accepted":
         assert got[0].tolist() == [0] * batch
-    if kind == "p_equals_q" and coupled is not None:  # q = p and the same uniforms: every draw agrees
-        assert got[0][coupled].tolist() == draft_len[coupled].tolist()
 
 
 # ---- plain sampling ---------------------------------------------------------------------------------

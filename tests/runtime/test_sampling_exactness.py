@@ -13,8 +13,7 @@ import torch
 import transformers
 
 import speccompile
-from speccompile.compiler import spec_accept
-from speccompile.core.request import Request
+from speccompile.compiler import spec_accept, transformer
 from speccompile.core.sampling import transform
 from tests.tiny_models import make_checkpoint, make_word_tokenizer
 
@@ -114,17 +113,21 @@ def test_speculative_samples_follow_the_target_distribution(pair, bundle, temper
 
 @pytest.fixture(scope="module")
 def repeating_prompt(pair) -> list[int]:
-    """[11, 13, a, c, 2, 7, 11, 13, a] with the (a, c) the target most likely continues with c: the
-    first token then often completes [11, 13, a, c], which occurred before (a 4-token match, which
-    auto trusts), and prompt lookup proposes what followed it (2, a point mass: q one-hot);
-    otherwise the draft model drafts (auto) or nothing does (ngram)."""
+    """[11, 13, a, c, 2, 7, 11, 13, a] with the (a, c) the target most likely continues with c, and
+    then with 2: the first token then often completes [11, 13, a, c], which occurred before (a
+    4-token match, which auto trusts), and prompt lookup proposes what followed it (2, a point mass:
+    q one-hot), which the target then draws often enough to be kept and rejected both; otherwise the
+    draft model drafts (auto) or nothing does (ngram)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(pair[0]).eval()
     candidates = [[11, 13, a, c, 2, 7, 11, 13, a] for a in range(VOCAB) for c in range(VOCAB)
                   if len({a, c, 2, 7, 11, 13}) == 6]
     with torch.no_grad():
-        probs = torch.softmax(model(torch.tensor(candidates)).logits[:, -1], -1).numpy()
-    best = max(range(len(candidates)), key=lambda i: probs[i, candidates[i][3]])
-    assert probs[best, candidates[best][3]] > 0.2, "no prompt makes a lookup likely"
+        first = torch.softmax(model(torch.tensor(candidates)).logits[:, -1], -1).numpy()
+        second = torch.softmax(model(torch.tensor([p + [p[3]] for p in candidates])).logits[:, -1], -1).numpy()
+    match = np.array([first[i, p[3]] for i, p in enumerate(candidates)])
+    kept = second[:, 2]
+    best = int(np.argmax(np.minimum(match, 2 * kept)))
+    assert match[best] > 0.2 and 0.05 < kept[best] < 0.95, "no prompt makes a lookup likely and uncertain"
     return candidates[best]
 
 
@@ -173,16 +176,12 @@ def test_a_broken_residual_step_is_detected(pair, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_coupled_draw_reusing_a_uniform_is_detected(pair, bundle, monkeypatch):
-    """Negative control of the coupled rule: an off-by-one in the positions' uniforms (the target's
-    draw at each position reuses the previous position's uniform) must fail the test."""
-    real = Request.uniforms_at
-
-    def shifted(request, offset, count):
-        return real(request, offset - 1 if len(request.generated) + offset > 0 else offset, count)
-
-    monkeypatch.setattr(Request, "uniforms_at", shifted)
-    samples = speculative_samples(bundle, 1.0, 0, 1.0)
+def test_a_broken_gumbel_draw_is_detected(pair, tmp_path, monkeypatch):
+    """Negative control of the coupled rule: perturbing log p with the uniform itself instead of the
+    Gumbel noise -log(-log u) (a draw biased towards the likeliest token) must fail the test."""
+    monkeypatch.setattr(transformer, "gumbel_scores", lambda b, probs, noise: b.op("Add", b.op("Log", probs), noise))
+    broken = build(pair, tmp_path / "broken")
+    samples = speculative_samples(broken, 1.0, 0, 1.0)
     rejected, verdicts = check(samples, exact_joint(pair[0], 1.0, 0, 1.0))
     assert rejected, verdicts
 

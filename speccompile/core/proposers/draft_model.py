@@ -16,6 +16,7 @@ import numpy as np
 from speccompile.core.engine import DecoderEngine
 from speccompile.core.gamma_policy import Acceptance, GammaPolicy
 from speccompile.core.proposers.base import Offer, Proposer
+from speccompile.core.request import draws
 
 # Without a γ policy (a fixed γ): what a request believes of its draft model until it has its own.
 DRAFT_PRIOR, DRAFT_PRIOR_WEIGHT = 0.7, 2.0
@@ -71,9 +72,8 @@ class DraftRunner:
             if not any(drafting):  # every row stopped below its p_min
                 break
             if sampling:
-                u = np.array([r.draft_uniform(k) if on and r.rng is not None else 0.5 for r, on in zip(rows, drafting)],
-                             dtype=np.float32)
-                token, probs = self.engine.forward_sample(tokens, counts, params, u)
+                uniform, coupled, noise = draws(rows, self.engine.vocab_size, offset=k, active=drafting)
+                token, probs = self.engine.forward_sample(tokens, counts, params, uniform, coupled, noise)
                 confidence = probs[np.arange(len(rows)), token]
                 probs_out.append(probs)
             else:
