@@ -176,9 +176,10 @@ def resolve_bundle(bundle):
     return demo_bundle()
 
 
-SAMPLING_RULE_HELP = ("How sampled tokens are verified: coupled (the target draws each position with the "
-                      "request's own uniform for it, so a seed gives the same tokens at any γ, proposer or load) or "
-                      "rejection (Leviathan et al.'s; its tokens depend on γ and the drafts).")
+SAMPLING_RULE_HELP = ("How sampled tokens are verified: coupled (the target draws each position by Gumbel-max "
+                      "with the request's own noise for it, so a seed gives the same tokens at any γ, proposer or "
+                      "load; the default with --seed) or rejection (Leviathan et al.'s: more drafts kept, but its "
+                      "tokens depend on γ and the drafts; the default without).")
 TREE_HELP = ("Medusa bundles: the token tree, 'chain' (each head's top candidate), a number of nodes grown from the "
              "heads' accuracies, or 'auto' (default: the size measured fastest here).")
 ACCEPTANCE_HELP = ("Medusa bundles: 'typical' accepts plausible tokens the target would not have chosen greedily "
@@ -202,8 +203,7 @@ ACCEPTANCE_HELP = ("Medusa bundles: 'typical' accepts plausible tokens the targe
               help="Who drafts: the draft model, prompt lookup in the request's own text (ngram), suffix decoding "
               "over its text and earlier outputs (suffix), the Medusa heads (medusa), or per iteration the one "
               "predicted fastest (auto).")
-@click.option("--sampling-rule", type=click.Choice(SAMPLING_RULES), default="coupled", show_default=True,
-              help=SAMPLING_RULE_HELP)
+@click.option("--sampling-rule", type=click.Choice(SAMPLING_RULES), default=None, help=SAMPLING_RULE_HELP)
 @click.option("--p-min", type=float, default=None,
               help="The draft model stops drafting at a token it gives less probability than this (0: never; "
               "default: the γ profile's measured threshold, else 0).")
@@ -261,8 +261,7 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
               help="Who drafts (default: auto); repeat to compare proposers against the same plain runs.")
 @click.option("--p-min", type=float, default=None,
               help="Confidence threshold of the draft model's drafts (see generate --p-min).")
-@click.option("--sampling-rule", type=click.Choice(SAMPLING_RULES), default="coupled", show_default=True,
-              help=SAMPLING_RULE_HELP)
+@click.option("--sampling-rule", type=click.Choice(SAMPLING_RULES), default=None, help=SAMPLING_RULE_HELP)
 @click.option("--tree", default=None, help=TREE_HELP)
 @click.option("--acceptance", "rules", type=click.Choice(["exact", "typical"]), multiple=True,
               help="Medusa bundles: compare acceptance rules (repeat: exact and typical) against the same plain "

@@ -59,9 +59,9 @@ def step_times(runtime, contexts=(64, 128, 256), rounds: int = 3) -> dict:
     measured = [[measure_costs(*engines, batch=1, context=c, repeats=20) for c in contexts] for _ in range(rounds)]
     by_context = {}
     for i, context in enumerate(contexts):
-        target = statistics.median(r[i]["target_step_ms"] for r in measured)
-        draft = statistics.median(r[i]["draft_step_ms"] for r in measured)
-        verify = statistics.median(r[i]["verify_ms"][4] for r in measured)
+        target = statistics.median(r[i].target_step for r in measured)
+        draft = statistics.median(r[i].draft_step for r in measured)
+        verify = statistics.median(r[i].verify[4] for r in measured)
         by_context[context] = {"target": target, "draft": draft, "draft_to_target_ratio": draft / target,
                                "verify_gamma4": verify}
     return {"by_context": by_context,

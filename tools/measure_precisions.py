@@ -45,8 +45,8 @@ loop = {key: details[key] for key in ("target_step_ms", "verify_ms", "draft_step
 import resource
 print(json.dumps({"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
                   "load_to_first_token_s": first_token_s, "session": runtime.target.session_source,
-                  "step_ms": costs["target_step_ms"], "verify_ms": costs["verify_ms"][gamma],
-                  "draft_step_ms": costs["draft_step_ms"], "bench": {**summary, **loop}}))
+                  "step_ms": costs.target_step, "verify_ms": costs.verify[gamma],
+                  "draft_step_ms": costs.draft_step, "bench": {**summary, **loop}}))
 """
 
 

@@ -45,7 +45,7 @@ def main() -> None:
     report["kv_cache_bytes_batch2"] = 2 * sum(kv_cache_bytes_per_sequence(runtime.bundle.model(role), runtime.max_seq)
                                               for role in ("target", "draft"))
     report["step_ms_batch1"] = measure_costs(runtime.target, runtime.draft, runtime.gammas, batch=1,
-                                             context=args.context, repeats=args.repeats)
+                                             context=args.context, repeats=args.repeats).timings()
     print(json.dumps(report, indent=1))
 
 

@@ -19,8 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import speccompile  # noqa: E402
 from measure_proposers import heldout_functions, workloads  # noqa: E402
+
+import speccompile  # noqa: E402
 from speccompile.core.stats import pooled  # noqa: E402
 
 RULES = ("coupled", "rejection")

@@ -132,7 +132,7 @@ def sampled_next(b: GraphBuilder, logits: str, vocab_out: int) -> tuple[str, str
     params = _sampling_inputs(b)
     uniform = b.input("uniform", FLOAT, ["batch"])
     coupled = b.input("coupled", BOOL, ["batch"])
-    noise = b.input("noise", FLOAT, ["batch", "noise_vocab"])  # V, or 1 when no row is coupled
+    noise = b.input("noise", FLOAT, ["batch", vocab_out])
     probs = spec_op(b, "SpecTransform", b.op("Unsqueeze", logits, b.const([1])), *params, vocab_size=vocab_out)
     probs = b.op("Squeeze", probs, b.const([1]))
     gumbel_max = b.op("ArgMax", gumbel_scores(b, probs, noise), axis=-1, keepdims=0)
@@ -154,7 +154,8 @@ def accept(b: GraphBuilder, logits: str, ids: str, past_len: str, gamma: int | s
     u_sample = b.input("u_sample", FLOAT, ["batch"])
     # rows verified by the coupled rule (core/acceptance.py): the greedy rule on Gumbel-perturbed scores
     coupled = b.input("coupled", BOOL, ["batch"])
-    noise = b.input("verify_noise", FLOAT, ["batch", "positions", "noise_vocab"])  # [B, γ+1, V (or 1: none coupled)]
+    positions = gamma + 1 if isinstance(gamma, int) else "positions"
+    noise = b.input("verify_noise", FLOAT, ["batch", positions, vocab_out])  # [B, γ+1, V]
     target_probs = spec_op(b, "SpecTransform", logits, *params, vocab_size=vocab_out)
     rejection = spec_op(b, "SpecAccept", target_probs, draft_probs, drafts, draft_len, u_accept, u_sample, past_len,
                         mode="sample", outputs=3)

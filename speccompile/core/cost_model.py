@@ -105,6 +105,16 @@ class LoopCosts:
         draft = {g: per_gamma.get(g, g * timings["draft_step_ms"]) for g in verify}
         return cls(timings["target_step_ms"], draft, verify, timings.get("overhead_ms", 0.0))
 
+    def timings(self) -> dict:
+        """As a γ profile stores them (JSON): from_timings' input, draft_step_ms included."""
+        return {"target_step_ms": self.target_step, "draft_step_ms": self.draft_step, "draft_ms": dict(self.draft),
+                "verify_ms": dict(self.verify), "overhead_ms": self.overhead}
+
+    @property
+    def draft_step(self) -> float:
+        """One draft step, averaged over every γ's drafting."""
+        return sum(self.draft.values()) / sum(self.draft) if self.draft else 0.0
+
     @property
     def gammas(self) -> list[int]:
         return sorted(self.verify)

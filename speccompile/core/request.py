@@ -18,15 +18,11 @@ acceptance test, each correction), so the tokens also depend on γ and on what w
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from speccompile.core.sampling import SamplingParams
 from speccompile.core.stats import GenerationStats
-
-if TYPE_CHECKING:
-    from speccompile.core.proposers import Proposer
 
 AUTO = "auto"  # γ chosen each iteration by the scheduler's policy for the current load
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -44,8 +40,8 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # besides the model's EOS; kept in the tokens, as EOS
     on_tokens: Callable[[list[int]], None] | None = None  # newly accepted tokens, as they are accepted
     on_finish: Callable[["Request"], None] | None = None
-    # a kind's name (core/proposers: made by the scheduler's `Proposers` when queued) or a proposer
-    proposer: "str | Proposer" = "draft"
+    # a kind's name (core/proposers: made by the scheduler's `Proposers` when queued) or a Proposer
+    proposer: object = "draft"
     p_min: float = 0.0  # the draft model stops drafting at a token it gives less probability (0: never)
     sampling_rule: str = "coupled"  # how sampled tokens are drawn and verified: SAMPLING_RULES, above
     # Medusa trees (core/tree.py): "exact" (greedy, lossless) or "typical" (approximate, opt-in: its
@@ -141,20 +137,3 @@ class Request:
         if self.on_finish is not None:
             self.on_finish(self)
 
-
-def draws(rows: list[Request], vocab: int, offset: int = 0, active=None) -> tuple:
-    """What one sampled token of each row is drawn with (a sampling step's graph inputs): (uniform [B]
-    for the rows by inverse CDF, coupled [B], noise [B, V] for the coupled rows, by Gumbel-max; both
-    None when no row is coupled). offset: the output position after the row's last token (a draft
-    step k: k); `active` rows only draw (others get inputs that are never read)."""
-    uniform = np.full(len(rows), 0.5, dtype=np.float32)
-    coupled = np.array([r.coupled for r in rows])
-    noise = np.zeros((len(rows), vocab), dtype=np.float32) if coupled.any() else None
-    for row, request in enumerate(rows):
-        if request.rng is None or (active is not None and not active[row]):
-            continue
-        if request.coupled:
-            noise[row] = request.noise(offset, 1, vocab)[0]
-        else:
-            uniform[row] = request.uniforms(1)[0]
-    return uniform, (coupled if noise is not None else None), noise

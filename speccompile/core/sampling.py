@@ -85,3 +85,22 @@ def gumbel_argmax(probs: np.ndarray, noise: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore"):
         scores = np.log(np.asarray(probs, np.float32)) - np.log(-np.log(np.asarray(noise, np.float32)))
     return scores.argmax(-1).astype(np.int64)
+
+
+def draws(rows: list, vocab: int, offset: int = 0, active=None) -> tuple:
+    """What one sampled token of each row is drawn with (a sampling step's graph inputs): (uniform [B]
+    for the rows by inverse CDF, coupled [B], noise [B, V] for the coupled rows, by Gumbel-max; both
+    None when no row is coupled). offset: the output position after the row's last token (a draft
+    step k: k); `active` rows only draw (others get inputs that are never read). Rows are requests
+    (core/request.py), whose streams these draws advance."""
+    uniform = np.full(len(rows), 0.5, dtype=np.float32)
+    coupled = np.array([r.coupled for r in rows])
+    noise = np.zeros((len(rows), vocab), dtype=np.float32) if coupled.any() else None
+    for row, request in enumerate(rows):
+        if request.rng is None or (active is not None and not active[row]):
+            continue
+        if request.coupled:
+            noise[row] = request.noise(offset, 1, vocab)[0]
+        else:
+            uniform[row] = request.uniforms(1)[0]
+    return uniform, (coupled if noise is not None else None), noise

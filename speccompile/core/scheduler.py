@@ -47,7 +47,8 @@ from speccompile.core.engine import DecoderEngine, VerifierEngine
 from speccompile.core.gamma_policy import GammaPolicy
 from speccompile.core.proposers import Offer, Proposers
 from speccompile.core.proposers.draft_model import DraftRunner, sampling_params
-from speccompile.core.request import AUTO, Request, draws
+from speccompile.core.request import AUTO, Request
+from speccompile.core.sampling import draws
 
 # (number of decoding requests, their mean context length) -> the γ policy for that load (None: no
 # costs known yet). Context matters as much as load: every step grows with it, and a draft's

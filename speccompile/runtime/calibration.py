@@ -11,14 +11,16 @@ import time
 
 import numpy as np
 
+from speccompile.core.cost_model import LoopCosts
+
 
 def measure_costs(target, draft, gammas: list[int], batch: int, context: int, repeats: int = 5,
-                  seed: int = 0) -> dict:
+                  seed: int = 0) -> LoopCosts:
     """Step costs at one batch size and context, each call finding the caches as the loop leaves
     them: per γ, the draft's γ steps (the first over two tokens) and then a verification, as an
     iteration runs them; the target's steps back to back, as plain decoding runs them. Every call
     is rolled back, so every repeat sees the same context. Medians over `repeats`, after one warm-up
-    round. No loop work is timed: overhead_ms is 0 (`runtime.profile` measures it in loop runs).
+    round. No loop work is timed: the overhead is 0 (`runtime.profile` measures it in loop runs).
     draft None (a draft-free bundle): iterations have no draft steps."""
     rng = np.random.default_rng(seed)
     for engine in (e for e in (target, draft) if e is not None):
@@ -32,10 +34,8 @@ def measure_costs(target, draft, gammas: list[int], batch: int, context: int, re
         for gamma in gammas:
             times[gamma].append(_rolled_back(engines, lambda g=gamma: _iteration(target, draft, batch, g, rng)))
         times["target"].append(_rolled_back(engines, lambda: _target_steps(target, batch, rng)))
-    draft_ms = {g: _median_after_warm_up(times[g], 0) for g in gammas}
-    return {"target_step_ms": _median_after_warm_up(times["target"], 0),
-            "draft_step_ms": sum(draft_ms.values()) / sum(draft_ms), "draft_ms": draft_ms,
-            "verify_ms": {g: _median_after_warm_up(times[g], 1) for g in gammas}, "overhead_ms": 0.0}
+    return LoopCosts(_median_after_warm_up(times["target"], 0), {g: _median_after_warm_up(times[g], 0) for g in gammas},
+                     {g: _median_after_warm_up(times[g], 1) for g in gammas})
 
 
 def _median_after_warm_up(rounds: list[tuple], i: int) -> float:

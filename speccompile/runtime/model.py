@@ -45,7 +45,7 @@ class CachedModel:
                        first: int = 0) -> tuple[np.ndarray, np.ndarray]:
         rows = self._rows(first, len(tokens))
         if coupled is None:  # every row by inverse CDF: the noise is never read
-            coupled, noise = np.zeros(len(tokens), bool), np.zeros((len(tokens), 1), np.float32)
+            coupled, noise = np.zeros(len(tokens), bool), np.zeros((len(tokens), self.vocab_size), np.float32)
         out = self._run(GraphId.step(self.role, sample=True), first, input_ids=tokens,
                         past_len=self.cache_lengths[rows], token_count=token_count, uniform=uniform, coupled=coupled,
                         noise=noise, **params)
@@ -63,7 +63,8 @@ class CachedModel:
                       first: int = 0) -> tuple[np.ndarray, np.ndarray]:
         rows = self._rows(first, len(tokens))
         if coupled is None:  # every row by rejection sampling: the noise is never read
-            coupled, noise = np.zeros(len(tokens), bool), np.zeros((len(tokens), tokens.shape[1], 1), np.float32)
+            coupled = np.zeros(len(tokens), bool)
+            noise = np.zeros((len(tokens), tokens.shape[1], self.vocab_size), np.float32)
         out = self._run(GraphId.verification(tokens.shape[1] - 1, sample=True), first, input_ids=tokens,
                         past_len=self.cache_lengths[rows], draft_len=draft_len, draft_probs=draft_probs,
                         u_accept=u_accept, u_sample=u_sample, coupled=coupled, verify_noise=noise, **params)

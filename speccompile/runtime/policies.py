@@ -47,8 +47,7 @@ class LoadPolicies:
 
         log.warning("no γ profile for this hardware in the bundle (run `speccompile profile`): calibrating quickly")
         context = min(64, self.max_seq // 4)
-        self.calibration = {batch: LoopCosts.from_timings(measure_costs(target, draft, self.gammas, batch, context,
-                                                                        repeats=3))
+        self.calibration = {batch: measure_costs(target, draft, self.gammas, batch, context, repeats=3)
                             for batch in sorted({1, self.max_batch})}
 
     def _calibrated(self, batch: int) -> LoopCosts:

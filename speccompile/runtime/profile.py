@@ -340,14 +340,14 @@ def point_entry(samples: list[dict[int, LoopRun]], batch: int, context: int) -> 
     speedups: each round's rate at γ over the same round's in plain decoding, median over rounds,
     in steady state and end to end."""
     costs = context_costs(samples)
-    gammas = sorted(costs["verify_ms"])
+    gammas = costs.gammas
     acceptance = {g: point_acceptance(samples, g) for g in gammas}
-    predicted = {0: 1.0, **{g: GammaPolicy(LoopCosts.from_timings(costs), acceptance[g]).speedup(g) for g in gammas}}
+    predicted = {0: 1.0, **{g: GammaPolicy(costs, acceptance[g]).speedup(g) for g in gammas}}
 
     def ratio(gamma: int, rate: str) -> float:
         return statistics.median(getattr(s[gamma], rate) / getattr(s[0], rate) for s in samples)
 
-    return ProfilePoint(batch, context, **costs, acceptance_by_gamma=acceptance, predicted_speedup=predicted,
+    return ProfilePoint(batch, context, **costs.timings(), acceptance_by_gamma=acceptance, predicted_speedup=predicted,
                         best_gamma=best_gamma(predicted), measured_speedup={g: ratio(g, "rate") for g in gammas},
                         end_to_end_speedup={g: ratio(g, "tokens_per_s") for g in gammas},
                         tokens_per_iteration={g: statistics.median(s[g].tokens_per_iteration for s in samples) / batch
@@ -360,7 +360,7 @@ def point_acceptance(samples: list[dict[int, LoopRun]], gamma: int) -> list[floa
     return (by_position + [0.0] * gamma)[:gamma]
 
 
-def context_costs(samples: list[dict[int, LoopRun]]) -> dict:
+def context_costs(samples: list[dict[int, LoopRun]]) -> LoopCosts:
     """Costs at one batch size and context. Each round's costs are taken relative to the same
     round's plain decoding iteration, and each is the median of those ratios times the median
     iteration: the machine's speed drifts (its cores are shared), and a cost from a slow round set
@@ -372,10 +372,9 @@ def context_costs(samples: list[dict[int, LoopRun]]) -> dict:
     def relative(gamma: int, cost) -> float:
         return step * statistics.median(cost(s[gamma]) / s[0].iteration_ms for s in samples)
 
-    draft = {g: relative(g, lambda run: run.per_iteration("draft")) for g in gammas}
-    return {"target_step_ms": step, "draft_step_ms": sum(draft.values()) / sum(gammas), "draft_ms": draft,
-            "verify_ms": {g: relative(g, lambda run: run.per_iteration("verify")) for g in gammas},
-            "overhead_ms": statistics.median(relative(g, lambda run: run.overhead_ms) for g in gammas)}
+    return LoopCosts(step, {g: relative(g, lambda run: run.per_iteration("draft")) for g in gammas},
+                     {g: relative(g, lambda run: run.per_iteration("verify")) for g in gammas},
+                     statistics.median(relative(g, lambda run: run.overhead_ms) for g in gammas))
 
 
 # ---------------------------------------------------------------------------------------------

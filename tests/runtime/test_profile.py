@@ -93,12 +93,12 @@ def test_costs_are_relative_to_the_same_round_s_plain_step():
               {0: run(20.0, 1), 2: run(16.0, 2.5, draft_ms=3.0, verify_ms=12.0)},
               {0: run(11.0, 1), 2: run(35.2, 2.5, draft_ms=6.6, verify_ms=26.4)}]
     costs = prof.context_costs(rounds)
-    assert costs["target_step_ms"] == pytest.approx(11.0)  # median step
+    assert costs.target_step == pytest.approx(11.0)  # median step
     # verification over the round's step: 1.2, 0.6, 2.4 -> median 1.2 -> 13.2 ms (a plain median: 12)
-    assert costs["verify_ms"] == {2: pytest.approx(13.2)} and costs["draft_ms"] == {2: pytest.approx(3.3)}
-    assert costs["draft_step_ms"] == pytest.approx(3.3 / 2)
+    assert costs.verify == {2: pytest.approx(13.2)} and costs.draft == {2: pytest.approx(3.3)}
+    assert costs.draft_step == pytest.approx(3.3 / 2)
     # the loop's own work (1, 1, 2.2 ms) over the step: 0.1, 0.05, 0.2 -> 0.1 -> 1.1 ms
-    assert costs["overhead_ms"] == pytest.approx(1.1)
+    assert costs.overhead == pytest.approx(1.1)
 
 
 def test_a_point_predicts_with_the_gamma_policy_and_its_own_acceptance_and_measures_per_round():
@@ -233,10 +233,9 @@ def test_settings_that_cannot_run_are_refused(random_bundle):
 def test_the_quick_calibration_times_every_gamma_in_the_loop_s_order_and_leaves_the_runtime_working(bundles):
     runtime = speccompile.load(bundles("llama", "copy"))
     costs = measure_costs(runtime.target, runtime.draft, runtime.gammas, batch=2, context=16, repeats=2)
-    assert costs.keys() == {"target_step_ms", "draft_step_ms", "draft_ms", "verify_ms", "overhead_ms"}
-    assert costs["draft_ms"].keys() == costs["verify_ms"].keys() == {1, 4}
-    assert costs["draft_step_ms"] == pytest.approx(sum(costs["draft_ms"].values()) / 5)
-    assert min(costs["target_step_ms"], *costs["draft_ms"].values(), *costs["verify_ms"].values()) > 0
+    assert costs.draft.keys() == costs.verify.keys() == {1, 4} and costs.overhead == 0.0
+    assert costs.draft_step == pytest.approx(sum(costs.draft.values()) / 5)
+    assert min(costs.target_step, *costs.draft.values(), *costs.verify.values()) > 0
     [result] = runtime.generate([[5, 6, 7]], max_new_tokens=6, gamma=4)
     assert result.stats.acceptance_rate == 1.0  # the copy draft, exact after the calibration's rollbacks
     runtime.close()

@@ -61,3 +61,15 @@ def test_the_rejection_rule_depends_on_gamma(bundles):
         tokens = {gamma: runtime.generate([PROMPT], gamma=gamma, sampling_rule="rejection", **SAMPLED)[0].token_ids
                   for gamma in (1, 4)}
     assert tokens[1] != tokens[4]
+
+
+def test_a_seed_chooses_the_coupled_rule_and_no_seed_rejection_sampling(bundles):
+    with speccompile.load(bundles("llama", "random")) as runtime:
+        seeded = runtime.submit(PROMPT, max_new_tokens=4, temperature=0.9, seed=3)
+        unseeded = runtime.submit(PROMPT, max_new_tokens=4, temperature=0.9)
+        chosen = runtime.submit(PROMPT, max_new_tokens=4, temperature=0.9, seed=3, sampling_rule="rejection")
+        assert (seeded.request.coupled, unseeded.request.coupled, chosen.request.coupled) == (True, False, False)
+        for handle in (seeded, unseeded, chosen):
+            handle.result(timeout=60)
+        with pytest.raises(speccompile.SpecCompileError, match="sampling_rule must be one of"):
+            runtime.submit(PROMPT, temperature=0.9, sampling_rule="gumbel")

@@ -16,7 +16,7 @@ import numpy as np
 from speccompile.core.engine import DecoderEngine
 from speccompile.core.gamma_policy import Acceptance, GammaPolicy
 from speccompile.core.proposers.base import Offer, Proposer
-from speccompile.core.request import draws
+from speccompile.core.sampling import draws
 
 # Without a γ policy (a fixed γ): what a request believes of its draft model until it has its own.
 DRAFT_PRIOR, DRAFT_PRIOR_WEIGHT = 0.7, 2.0

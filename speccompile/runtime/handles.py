@@ -1,0 +1,171 @@
+"""What a caller holds and what serves it: the handles of queued requests (results, streams,
+cancellation; their tokens arrive from the runtime's edge thread, edge.py) and the engine thread that
+runs the scheduler's iterations.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+from collections import deque
+
+from speccompile.core.request import Request
+from speccompile.core.scheduler import Scheduler
+from speccompile.errors import SpecCompileError
+
+log = logging.getLogger("speccompile")
+
+
+class RequestHandle:
+    """A queued request: `.result()` waits for it, `.stream()` yields its tokens as they are
+    accepted, `.cancel()` ends it (its slot is freed at the engine's next iteration)."""
+
+    def __init__(self, request: Request, runtime, prompt, stops: list[str] = ()):
+        self.request, self._runtime, self.prompt, self.stops = request, runtime, prompt, list(stops)
+        self._done = threading.Event()
+        self._tokens: queue.Queue | None = None
+        self._delivered: list[int] = []  # tokens the edge handed over so far
+        self._lock = threading.Lock()  # between the edge thread delivering and a first `stream` call
+        self._user_sink = request.on_tokens  # the edge calls _push and _finished (edge.py)
+
+    def result(self, timeout: float | None = None):
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request not finished after {timeout} s")
+        if self.request.error is not None:
+            raise self.request.error
+        return self._runtime.result(self.request, self.prompt, self.stops)
+
+    def stream(self):
+        """Lists of newly accepted token ids, until the request ends. Tokens accepted before the first
+        call are yielded first. One consumer."""
+        with self._lock:
+            if self._tokens is None:
+                self._tokens = queue.Queue()
+                self._tokens.put(list(self._delivered))  # what came before
+                if self._done.is_set():
+                    self._tokens.put(None)
+        while True:
+            tokens = self._tokens.get()
+            if tokens is None:
+                break
+            if tokens:
+                yield tokens
+        if self.request.error is not None:
+            raise self.request.error
+
+    def cancel(self) -> None:
+        self.request.cancelled = True
+        self._runtime._engine and self._runtime._engine.wake()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _push(self, tokens: list[int]) -> None:
+        if self._user_sink is not None:
+            self._user_sink(tokens)
+        with self._lock:
+            self._delivered.extend(tokens)
+            if self._tokens is not None:
+                self._tokens.put(tokens)
+
+    def _finished(self, request: Request) -> None:
+        with self._lock:
+            if self._tokens is not None:
+                self._tokens.put(None)
+            self._done.set()
+
+
+class AsyncRequestHandle:
+    """The asyncio counterpart of RequestHandle: results and tokens are handed to the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, runtime, prompt, stops: list[str] = ()):
+        self._loop, self._runtime, self.prompt, self.stops = loop, runtime, prompt, list(stops)
+        self._tokens: asyncio.Queue = asyncio.Queue()
+        self._done = loop.create_future()
+        self.request: Request | None = None
+        self.user_sink = self.user_finish = None
+
+    @property
+    def done(self) -> bool:
+        return self._done.done()
+
+    async def result(self):
+        await asyncio.shield(self._done)
+        if self.request.error is not None:
+            raise self.request.error
+        return self._runtime.result(self.request, self.prompt, self.stops)
+
+    async def stream(self):
+        while True:
+            tokens = await self._tokens.get()
+            if tokens is None:
+                break
+            yield tokens
+        if self.request.error is not None:
+            raise self.request.error
+
+    def cancel(self) -> None:
+        self.request.cancelled = True
+        self._runtime._engine and self._runtime._engine.wake()
+
+    def _push(self, tokens: list[int]) -> None:  # edge thread
+        if self.user_sink is not None:
+            self.user_sink(tokens)
+        self._loop.call_soon_threadsafe(self._tokens.put_nowait, list(tokens))
+
+    def _finished(self, request: Request) -> None:  # edge thread
+        if self.user_finish is not None:
+            self.user_finish(request)
+        self._loop.call_soon_threadsafe(self._tokens.put_nowait, None)
+        self._loop.call_soon_threadsafe(lambda: self._done.done() or self._done.set_result(None))
+
+
+class EngineThread:
+    """Runs scheduler iterations on one thread while there is work; sleeps otherwise. Submissions
+    land in an inbox that the thread moves into the scheduler between iterations, so the scheduler
+    itself is only ever touched by this thread."""
+
+    def __init__(self, scheduler: Scheduler, before_step):
+        self.scheduler, self._before_step = scheduler, before_step
+        self._inbox: deque[Request] = deque()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="speccompile-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request) -> None:
+        with self._wake:
+            if self._closed:
+                raise SpecCompileError("this runtime is closed")
+            self._inbox.append(request)
+            self._wake.notify()
+
+    def wake(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    def close(self, timeout: float = 30.0) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._inbox and self.scheduler.idle and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    break
+                while self._inbox:
+                    self.scheduler.add(self._inbox.popleft())
+            try:
+                self._before_step()
+                self.scheduler.step()
+            except Exception as error:  # a backend failure ends the requests in flight, not the engine
+                log.exception("engine iteration failed")
+                self.scheduler.fail_all(error)
+        self.scheduler.cancel_all()
+        while self._inbox:
+            self._inbox.popleft().finish("cancelled")
