@@ -12,8 +12,17 @@ iteration does not grow with the output's length (vLLM's output processor does t
 import logging
 import queue
 import threading
+import time
 
 log = logging.getLogger("speccompile")
+_delivering = threading.local()  # what the edge thread is delivering now (`emitted_at`)
+
+
+def emitted_at() -> float:
+    """In an on_tokens callback: when the engine emitted the tokens being delivered
+    (time.perf_counter()), which is earlier than the callback by however long the edge took to reach
+    them. What a measurement of iteration times needs (runtime/profile.py)."""
+    return _delivering.emitted
 
 
 class StopWatcher:
@@ -52,9 +61,9 @@ class Edge:
 
     def attach(self, request, sink, watcher: StopWatcher | None = None) -> None:
         """Route the request's tokens and its end through the edge to `sink`."""
-        put = self._items.put
-        request.on_tokens = lambda tokens: put((request, sink, watcher, list(tokens)))
-        request.on_finish = lambda finished: put((request, sink, watcher, None))
+        put, clock = self._items.put, time.perf_counter
+        request.on_tokens = lambda tokens: put((request, sink, watcher, list(tokens), clock()))
+        request.on_finish = lambda finished: put((request, sink, watcher, None, clock()))
 
     def close(self, timeout: float = 30.0) -> None:
         """Deliver what is queued, then stop."""
@@ -69,7 +78,8 @@ class Edge:
                 log.exception("delivering a request's tokens failed")
 
     @staticmethod
-    def _deliver(request, sink, watcher: StopWatcher | None, tokens: list[int] | None) -> None:
+    def _deliver(request, sink, watcher: StopWatcher | None, tokens: list[int] | None, emitted: float) -> None:
+        _delivering.emitted = emitted
         if tokens is None:
             sink._finished(request)
             return

@@ -16,7 +16,22 @@ from speccompile.errors import SpecCompileError
 log = logging.getLogger("speccompile")
 
 
-class RequestHandle:
+class _Handle:
+    """What both handles do with their request."""
+
+    request: Request
+
+    def cancel(self) -> None:
+        """End the request; its slot is freed at the engine's next iteration."""
+        self.request.cancelled = True
+        self._runtime._engine and self._runtime._engine.wake()
+
+    def _raise_its_error(self) -> None:
+        if self.request.error is not None:
+            raise self.request.error
+
+
+class RequestHandle(_Handle):
     """A queued request: `.result()` waits for it, `.stream()` yields its tokens as they are
     accepted, `.cancel()` ends it (its slot is freed at the engine's next iteration)."""
 
@@ -31,8 +46,7 @@ class RequestHandle:
     def result(self, timeout: float | None = None):
         if not self._done.wait(timeout):
             raise TimeoutError(f"request not finished after {timeout} s")
-        if self.request.error is not None:
-            raise self.request.error
+        self._raise_its_error()
         return self._runtime.result(self.request, self.prompt, self.stops)
 
     def stream(self):
@@ -50,12 +64,8 @@ class RequestHandle:
                 break
             if tokens:
                 yield tokens
-        if self.request.error is not None:
-            raise self.request.error
+        self._raise_its_error()
 
-    def cancel(self) -> None:
-        self.request.cancelled = True
-        self._runtime._engine and self._runtime._engine.wake()
 
     @property
     def done(self) -> bool:
@@ -76,7 +86,7 @@ class RequestHandle:
             self._done.set()
 
 
-class AsyncRequestHandle:
+class AsyncRequestHandle(_Handle):
     """The asyncio counterpart of RequestHandle: results and tokens are handed to the event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, runtime, prompt, stops: list[str] = ()):
@@ -92,8 +102,7 @@ class AsyncRequestHandle:
 
     async def result(self):
         await asyncio.shield(self._done)
-        if self.request.error is not None:
-            raise self.request.error
+        self._raise_its_error()
         return self._runtime.result(self.request, self.prompt, self.stops)
 
     async def stream(self):
@@ -102,12 +111,8 @@ class AsyncRequestHandle:
             if tokens is None:
                 break
             yield tokens
-        if self.request.error is not None:
-            raise self.request.error
+        self._raise_its_error()
 
-    def cancel(self) -> None:
-        self.request.cancelled = True
-        self._runtime._engine and self._runtime._engine.wake()
 
     def _push(self, tokens: list[int]) -> None:  # edge thread
         if self.user_sink is not None:

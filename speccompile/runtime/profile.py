@@ -72,6 +72,7 @@ from speccompile.core.cost_model import LoopCosts
 from speccompile.core.gamma_policy import GammaPolicy, best_gamma
 from speccompile.core.stats import pooled
 from speccompile.errors import SpecCompileError
+from speccompile.runtime.edge import emitted_at
 from speccompile.runtime.gamma_profile import GammaProfile, ProfilePoint
 from speccompile.runtime.hardware import fingerprint, fingerprint_key
 
@@ -139,8 +140,8 @@ def run_loop(runtime, prompts: list, gamma: int, max_new_tokens: int, p_min: flo
     """Generate for all `prompts` at once, at `gamma` (0: plain decoding)."""
     events = []  # (time, request, tokens): when each request's tokens came out
 
-    def on_tokens(row: int, ids: list[int]) -> None:
-        events.append((time.perf_counter(), row, len(ids)))
+    def on_tokens(row: int, ids: list[int]) -> None:  # on the edge thread: the time the engine emitted them
+        events.append((emitted_at(), row, len(ids)))
 
     mode = "speculative" if gamma else "autoregressive"
     start = time.perf_counter()
