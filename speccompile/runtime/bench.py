@@ -327,7 +327,7 @@ class _Served:
     deliveries: list[tuple[float, int]] = field(default_factory=list)
     result: object = None
 
-    def on_tokens(self, tokens: list[int]) -> None:  # on the edge thread: when they reached the client
+    def on_tokens(self, tokens: list[int]) -> None:  # when they reached the client
         self.deliveries.append((time.perf_counter(), len(tokens)))
 
     @property

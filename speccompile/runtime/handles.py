@@ -1,5 +1,5 @@
 """What a caller holds and what serves it: the handles of queued requests (results, streams,
-cancellation; their tokens arrive from the runtime's edge thread, edge.py) and the engine thread that
+cancellation; their tokens arrive through the runtime's edge, edge.py) and the engine thread that
 runs the scheduler's iterations.
 """
 
@@ -40,7 +40,7 @@ class RequestHandle(_Handle):
         self._done = threading.Event()
         self._tokens: queue.Queue | None = None
         self._delivered: list[int] = []  # tokens the edge handed over so far
-        self._lock = threading.Lock()  # between the edge thread delivering and a first `stream` call
+        self._lock = threading.Lock()  # between the thread delivering and a first `stream` call
         self._user_sink = request.on_tokens  # the edge calls _push and _finished (edge.py)
 
     def result(self, timeout: float | None = None):
@@ -114,12 +114,12 @@ class AsyncRequestHandle(_Handle):
         self._raise_its_error()
 
 
-    def _push(self, tokens: list[int]) -> None:  # edge thread
+    def _push(self, tokens: list[int]) -> None:  # the engine or the edge thread
         if self.user_sink is not None:
             self.user_sink(tokens)
         self._loop.call_soon_threadsafe(self._tokens.put_nowait, list(tokens))
 
-    def _finished(self, request: Request) -> None:  # edge thread
+    def _finished(self, request: Request) -> None:  # the engine or the edge thread
         if self.user_finish is not None:
             self.user_finish(request)
         self._loop.call_soon_threadsafe(self._tokens.put_nowait, None)

@@ -140,7 +140,7 @@ def run_loop(runtime, prompts: list, gamma: int, max_new_tokens: int, p_min: flo
     """Generate for all `prompts` at once, at `gamma` (0: plain decoding)."""
     events = []  # (time, request, tokens): when each request's tokens came out
 
-    def on_tokens(row: int, ids: list[int]) -> None:  # on the edge thread: the time the engine emitted them
+    def on_tokens(row: int, ids: list[int]) -> None:  # the time the engine emitted them
         events.append((emitted_at(), row, len(ids)))
 
     mode = "speculative" if gamma else "autoregressive"

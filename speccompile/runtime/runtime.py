@@ -4,7 +4,7 @@ Requests are served by one engine thread that runs the scheduler (core/scheduler
 first use: `submit` (thread-safe) returns a handle at once; `generate` is a client that submits a
 list of prompts and waits for them. Everything a request needs is checked before it is queued, so a
 bad request raises in its caller's thread and never disturbs the ones in flight. Tokens leave the
-engine through the edge thread (edge.py), which also matches stop strings. The γ policies and their
+engine through the edge (edge.py), whose thread matches stop strings. The γ policies and their
 calibration live in policies.py, a Medusa bundle's tree sizing in tree_sizing.py.
 """
 
@@ -124,7 +124,8 @@ class Runtime:
         target's own seeded sampling; "rejection" (the default without one) is Leviathan et al.'s
         rule, whose acceptance is higher (core/acceptance.py, core/request.py).
         stop: strings that end the text (excluded from it); stop_token_ids end it like EOS.
-        on_tokens(token_ids) is called from the runtime's edge thread as tokens are accepted.
+        on_tokens(token_ids) is called as tokens are accepted, from the engine thread (from the
+        runtime's edge thread for a request with stop strings).
         proposer: who drafts, one of core/proposers' kinds: "draft" (the draft model), "ngram"
         (prompt lookup in the request's own text), "suffix" (suffix decoding over its text and
         earlier outputs) or "auto" (per iteration, the one predicted fastest). p_min: the draft model
@@ -142,8 +143,8 @@ class Runtime:
 
     def submit_async(self, prompt, on_finish=None, **kwargs) -> "AsyncRequestHandle":
         """`submit` for asyncio code: call it in the event loop; await `.result()`, iterate
-        `async for tokens in handle.stream()`. on_finish(request) is called from the runtime's edge
-        thread when the request ends, however it ends."""
+        `async for tokens in handle.stream()`. on_finish(request) is called when the request ends,
+        however it ends (from the thread its tokens came from)."""
         handle = AsyncRequestHandle(asyncio.get_running_loop(), self, prompt, _stop_strings(kwargs.get("stop")))
         handle.user_sink, handle.user_finish = kwargs.pop("on_tokens", None), on_finish
         handle.request = self._request(prompt, **kwargs)
