@@ -68,7 +68,11 @@ class Edge:
         at batch 8, 0.97 against 1.20 ms of loop work an iteration, medians of 5 interleaved runs)."""
         clock = time.perf_counter
         if watcher is None:
-            request.on_tokens = lambda tokens: self._deliver(request, sink, None, list(tokens), clock())
+            def hand_over(tokens: list[int]) -> None:  # a fresh list from the engine (Request.emit)
+                _delivering.emitted = clock()
+                sink._push(tokens)
+
+            request.on_tokens = hand_over
             request.on_finish = lambda finished: self._deliver(request, sink, None, None, clock())
             return
         put = self._items.put

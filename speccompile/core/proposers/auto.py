@@ -24,15 +24,15 @@ class Auto(Proposer):
         self.runs_model = any(m.runs_model for m in members)
 
     def offer(self, request, wanted: int, cap: int, policy: GammaPolicy | None) -> Offer:
-        costs = policy.costs if policy is not None else None
         offers = [m.offer(request, wanted, cap, policy) for m in self.members]
         model = next((o for o in offers if o.source.runs_model), None)
         free = [o for o in offers if not o.source.runs_model and o.count > 0]
-        best = max(free, key=lambda o: o.rate(costs), default=None)  # the first of equals: members' order
+        if not free:
+            return model or offers[0]
+        costs = policy.costs if policy is not None else None
+        best = free[0] if len(free) == 1 else max(free, key=lambda o: o.rate(costs))  # equals: members' order
         if model is None:
-            return best or offers[0]
-        if best is None:
-            return model
+            return best
         if model.count == 0:  # the model would not draft: a free proposal against a plain step
             return best if best.rate(costs) > model.rate(costs) else model
         return best if best.rate(costs) >= model.rate(costs) else model

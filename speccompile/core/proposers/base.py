@@ -7,6 +7,7 @@ iteration's plan. What differs between kinds is data on the class (`runs_model`,
 `reserves_room`), so the scheduler never asks which kind a row has.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,11 +30,14 @@ class Offer:
     count: int
     source: "Proposer"
     tokens: list[int] | None = None
-    acceptance_by_position: list[float] = field(default_factory=list)
+    acceptance_by_position: list[float] | Callable[[], list[float]] = field(default_factory=list)
 
     def rate(self, costs: LoopCosts | None) -> float:
-        """Expected tokens per ms of an iteration carrying this offer (per iteration without costs)."""
-        return tokens_per_ms(costs, self.acceptance_by_position, self.count, self.source.runs_model)
+        """Expected tokens per ms of an iteration carrying this offer (per iteration without costs).
+        An offer may hold its expectation as a function, computed only when a choice asks for it."""
+        expected = self.acceptance_by_position
+        return tokens_per_ms(costs, expected() if callable(expected) else expected, self.count,
+                             self.source.runs_model)
 
 
 class Proposer:

@@ -113,9 +113,9 @@ class DraftModel(Proposer):
     def offer(self, request, wanted: int, cap: int, policy: GammaPolicy | None) -> Offer:
         """`wanted` drafts, expected to be kept as the load's policy has learned (γ auto) or as this
         request's own drafts were (a fixed γ)."""
-        expected = (policy.acceptance_by_position(wanted) if policy is not None and request.gamma_is_auto
-                    else self.acceptance.by_position(wanted))
-        return Offer(wanted, self, None, expected)
+        if policy is not None and request.gamma_is_auto:
+            return Offer(wanted, self, None, lambda: policy.acceptance_by_position(wanted))
+        return Offer(wanted, self, None, lambda: self.acceptance.by_position(wanted))
 
     def observe(self, offer: Offer, drafts: int, accepted: int) -> None:
         if drafts:
