@@ -95,7 +95,9 @@ class Scheduler:
 
     # -- the queue --------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        """Queue a request (thread-safe). Its γ and length must have been checked (see `fits`)."""
+        """Queue a request (thread-safe). Its γ and length must have been checked (see `fits`); its
+        proposer is made now if it names one, so that iterations read `request.proposer` directly."""
+        self.proposer(request)
         assert self.fits(request), "request does not fit the caches: check it before adding it"
         self.waiting.append(request)
 
@@ -108,6 +110,10 @@ class Scheduler:
         largest compiled γ that its length leaves room for (0 if none: it decodes plainly)."""
         if not self.proposer(request).reserves_room:  # a tree shrinks to the room its rows leave
             return 0
+        return self._cap(request)
+
+    def _cap(self, request: Request) -> int:
+        """gamma_cap of a queued request (its proposer made, and one that reserves room)."""
         if request.gamma != AUTO:
             return request.gamma
         room = self.max_seq - len(request.prompt) - request.max_new_tokens
@@ -207,10 +213,10 @@ class Scheduler:
     # -- decoding: plan -------------------------------------------------------------------------
     def plan(self, rows: list[Request]) -> Plan:
         """Decide this iteration: γ, each row's offer and drafts, and the graph that verifies them."""
-        if any(self.proposer(r).tree and r.gamma != 0 for r in rows):
+        if any(r.proposer.tree and r.gamma != 0 for r in rows):
             return Plan(rows, [], np.zeros(len(rows), dtype=np.int64), 0, tree=True)
         policy = None
-        if self.policy_for and any(r.gamma_is_auto or self.proposer(r).compares_costs for r in rows):
+        if self.policy_for and any(r.gamma == AUTO or r.proposer.compares_costs for r in rows):
             policy = self.policy_for(len(rows), round(sum(len(r.tokens) for r in rows) / len(rows)))
         wanted = self._wanted_gamma(rows, policy)
         needed = np.array([r.remaining - 1 for r in rows], dtype=np.int64)  # the target adds one token of its own
@@ -224,11 +230,9 @@ class Scheduler:
         return Plan(rows, offers, drafts, gamma if drafts.max() > 0 else 0, policy)
 
     def _offer(self, request: Request, wanted: int, policy: GammaPolicy | None) -> Offer:
-        proposer = self.proposer(request)
         if request.gamma == 0:
-            return Offer(0, proposer)
-        cap = min(self.gamma_cap(request), request.remaining - 1)
-        return proposer.offer(request, wanted, cap, policy)
+            return Offer(0, request.proposer)
+        return request.proposer.offer(request, wanted, min(self._cap(request), request.remaining - 1), policy)
 
     def _wanted_gamma(self, rows: list[Request], policy: GammaPolicy | None) -> np.ndarray:
         """The drafts each row asks of a model drafter this iteration: its own γ, or under AUTO the
@@ -237,8 +241,7 @@ class Scheduler:
         if policy is not None:
             allow_plain = all(r.allow_plain for r in rows if r.gamma == AUTO)
             chosen = policy.choose(allow_zero=allow_plain and (self.profiled or policy.iterations > 0))
-        return np.array([min(chosen, self.gamma_cap(r)) if r.gamma == AUTO else r.gamma for r in rows],
-                        dtype=np.int64)
+        return np.array([min(chosen, self._cap(r)) if r.gamma == AUTO else r.gamma for r in rows], dtype=np.int64)
 
     def _graph_gamma(self, rows: list[Request], wanted: np.ndarray) -> int:
         """The compiled γ whose verification graph runs: the smallest that holds every row's wanted
@@ -334,7 +337,7 @@ class Scheduler:
         pass, rooted at its last token) and returns the next one. A row with no proposal yet, and a
         plain row (γ 0), verify the root alone. A row verifies the prefix of the tree at depths up to
         its γ and the tokens it still needs; typical acceptance applies when every row asked for it."""
-        shape = self.proposer(rows[0]).shape
+        shape = rows[0].proposer.shape
         assert shape.tree is not None, "Medusa requests need the runtime's token tree"
         # a tree writes all its nodes: near the cache's end, its first nodes (a tree too) only
         tree = shape.for_batch(len(rows), self.max_seq - max(len(r.tokens) - 1 for r in rows))

@@ -24,11 +24,15 @@ class Auto(Proposer):
         self.runs_model = any(m.runs_model for m in members)
 
     def offer(self, request, wanted: int, cap: int, policy: GammaPolicy | None) -> Offer:
-        offers = [m.offer(request, wanted, cap, policy) for m in self.members]
-        model = next((o for o in offers if o.source.runs_model), None)
-        free = [o for o in offers if not o.source.runs_model and o.count > 0]
+        model, free = None, []
+        for member in self.members:
+            offer = member.offer(request, wanted, cap, policy)
+            if member.runs_model:
+                model = offer
+            elif offer.count > 0:
+                free.append(offer)
         if not free:
-            return model or offers[0]
+            return model or Offer(0, self.members[0])
         costs = policy.costs if policy is not None else None
         best = free[0] if len(free) == 1 else max(free, key=lambda o: o.rate(costs))  # equals: members' order
         if model is None:
