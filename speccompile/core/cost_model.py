@@ -45,6 +45,11 @@ def rate(tokens: float, ms: float) -> float:
     return tokens / ms
 
 
+def between(low: float, high: float, weight: float) -> float:
+    """`weight` of the way from low to high: costs between two measured batch sizes are linear."""
+    return (1 - weight) * low + weight * high
+
+
 def iid_acceptance_by_position(alpha: float, gamma: int) -> list[float]:
     """P_k = α^k: the paper's i.i.d. acceptance assumption."""
     return [alpha**k for k in range(1, gamma + 1)]
@@ -125,11 +130,11 @@ class LoopCosts:
 
     def mix(self, other: "LoopCosts", weight: float) -> "LoopCosts":
         """Costs `weight` of the way from these to `other`: linear between two measured batch sizes."""
-        between = lambda a, b: (1 - weight) * a + weight * b  # noqa: E731
-        return LoopCosts(between(self.target_step, other.target_step),
-                         {g: between(self.draft[g], other.draft[g]) for g in self.draft},
-                         {g: between(self.verify[g], other.verify[g]) for g in self.verify},
-                         between(self.overhead, other.overhead))
+        w = weight
+        return LoopCosts(between(self.target_step, other.target_step, w),
+                         {g: between(self.draft[g], other.draft[g], w) for g in self.draft},
+                         {g: between(self.verify[g], other.verify[g], w) for g in self.verify},
+                         between(self.overhead, other.overhead, w))
 
     def iteration_ms(self, gamma: int, draft_scale: float = 1.0, verify_scale: float = 1.0) -> float:
         """One speculative iteration at γ, its draft and verification times scaled (see GammaPolicy)."""

@@ -48,7 +48,7 @@ class StopWatcher:
             window = self.tail + piece
             if any(stop in window for stop in self.stops):
                 return i + 1
-            self.tail = window[len(window) - self.reach :] if self.reach else ""
+            self.tail = window[-self.reach :] if self.reach else ""
         return None
 
 

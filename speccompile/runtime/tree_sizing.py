@@ -9,7 +9,7 @@ result lives in the proposers' shared `TreeShape`, which the scheduler reads.
 
 import logging
 
-from speccompile.core.cost_model import expected_tokens, rate
+from speccompile.core.cost_model import between, expected_tokens, rate
 from speccompile.core.proposers import TreeShape
 from speccompile.core.tree import MAX_TREE_NODES, TREE_SIZES, TokenTree, best_tree, grow_tree, measured_paths
 from speccompile.errors import SpecCompileError
@@ -84,11 +84,11 @@ class TreeSizing:
         prefixes = {n: tree.prefix(n) for n in TREE_SIZES if n <= tree.size}
         low = measure_tree_costs(self.target, prefixes, 1, context, repeats=3)
         high = measure_tree_costs(self.target, prefixes, self.max_batch, context, repeats=3)
+        expected = {n: expected_tokens([p.expected_accepted(accuracy, self.measured)]) for n, p in prefixes.items()}
         chosen = {}
         for batch in range(1, self.max_batch + 1):
             w = (batch - 1) / (self.max_batch - 1)
-            rates = {n: rate(expected_tokens([p.expected_accepted(accuracy, self.measured)]),
-                             (1 - w) * low[n] + w * high[n]) for n, p in prefixes.items()}
+            rates = {n: rate(expected[n], between(low[n], high[n], w)) for n in prefixes}
             chosen[batch] = max(rates, key=rates.get)
         self.record = {"batch_1": self.record, "prefix_nodes_per_batch": chosen}
         return chosen

@@ -8,6 +8,7 @@ from speccompile.core.cost_model import (
     iid_acceptance_by_position,
     predicted_speedup,
     predicted_speedup_mixed,
+    tokens_per_ms,
 )
 from speccompile.core.stats import GenerationStats
 
@@ -91,3 +92,18 @@ def test_loop_costs_agree_with_predicted_speedup_when_drafting_is_proportional()
     costs = LoopCosts(target_step=10.0, draft={3: 3.0}, verify={3: 13.0}, overhead=0.7)
     assert costs.speedup([0.8, 0.6, 0.4], 3) == pytest.approx(
         predicted_speedup([0.8, 0.6, 0.4], t_target=10.0, t_draft=1.0, t_verify=13.0, t_overhead=0.7))
+
+
+def test_tokens_per_ms_is_expected_tokens_over_the_iteration_of_the_graph_that_holds_the_drafts():
+    costs = LoopCosts(10.0, {2: 2.0, 4: 4.0}, {2: 12.0, 4: 14.0}, overhead=1.0)
+    assert tokens_per_ms(costs, [0.8, 0.6, 0.4], 3) == pytest.approx(2.8 / (4.0 * 3 / 4 + 14.0 + 1.0))
+    assert tokens_per_ms(costs, [0.8, 0.6, 0.4], 3, draft_steps=False) == pytest.approx(2.8 / 15.0)  # a lookup
+    assert tokens_per_ms(costs, [], 0) == pytest.approx(0.1)  # a plain step
+    assert tokens_per_ms(None, [0.8, 0.6], 2) == pytest.approx(2.4)  # no costs: tokens per iteration
+    assert costs.speedup([0.8, 0.6], 2) == pytest.approx(tokens_per_ms(costs, [0.8, 0.6], 2) * 10.0)
+
+
+def test_costs_between_batch_sizes_are_linear():
+    low, high = LoopCosts(10.0, {2: 2.0}, {2: 12.0}, 1.0), LoopCosts(20.0, {2: 6.0}, {2: 20.0}, 3.0)
+    assert low.mix(high, 0.25) == LoopCosts(12.5, {2: 3.0}, {2: 14.0}, 1.5)
+    assert LoopCosts.from_timings(low.timings()) == low
