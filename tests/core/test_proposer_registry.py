@@ -69,3 +69,19 @@ def test_auto_takes_the_offer_of_the_best_predicted_rate(members, wanted, costs,
     policy = GammaPolicy(costs, [0.5] * 4) if costs else None
     offer = Auto(members).offer(Request([1, 2, 3], 10), wanted, 4, policy)
     assert offer.source.name == chosen
+
+
+def test_suffix_decoding_scales_its_frequencies_by_how_its_proposals_fared():
+    from speccompile.core.suffix_index import SuffixCache
+
+    cache = SuffixCache()
+    cache.remember([7, 8, 9, 10, 11])
+    proposer = SuffixDecoding(cache, own_text=False)
+    request = Request([1, 7, 8], 10)
+    first = proposer.offer(request, 4, 3, None)
+    assert first.tokens == [9, 10, 11] and first.acceptance_by_position == [1.0, 1.0, 1.0]
+    proposer.observe(first, 3, 0)  # promised 3 tokens, got none
+    second = proposer.offer(request, 4, 3, None)
+    assert second.acceptance_by_position == pytest.approx([4 / 7] * 3)  # (4 + 0) / (4 + 3)
+    proposer.finish(request)  # its output joins the cache: none yet
+    assert cache.speculate(None, [7, 8], 3)[0] == [9, 10, 11]
