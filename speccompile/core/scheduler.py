@@ -377,8 +377,7 @@ class Scheduler:
             n, d = int(accepted[row]), int(drafts[row])
             request.stats.draft_ms += draft_ms
             request.stats.verify_ms += verify_ms
-            offer.source.record(request.stats, offer, d, n)
-            offer.source.observe(offer, d, n)
+            offer.source.observe(request.stats, offer, d, n)
             if plan.policy is not None and request.gamma == AUTO and d and offer.source.learns_policy:
                 plan.policy.observe(d, n)
             request.emit([*proposed[row, :n], next_token[row]], self.eos_ids)

@@ -80,7 +80,7 @@ def test_suffix_decoding_scales_its_frequencies_by_how_its_proposals_fared():
     request = Request([1, 7, 8], 10)
     first = proposer.offer(request, 4, 3, None)
     assert first.tokens == [9, 10, 11] and first.acceptance_by_position == [1.0, 1.0, 1.0]
-    proposer.observe(first, 3, 0)  # promised 3 tokens, got none
+    proposer.observe(request.stats, first, 3, 0)  # promised 3 tokens, got none
     second = proposer.offer(request, 4, 3, None)
     assert second.acceptance_by_position == pytest.approx([4 / 7] * 3)  # (4 + 0) / (4 + 3)
     proposer.finish(request)  # its output joins the cache: none yet

@@ -57,12 +57,10 @@ class Proposer:
         own γ) asks of a model drafter, `cap` the most its length leaves room for."""
         raise NotImplementedError
 
-    def observe(self, offer: Offer, drafts: int, accepted: int) -> None:
+    def observe(self, stats, offer: Offer, drafts: int, accepted: int) -> None:
         """The verification kept the first `accepted` of the `drafts` proposed (drafts may be fewer than
-        offered: a runner can stop early, the graph can hold fewer)."""
-
-    def record(self, stats, offer: Offer, drafts: int, accepted: int) -> None:
-        """Count the iteration in the request's statistics, under this proposer's name."""
+        offered: a runner can stop early, the graph can hold fewer): count the iteration in the
+        request's statistics, under this proposer's name, and learn from it."""
         stats.record_iteration(accepted, drafts, self.name)
 
     def finish(self, request) -> None:

@@ -117,7 +117,8 @@ class DraftModel(Proposer):
             return Offer(wanted, self, None, lambda: policy.acceptance_by_position(wanted))
         return Offer(wanted, self, None, lambda: self.acceptance.by_position(wanted))
 
-    def observe(self, offer: Offer, drafts: int, accepted: int) -> None:
+    def observe(self, stats, offer: Offer, drafts: int, accepted: int) -> None:
+        stats.record_iteration(accepted, drafts, self.name)
         if drafts:
             self.acceptance.observe(drafts, accepted)
 

@@ -83,11 +83,8 @@ class PromptLookup(Proposer):
         expected = self.acceptance[self.matched].by_position(len(tokens)) if tokens else []
         return Offer(len(tokens), self, tokens, expected)
 
-    def observe(self, offer: Offer, drafts: int, accepted: int) -> None:
+    def observe(self, stats, offer: Offer, drafts: int, accepted: int) -> None:
+        stats.record_iteration(accepted, drafts, self.name)
         if drafts:
             self.acceptance[self.matched].observe(drafts, accepted)
-
-    def record(self, stats, offer: Offer, drafts: int, accepted: int) -> None:
-        super().record(stats, offer, drafts, accepted)
-        if drafts:
             stats.record_lookup(self.matched, drafts, accepted)

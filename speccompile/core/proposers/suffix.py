@@ -54,7 +54,8 @@ class SuffixDecoding(Proposer):
         scale = self.kept / self.expected
         return Offer(len(tokens), self, tokens, [min(1.0, p * scale) for p in self._frequencies])
 
-    def observe(self, offer: Offer, drafts: int, accepted: int) -> None:
+    def observe(self, stats, offer: Offer, drafts: int, accepted: int) -> None:
+        stats.record_iteration(accepted, drafts, self.name)
         if drafts:
             self.expected += sum(self._frequencies[:drafts])
             self.kept += accepted
