@@ -21,7 +21,8 @@ from pathlib import Path
 from speccompile.errors import SpecCompileError, read_json_object
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 3  # 2: verification graphs take draft_len [B]; 3: greedy steps output their confidence
+FORMAT_VERSION = 4  # 2: verification graphs take draft_len [B]; 3: greedy steps output their confidence;
+# 4: sampling graphs take coupled [B] and Gumbel noise (the coupled rule)
 STAMP = ".verified.json"  # not in the manifest's file list: it describes the files, it is not one of them
 
 
