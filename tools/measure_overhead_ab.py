@@ -6,12 +6,16 @@ to compare them.
     mkdir /tmp/oldpkg && cp -r /tmp/old/speccompile /tmp/oldpkg/speccompile_old
     grep -rl speccompile /tmp/oldpkg/speccompile_old --include=*.py | xargs sed -i \
         's/\bspeccompile\./speccompile_old./g; s/from speccompile import/from speccompile_old import/g'
-    PYTHONPATH=/tmp/oldpkg python tools/measure_overhead_ab.py BUNDLE BATCH TOKENS ROUNDS [stop]
+    PYTHONPATH=/tmp/oldpkg [OLD_BUNDLE=DIR] python tools/measure_overhead_ab.py BUNDLE BATCH TOKENS ROUNDS [stop]
+
+OLD_BUNDLE: the same bundle as the old engine's format version reads it (greedy runs read no graph
+that changed), when the two versions read different format versions.
 
 Prints the medians of each and the median of the rounds' new/old ratios (the order alternates).
 """
 
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -25,9 +29,10 @@ from speccompile_old.runtime.runtime import load as load_old  # noqa: E402
 import speccompile  # noqa: E402
 
 B = sys.argv[1]
+B_OLD = os.environ.get("OLD_BUNDLE", B)  # the old engine may read only an older format: the same graphs
 batch, n, rounds = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 stop = len(sys.argv) > 5
-rts = {"old": load_old(B), "new": speccompile.load(B)}
+rts = {"old": load_old(B_OLD), "new": speccompile.load(B)}
 acc = {}
 for name, rt in rts.items():
     acc[name] = mo.counted_steps(rt, mo.timed_engines(rt))

@@ -67,6 +67,7 @@ class Request:
         self.coupled = self.sampling_rule == "coupled" and self.rng is not None
         self._noise: dict[int, np.ndarray] = {}  # coupled: output position -> its noise, while it may be asked for
         self._noise_drawn = 0  # positions drawn from the stream so far
+        self.gamma_cap: int | None = None  # the most drafts an iteration may carry: set by the scheduler when queued
 
     @property
     def done(self) -> bool:

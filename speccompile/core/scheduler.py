@@ -96,9 +96,10 @@ class Scheduler:
     # -- the queue --------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         """Queue a request (thread-safe). Its γ and length must have been checked (see `fits`); its
-        proposer is made now if it names one, so that iterations read `request.proposer` directly."""
+        proposer is made now if it names one, and its γ cap is noted, so that iterations read both."""
         self.proposer(request)
         assert self.fits(request), "request does not fit the caches: check it before adding it"
+        request.gamma_cap = self.gamma_cap(request)
         self.waiting.append(request)
 
     def fits(self, request: Request) -> bool:
@@ -110,10 +111,6 @@ class Scheduler:
         largest compiled γ that its length leaves room for (0 if none: it decodes plainly)."""
         if not self.proposer(request).reserves_room:  # a tree shrinks to the room its rows leave
             return 0
-        return self._cap(request)
-
-    def _cap(self, request: Request) -> int:
-        """gamma_cap of a queued request (its proposer made, and one that reserves room)."""
         if request.gamma != AUTO:
             return request.gamma
         room = self.max_seq - len(request.prompt) - request.max_new_tokens
@@ -220,7 +217,8 @@ class Scheduler:
             policy = self.policy_for(len(rows), round(sum(len(r.tokens) for r in rows) / len(rows)))
         wanted = self._wanted_gamma(rows, policy)
         needed = np.array([r.remaining - 1 for r in rows], dtype=np.int64)  # the target adds one token of its own
-        offers = [self._offer(r, int(w), policy) for r, w in zip(rows, np.minimum(wanted, needed))]
+        offers = [r.proposer.offer(r, int(w), min(r.gamma_cap, r.remaining - 1), policy) if r.gamma
+                  else Offer(0, r.proposer) for r, w in zip(rows, np.minimum(wanted, needed))]
         # A request near its end drafts only what it still needs, but a model drafter's row keeps the
         # graph of the γ it wanted: switching graphs costs more than the padded slots.
         counts = np.array([w if o.source.runs_model and o.count else o.count for o, w in zip(offers, wanted)],
@@ -229,11 +227,6 @@ class Scheduler:
         drafts = np.minimum(np.minimum(counts, gamma), needed)
         return Plan(rows, offers, drafts, gamma if drafts.max() > 0 else 0, policy)
 
-    def _offer(self, request: Request, wanted: int, policy: GammaPolicy | None) -> Offer:
-        if request.gamma == 0:
-            return Offer(0, request.proposer)
-        return request.proposer.offer(request, wanted, min(self._cap(request), request.remaining - 1), policy)
-
     def _wanted_gamma(self, rows: list[Request], policy: GammaPolicy | None) -> np.ndarray:
         """The drafts each row asks of a model drafter this iteration: its own γ, or under AUTO the
         policy's choice for the current load, capped by the room its length leaves."""
@@ -241,7 +234,7 @@ class Scheduler:
         if policy is not None:
             allow_plain = all(r.allow_plain for r in rows if r.gamma == AUTO)
             chosen = policy.choose(allow_zero=allow_plain and (self.profiled or policy.iterations > 0))
-        return np.array([min(chosen, self._cap(r)) if r.gamma == AUTO else r.gamma for r in rows], dtype=np.int64)
+        return np.array([min(chosen, r.gamma_cap) if r.gamma == AUTO else r.gamma for r in rows], dtype=np.int64)
 
     def _graph_gamma(self, rows: list[Request], wanted: np.ndarray) -> int:
         """The compiled γ whose verification graph runs: the smallest that holds every row's wanted
