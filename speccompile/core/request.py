@@ -86,17 +86,19 @@ class Request:
         happen in a fixed order per iteration, so its samples depend on its seed and γ, not its company."""
         return self.rng.random(count, dtype=np.float32)
 
-    def noise(self, offset: int, count: int, vocab: int) -> np.ndarray:
-        """Coupled rule: the Gumbel-max noise [count, vocab] (uniforms) of output positions
-        len(generated) + offset onwards. Position i's noise is the i-th block of `vocab` draws of the
+    def noise(self, offset: int, out: np.ndarray) -> None:
+        """Coupled rule: write into out [count, V] the Gumbel-max noise (uniforms) of output positions
+        len(generated) + offset onwards. Position i's noise is the i-th block of V draws of the
         request's stream, drawn in order whenever first asked for, so it is the same whoever asks."""
+        count, vocab = out.shape
         start = len(self.generated) + offset
         for position in [p for p in self._noise if p < len(self.generated)]:  # behind us: never asked again
             del self._noise[position]
         while self._noise_drawn < start + count:
             self._noise[self._noise_drawn] = self.rng.random(vocab, dtype=np.float32)
             self._noise_drawn += 1
-        return np.stack([self._noise[p] for p in range(start, start + count)])
+        for k in range(count):
+            out[k] = self._noise[start + k]
 
     def stop_at(self, keep: int) -> None:
         """A stop condition found at the edge (any thread): the request ends with its first `keep`

@@ -100,7 +100,7 @@ def draws(rows: list, vocab: int, offset: int = 0, active=None) -> tuple:
         if request.rng is None or (active is not None and not active[row]):
             continue
         if request.coupled:
-            noise[row] = request.noise(offset, 1, vocab)[0]
+            request.noise(offset, noise[row : row + 1])
         else:
             uniform[row] = request.uniforms(1)[0]
     return uniform, (coupled if noise is not None else None), noise

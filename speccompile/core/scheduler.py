@@ -294,7 +294,7 @@ class Scheduler:
         noise = np.zeros((len(rows), gamma + 1, self.target.vocab_size), dtype=np.float32) if coupled.any() else None
         for row, (request, offer, d) in enumerate(zip(rows, offers, drafts)):
             if request.coupled:  # the target's draws at the γ+1 positions it scores; q is never read
-                noise[row] = request.noise(0, gamma + 1, self.target.vocab_size)
+                request.noise(0, noise[row])
                 continue
             if request.rng is not None:  # one uniform per real draft, one for the correction or bonus token
                 u_accept[row, :d] = request.uniforms(int(d))

@@ -22,6 +22,7 @@ class CachedModel:
         self.max_seq, self.vocab_size = bundle.max_seq, bundle.vocab_size
         self.slots = 0
         self.cache_lengths = np.zeros(0, dtype=np.int64)
+        self._zeros: dict[tuple, tuple] = {}  # shape of the noise -> (coupled, noise) that no row reads
 
     # -- the engine interface -------------------------------------------------------------------
     def start(self, slots: int) -> None:
@@ -45,12 +46,19 @@ class CachedModel:
                        first: int = 0) -> tuple[np.ndarray, np.ndarray]:
         rows = self._rows(first, len(tokens))
         if coupled is None:  # every row by inverse CDF: the noise is never read
-            coupled, noise = np.zeros(len(tokens), bool), np.zeros((len(tokens), self.vocab_size), np.float32)
+            coupled, noise = self._unread(len(tokens), (len(tokens), self.vocab_size))
         out = self._run(GraphId.step(self.role, sample=True), first, input_ids=tokens,
                         past_len=self.cache_lengths[rows], token_count=token_count, uniform=uniform, coupled=coupled,
                         noise=noise, **params)
         self.cache_lengths[rows] += token_count
         return out["next_token"].copy(), out["probs"].copy()
+
+    def _unread(self, batch: int, shape: tuple) -> tuple[np.ndarray, np.ndarray]:
+        """coupled all False and a noise of zeros, made once per shape: the inputs of a sampling call
+        in which no row is coupled (the graphs' shapes are fixed, so the noise is fed all the same)."""
+        if shape not in self._zeros:
+            self._zeros[shape] = np.zeros(batch, bool), np.zeros(shape, np.float32)
+        return self._zeros[shape]
 
     def verify(self, tokens: np.ndarray, draft_len: np.ndarray, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
         rows = self._rows(first, len(tokens))
@@ -63,8 +71,7 @@ class CachedModel:
                       first: int = 0) -> tuple[np.ndarray, np.ndarray]:
         rows = self._rows(first, len(tokens))
         if coupled is None:  # every row by rejection sampling: the noise is never read
-            coupled = np.zeros(len(tokens), bool)
-            noise = np.zeros((len(tokens), tokens.shape[1], self.vocab_size), np.float32)
+            coupled, noise = self._unread(len(tokens), (len(tokens), tokens.shape[1], self.vocab_size))
         out = self._run(GraphId.verification(tokens.shape[1] - 1, sample=True), first, input_ids=tokens,
                         past_len=self.cache_lengths[rows], draft_len=draft_len, draft_probs=draft_probs,
                         u_accept=u_accept, u_sample=u_sample, coupled=coupled, verify_noise=noise, **params)
