@@ -14,10 +14,13 @@ __version__ = "0.1.0"
 __all__ = ["SpecCompileError", "load", "build", "__version__"]
 
 
-def load(bundle_dir=None, backend: str = "onnxruntime", threads: int | None = None,
+def load(bundle_dir=None, backend: str = "auto", threads: int | None = None,
          shared_threads: bool | None = None, one_session: bool | None = None, prefill_chunk: int = 64,
          max_batch: int | None = None):
     """Open a bundle (default: the embedded demo pair's) and return a `Runtime` ready to `generate`.
+
+    backend: "onnxruntime", "tensorrt", or "auto" (the default: the bundle's TensorRT engines where it
+    has them and TensorRT is installed, else ONNX Runtime; one logged line says when engines go unused).
 
     Left at its defaults, each ONNX Runtime session has its own thread pool, released at the end of
     every run so that the other model's next run finds the cores free: as fast as one process-wide

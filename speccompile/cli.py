@@ -43,6 +43,14 @@ def _show_logs() -> None:
         logger.addHandler(_StderrLines())
 
 
+def backend_option(command):
+    from speccompile.runtime.runtime import BACKENDS
+
+    return click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+                        help="What runs the bundle: its TensorRT engines (tensorrt), its ONNX graphs (onnxruntime), "
+                        "or auto: the engines where the bundle has them and TensorRT is installed.")(command)
+
+
 @click.group()
 @click.version_option(package_name="speccompile")
 def main():
@@ -79,8 +87,9 @@ def main():
 @click.option("--medusa", "medusa_dir", default=None, type=click.Path(),
               help="Medusa heads directory (speccompile distill --medusa K): the heads propose a token tree that "
               "the target verifies in one pass, instead of a draft model.")
-@click.option("--backend", type=click.Choice(["onnx", "tensorrt"]), default="onnx", show_default=True,
-              help="tensorrt: also build TensorRT engines from the same ONNX graphs.")
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "onnx"]), default="onnxruntime",
+              show_default=True,
+              help="tensorrt: also build TensorRT engines from the same ONNX graphs (onnx: onnxruntime's old name).")
 @click.option("--plugin-lib", type=click.Path(), default=None, help="libspeccompile_plugins.so (TensorRT backend).")
 @click.option("--timing-cache", type=click.Path(), default=None, help="TensorRT timing cache file to load and update.")
 @click.option("--hardware-compat", is_flag=True, help="TensorRT: engines portable across Ampere+ GPUs.")
@@ -193,7 +202,7 @@ ACCEPTANCE_HELP = ("Medusa bundles: 'typical' accepts plausible tokens the targe
 @click.option("--mode", type=click.Choice(["speculative", "autoregressive"]), default=None,
               help="Run as asked. Default: speculative, or plain decoding where --gamma auto predicts that "
               "speculation does not pay.")
-@click.option("--gamma", default=None,
+@click.option("--gamma", "--num-speculative-tokens", "gamma", default=None,
               help="Draft tokens per iteration, or 'auto' (default: auto with a γ profile, else the bundle's).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0: off).")
@@ -210,23 +219,26 @@ ACCEPTANCE_HELP = ("Medusa bundles: 'typical' accepts plausible tokens the targe
 @click.option("--tree", default=None, help=TREE_HELP)
 @click.option("--acceptance", type=click.Choice(["exact", "typical"]), default="exact", show_default=True,
               help=ACCEPTANCE_HELP)
+@click.option("--ignore-eos", is_flag=True, help="Go on past the model's end-of-sequence token.")
 @click.option("--json", "as_json", is_flag=True, help="Print results as a JSON list.")
+@backend_option
 @user_errors
 def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, top_p, seed, proposer, sampling_rule,
-             p_min, tree, acceptance, as_json):
+             p_min, tree, acceptance, ignore_eos, as_json, backend):
     """Generate text with speculative decoding (or the target alone).
 
     BUNDLE defaults to the embedded demo pair.
     """
     import speccompile
 
-    runtime = speccompile.load(resolve_bundle(bundle), shared_threads=True)  # the process is ours
+    runtime = speccompile.load(resolve_bundle(bundle), backend, shared_threads=True)  # the process is ours
     _tree_option(runtime, tree)
     gamma = _gamma_option(gamma)
     stream = None if as_json else _Streamer(runtime.tokenizer, list(prompts), max_new_tokens)
     results = runtime.generate(list(prompts), max_new_tokens=max_new_tokens, mode=mode, gamma=gamma,
                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, on_tokens=stream,
-                               proposer=proposer, p_min=p_min, acceptance=acceptance, sampling_rule=sampling_rule)
+                               proposer=proposer, p_min=p_min, acceptance=acceptance, sampling_rule=sampling_rule,
+                               ignore_eos=ignore_eos)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=1))
         return
@@ -242,7 +254,8 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
               help="JSON list of prompts, or one prompt per line.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--repeats", type=int, default=3, show_default=True)
-@click.option("--gamma", default=None, help="Draft tokens per iteration, or 'auto' (default: the bundle's).")
+@click.option("--gamma", "--num-speculative-tokens", "gamma", default=None,
+              help="Draft tokens per iteration, or 'auto' (default: the bundle's).")
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--concurrency", default=None,
               help="Serve a stream of requests under load at each of these client counts (e.g. 1,2,4,8), "
@@ -269,15 +282,16 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object with the summary keys (with several --proposer or --concurrency: a "
               "JSON list, one object per proposer, or per concurrency and mode).")
+@backend_option
 @user_errors
 def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, concurrency, requests, rate,
-          always_speculate, proposers, p_min, sampling_rule, tree, rules, plot_path, as_json):
+          always_speculate, proposers, p_min, sampling_rule, tree, rules, plot_path, as_json, backend):
     """Speculative vs autoregressive tokens/s on the same prompts (medians over repeats): at batch 1,
     or with --concurrency, serving many requests at once (γ auto by default)."""
     import speccompile
     from speccompile.runtime.bench import bench as run_bench
 
-    runtime = speccompile.load(resolve_bundle(bundle), shared_threads=True)  # the process is ours
+    runtime = speccompile.load(resolve_bundle(bundle), backend, shared_threads=True)  # the process is ours
     _tree_option(runtime, tree)
     if rules:
         _bench_acceptance(runtime, read_prompts(prompts_file), list(rules), max_new_tokens, repeats, as_json)
@@ -407,26 +421,44 @@ def _bench_value(value) -> str:
 DRAIN_S = 30  # serve: how long a shutdown waits for requests in flight
 
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
 @main.command()
 @click.argument("bundle", type=click.Path(), required=False)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback unless told).")
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--api-key", default=None, help="Require Authorization: Bearer KEY on /v1/ routes.")
-@click.option("--model-name", default=None,
+@click.option("--served-model-name", "--model-name", "model_name", default=None,
               help="The model id clients ask for (default: the bundle directory's name; speccompile-demo).")
-@click.option("--max-batch", type=int, default=None,
+@click.option("--max-num-seqs", "--max-batch", "max_batch", type=int, default=None,
               help="Requests decoding at once, at most the bundle's (default: the bundle's).")
-@click.option("--gamma", default=None,
-              help="Every request's γ: a compiled one or 'auto' (default: auto with a γ profile, else the bundle's).")
+@click.option("--num-speculative-tokens", "--gamma", "gamma", default=None,
+              help="γ of a request that does not ask (num_speculative_tokens): a compiled one or 'auto' "
+              "(default: auto with a γ profile, else the bundle's).")
+@click.option("--proposer", type=click.Choice(PROPOSERS), default=None,
+              help=f"Who drafts for a request that does not ask (its `proposer`; default: {DEFAULT_PROPOSER}).")
+@click.option("--p-min", type=float, default=None,
+              help="The draft model's confidence threshold for a request that does not ask (see generate --p-min).")
+@click.option("--chat-template", type=click.Path(), default=None,
+              help="A Jinja chat template file, used instead of the checkpoint's (or where it has none).")
+@click.option("--log-level", "--uvicorn-log-level", "log_level", type=click.Choice(LOG_LEVELS), default="info",
+              show_default=True, help="The server's log level; at info and below each request is logged.")
+@click.option("--disable-access-log", "--disable-uvicorn-access-log", "no_access_log", is_flag=True,
+              help="Do not log each request.")
 @click.option("--ray", "on_ray", is_flag=True, help="Serve on Ray Serve (the ray extra), with --replicas replicas.")
 @click.option("--replicas", type=int, default=2, show_default=True, help="With --ray: replicas of the server.")
+@backend_option
 @user_errors
-def serve(bundle, host, port, api_key, model_name, max_batch, gamma, on_ray, replicas):
-    """Serve a bundle over an OpenAI-compatible HTTP API (POST /v1/completions, GET /v1/models, /health)."""
+def serve(bundle, host, port, api_key, model_name, max_batch, gamma, proposer, p_min, chat_template, log_level,
+          no_access_log, on_ray, replicas, backend):
+    """Serve a bundle over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
+    /v1/models, /tokenize, /detokenize, /version, /health, /metrics)."""
     try:
         import uvicorn
 
         from speccompile.serve.app import create_app
+        from speccompile.serve.chat import read_template
     except ImportError as e:
         raise SpecCompileError(f"serve needs the serve extra ({e.name} is missing): "
                                "pip install 'speccompile[serve]'") from None
@@ -434,25 +466,33 @@ def serve(bundle, host, port, api_key, model_name, max_batch, gamma, on_ray, rep
 
     import speccompile
 
+    template = read_template(chat_template) if chat_template else None
     path = resolve_bundle(bundle)
-    runtime = speccompile.load(path, shared_threads=True, max_batch=max_batch)  # the process is ours
+    runtime = speccompile.load(path, backend, shared_threads=True, max_batch=max_batch)  # the process is ours
     gamma = _gamma_option(gamma)
-    runtime.check_gamma(gamma)  # a bad --gamma fails here, not in every request
+    runtime.check_gamma(gamma)  # bad defaults fail here, not in every request
+    if proposer is not None:
+        runtime.proposers.check(proposer)
+    if p_min is not None and not 0 <= p_min <= 1:
+        raise SpecCompileError(f"--p-min must be a probability in [0, 1], got {p_min}")
     name = model_name or (Path(path).name if bundle else "speccompile-demo")
+    options = {"api_key": api_key, "gamma": gamma, "proposer": proposer, "p_min": p_min, "chat_template": template}
     if on_ray:
         runtime.close()  # each replica opens its own
-        _serve_on_ray(str(path), name, host, port, api_key, gamma, max_batch, replicas)
+        _serve_on_ray(str(path), name, host, port, max_batch, replicas, options)
         return
-    app = create_app(runtime, name, api_key=api_key, gamma=gamma)
+    app = create_app(runtime, name, **options)
+    logging.getLogger("speccompile").setLevel(log_level.upper() if log_level != "trace" else "DEBUG")
     # uvicorn drains on SIGTERM or SIGINT (at most DRAIN_S for requests in flight), then raises the
     # signal again for the handler it found: this one, so that the process ends here, cleanly
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=DRAIN_S)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=not no_access_log,
+                timeout_graceful_shutdown=DRAIN_S)
     runtime.close()  # what the drain left is cancelled
 
 
-def _serve_on_ray(bundle: str, name: str, host: str, port: int, api_key, gamma, max_batch, replicas: int) -> None:
+def _serve_on_ray(bundle: str, name: str, host: str, port: int, max_batch, replicas: int, options: dict) -> None:
     """serve --ray: a local Ray instance (or the cluster RAY_ADDRESS names) runs `replicas` servers
     behind Ray Serve's HTTP proxy on host:port, until interrupted."""
     try:
@@ -468,7 +508,7 @@ def _serve_on_ray(bundle: str, name: str, host: str, port: int, api_key, gamma, 
     ray.init(include_dashboard=False)
     ray_serve.start(http_options={"host": host, "port": port})
     try:
-        ray_serve.run(application(bundle, replicas, name, api_key, gamma, max_batch), blocking=True)
+        ray_serve.run(application(bundle, replicas, name, max_batch=max_batch, **options), blocking=True)
     finally:
         ray_serve.shutdown()
         ray.shutdown()
@@ -536,8 +576,10 @@ def _int_list(text: str) -> list[int]:
 @click.option("--ops", is_flag=True, help="Also print ONNX Runtime's per-op time breakdown of each graph.")
 @click.option("--plots", "plots_dir", type=click.Path(), default=None,
               help="Where to save PNG plots (default: BUNDLE/profiles).")
+@backend_option
 @user_errors
-def profile(bundle, prompts_file, batch_sizes, context_lengths, max_new_tokens, repeats, rounds, ops, plots_dir):
+def profile(bundle, prompts_file, batch_sizes, context_lengths, max_new_tokens, repeats, rounds, ops, plots_dir,
+            backend):
     """Measure γ costs and speedups in loop runs on this hardware; store a γ profile in the bundle."""
     from pathlib import Path
 
@@ -545,7 +587,7 @@ def profile(bundle, prompts_file, batch_sizes, context_lengths, max_new_tokens, 
     from speccompile.runtime import gamma_profile
     from speccompile.runtime import profile as prof
 
-    runtime = speccompile.load(resolve_bundle(bundle), shared_threads=True)  # the process is ours
+    runtime = speccompile.load(resolve_bundle(bundle), backend, shared_threads=True)  # the process is ours
     batches = _int_list(batch_sizes) if batch_sizes else list(range(1, runtime.max_batch + 1))
     result = prof.build_profile(runtime, read_prompts(prompts_file), batches, _int_list(context_lengths), repeats,
                                 rounds, max_new_tokens)

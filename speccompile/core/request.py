@@ -38,6 +38,7 @@ class Request:
     gamma: int | str = AUTO  # drafts per iteration at most: a compiled γ, 0 (plain decoding) or AUTO
     allow_plain: bool = True  # under AUTO: may the policy decode plainly (γ = 0) where speculation does not pay?
     stop_token_ids: frozenset[int] = frozenset()  # besides the model's EOS; kept in the tokens, as EOS
+    ignore_eos: bool = False  # go on past the model's EOS (stop_token_ids still stop)
     on_tokens: Callable[[list[int]], None] | None = None  # newly accepted tokens, as they are accepted
     on_finish: Callable[["Request"], None] | None = None
     # a kind's name (core/proposers: made by the scheduler's `Proposers` when queued) or a Proposer
@@ -67,6 +68,7 @@ class Request:
         self.coupled = self.sampling_rule == "coupled" and self.rng is not None
         self._noise: dict[int, np.ndarray] = {}  # coupled: output position -> its noise, while it may be asked for
         self._noise_drawn = 0  # positions drawn from the stream so far
+        self._last_emit_ms = 0.0  # since submission: when tokens were last delivered
         self.gamma_cap: int | None = None  # the most drafts an iteration may carry: set by the scheduler when queued
 
     @property
@@ -110,6 +112,7 @@ class Request:
         """Append accepted tokens, stopping at EOS or a stop token (kept), max_new_tokens, or a
         stop check; pass the kept ones on."""
         kept = []
+        eos_ids = () if self.ignore_eos else eos_ids
         for token in map(int, tokens):
             kept.append(token)
             if token in eos_ids or token in self.stop_token_ids:
@@ -123,8 +126,13 @@ class Request:
         self.tokens.extend(kept)
         if self.on_tokens is not None and len(self.generated) > start:
             self.on_tokens(self.generated[start:])
-        if start == 0 and self.generated:
-            self.stats.ttft_ms = (time.perf_counter() - self.submitted) * 1e3
+        if len(self.generated) > start:
+            now = (time.perf_counter() - self.submitted) * 1e3
+            if start == 0:
+                self.stats.ttft_ms = now
+            else:
+                self.stats.gaps_ms.append(now - self._last_emit_ms)
+            self._last_emit_ms = now
 
     def finish(self, reason: str, error: Exception | None = None) -> None:
         assert reason in FINISH_REASONS, reason

@@ -179,6 +179,7 @@ class Scheduler:
         if request.cancelled:
             request.finish("cancelled")
             return
+        request.stats.queue_ms = (time.perf_counter() - request.submitted) * 1e3
         slot = len(self.decoding)
         self.target.cache_lengths[slot] = 0
         for runner in self.runners:

@@ -34,6 +34,10 @@ class GenerationStats:
     decode_ms: float = 0.0  # autoregressive phase: the target's decode steps
     total_ms: float = 0.0  # from submission (queueing included) to the last token
     ttft_ms: float = 0.0  # from submission to the first token
+    queue_ms: float = 0.0  # from submission to the start of its prefill (waiting for a slot)
+    # the time between each delivery of tokens and the one before (several tokens arrive at once after
+    # a verification): vLLM's inter-token latencies, one per engine output after the first
+    gaps_ms: list[float] = field(default_factory=list)
 
     def record_iteration(self, accepted: int, gamma: int, proposer: str | None = None) -> None:
         """One verification that checked `gamma` drafts, from `proposer`, and kept the first `accepted`."""

@@ -105,12 +105,21 @@ class Runtime:
     def gammas(self) -> list[int]:
         return self.bundle.gammas
 
+    def speculative_config(self) -> dict:
+        """What speculates here, for a client to see: the compiled γ, the default, the proposers a
+        request may ask for, the draft model's and Medusa heads' presence, the sampling rules."""
+        return {"gammas": self.gammas, "default_gamma": self.default_gamma,
+                "gamma_auto": self.profile is not None, "proposers": self.proposers.available(),
+                "default_proposer": DEFAULT_PROPOSER, "draft_model": self.draft is not None,
+                "medusa_heads": self.bundle.medusa["num_heads"] if self.bundle.medusa else 0,
+                "sampling_rules": list(SAMPLING_RULES), "backend": self.backend}
+
     # -- requests ---------------------------------------------------------------------------------
     def submit(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed=None, stop: list[str] | None = None, stop_token_ids=(), gamma: int | str | None = None,
                mode: str | None = None, on_tokens=None, proposer: str = DEFAULT_PROPOSER,
                p_min: float | None = None, acceptance: str = "exact",
-               sampling_rule: str | None = None) -> "RequestHandle":
+               sampling_rule: str | None = None, ignore_eos: bool = False) -> "RequestHandle":
         """Queue one request (a string or token ids) and return its handle at once. Thread-safe.
 
         gamma: a compiled γ (at most that many drafts per iteration), "auto" (the default when a γ
@@ -123,7 +132,8 @@ class Runtime:
         seed) makes a seeded request's tokens the same whatever γ, proposer or company, equal to the
         target's own seeded sampling; "rejection" (the default without one) is Leviathan et al.'s
         rule, whose acceptance is higher (core/acceptance.py, core/request.py).
-        stop: strings that end the text (excluded from it); stop_token_ids end it like EOS.
+        stop: strings that end the text (excluded from it); stop_token_ids end it like EOS;
+        ignore_eos: generate past the model's EOS token (to max_new_tokens or a stop).
         on_tokens(token_ids) is called as tokens are accepted, from the engine thread (from the
         runtime's edge thread for a request with stop strings).
         proposer: who drafts, one of core/proposers' kinds: "draft" (the draft model), "ngram"
@@ -136,7 +146,7 @@ class Runtime:
         approximate, never the default."""
         request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids, gamma,
                                 mode, on_tokens, proposer=proposer, p_min=p_min, acceptance=acceptance,
-                                sampling_rule=sampling_rule)
+                                sampling_rule=sampling_rule, ignore_eos=ignore_eos)
         handle = RequestHandle(request, self, prompt, _stop_strings(stop))
         self._queue(handle)
         return handle
@@ -154,8 +164,8 @@ class Runtime:
     def generate(self, prompts, max_new_tokens: int = 64, mode: str | None = None, gamma: int | str | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  on_tokens=None, stop: list[str] | None = None, proposer: str = DEFAULT_PROPOSER,
-                 p_min: float | None = None, acceptance: str = "exact",
-                 sampling_rule: str | None = None) -> list[GenerationResult]:
+                 p_min: float | None = None, acceptance: str = "exact", sampling_rule: str | None = None,
+                 stop_token_ids=(), ignore_eos: bool = False) -> list[GenerationResult]:
         """Generate for a list of prompts (strings or token-id lists); one result per prompt, in order.
 
         Each prompt is one request (see `submit`); all are checked before any is queued. Prompt i
@@ -169,9 +179,10 @@ class Runtime:
             raise SpecCompileError("no prompts given")
         seeds = np.random.SeedSequence(seed).spawn(len(prompts))
         sampling_rule = sampling_rule or default_sampling_rule(seed)  # by the caller's seed, not the spawned ones
-        requests = [self._request(p, max_new_tokens, temperature, top_k, top_p, s, stop, (), gamma, mode,
+        requests = [self._request(p, max_new_tokens, temperature, top_k, top_p, s, stop, stop_token_ids, gamma, mode,
                                   (lambda ids, i=i: on_tokens(i, ids)) if on_tokens else None, warn=i == 0,
-                                  proposer=proposer, p_min=p_min, acceptance=acceptance, sampling_rule=sampling_rule)
+                                  proposer=proposer, p_min=p_min, acceptance=acceptance, sampling_rule=sampling_rule,
+                                  ignore_eos=ignore_eos)
                     for i, (p, s) in enumerate(zip(prompts, seeds))]
         handles = [RequestHandle(r, self, p, _stop_strings(stop)) for r, p in zip(requests, prompts)]
         for handle in handles:
@@ -273,7 +284,7 @@ class Runtime:
     def _request(self, prompt, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=None,
                  stop_token_ids=(), gamma=None, mode=None, on_tokens=None, warn: bool = True,
                  proposer: str = DEFAULT_PROPOSER, p_min: float | None = None, acceptance: str = "exact",
-                 sampling_rule: str | None = None) -> Request:
+                 sampling_rule: str | None = None, ignore_eos: bool = False) -> Request:
         self.proposers.check(proposer)
         sampling_rule = sampling_rule or default_sampling_rule(seed)
         self._check_tree_rules(acceptance, temperature)
@@ -288,18 +299,21 @@ class Runtime:
             for name in params.without_effect():
                 log.warning(f"warning: {name} has no effect at temperature 0 (greedy decoding); "
                             "set a temperature to sample")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-            raise SpecCompileError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         made = self.proposers.make(proposer, float(p_min))
         if made.tree:
             gamma, allow_plain = self._medusa_gamma(mode, gamma)
         else:
             gamma, allow_plain = self._request_gamma(mode, gamma, warn)
         ids = self._tokens(prompt)
+        if max_new_tokens is None:  # as vLLM: what the context has left (here, beside its longest verification)
+            max_new_tokens = max(1, self.max_seq - len(ids) - (max(self.gammas) if gamma == AUTO else gamma))
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+            raise SpecCompileError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         _stop_strings(stop)
         request = Request(ids, max_new_tokens, params, seed, gamma, allow_plain,
                           frozenset(self._token_ids(stop_token_ids)), on_tokens=on_tokens, proposer=made,
-                          p_min=float(p_min), sampling_rule=sampling_rule, acceptance_rule=acceptance)
+                          p_min=float(p_min), sampling_rule=sampling_rule, acceptance_rule=acceptance,
+                          ignore_eos=bool(ignore_eos))
         if not self.scheduler.fits(request):
             cap = self.scheduler.gamma_cap(request)
             raise SpecCompileError(
@@ -364,6 +378,10 @@ class Runtime:
             raise SpecCompileError("empty prompt")
         return ids
 
+    def check_token_ids(self, ids) -> list[int]:
+        """Token ids as ints, or SpecCompileError naming the first outside the vocabulary."""
+        return self._token_ids(ids)
+
     def _token_ids(self, ids) -> list[int]:
         if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in ids):
             raise SpecCompileError("token ids must be integers")
@@ -398,10 +416,35 @@ def _stop_strings(stop) -> list[str]:
     return stops
 
 
-def load(bundle_dir, backend: str = "onnxruntime", threads: int | None = None, shared_threads: bool | None = None,
+BACKENDS = ("auto", "onnxruntime", "tensorrt")
+
+
+def load(bundle_dir, backend: str = "auto", threads: int | None = None, shared_threads: bool | None = None,
          one_session: bool | None = None, prefill_chunk: int = 64, max_batch: int | None = None) -> Runtime:
-    """one_session (ONNX Runtime): run each model's every call on its one session graph, holding one
-    copy of its weights (True), or a session per graph, faster for small models (False). Default:
-    per model, one session from 256 MiB of weights up (onnxruntime_engine.ONE_SESSION_MIN_BYTES)."""
-    return Runtime(open_bundle(Path(bundle_dir)), backend=backend, threads=threads, shared_threads=shared_threads,
+    """backend: "onnxruntime", "tensorrt" (the bundle's engines; needs TensorRT here), or "auto" (the
+    default: the engines where the bundle has them and TensorRT is installed, else ONNX Runtime, saying
+    so in one line when the engines go unused). one_session (ONNX Runtime): run each model's every
+    call on its one session graph, holding one copy of its weights (True), or a session per graph,
+    faster for small models (False). Default: per model, one session from 256 MiB of weights up
+    (onnxruntime_engine.ONE_SESSION_MIN_BYTES)."""
+    bundle = open_bundle(Path(bundle_dir))
+    return Runtime(bundle, backend=resolve_backend(bundle, backend), threads=threads, shared_threads=shared_threads,
                    one_session=one_session, prefill_chunk=prefill_chunk, max_batch=max_batch)
+
+
+def resolve_backend(bundle: Bundle, backend: str) -> str:
+    if backend not in BACKENDS:
+        raise SpecCompileError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    if backend != "auto":
+        return backend
+    if "engines" not in bundle.manifest:
+        return "onnxruntime"
+    from speccompile.tensorrt_setup import require_tensorrt
+
+    try:
+        require_tensorrt()
+    except SpecCompileError as missing:
+        log.warning(f"{bundle.path} has TensorRT engines, which cannot run here ({missing}): running its ONNX "
+                    "graphs on ONNX Runtime")
+        return "onnxruntime"
+    return "tensorrt"

@@ -4,6 +4,9 @@ from pathlib import Path
 
 from speccompile.errors import SpecCompileError
 
+# the special tokens a chat template sees by name, as transformers passes them (its special_tokens_map)
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
 
 class Tokenizer:
     def __init__(self, directory: Path, info: dict):
@@ -30,23 +33,29 @@ class Tokenizer:
         prompt_text = self.decode(prompt_ids) if prompt_text is None else prompt_text
         return self.decode(prompt_ids + ids)[len(prompt_text):]
 
-    def chat_template(self) -> tuple[str, dict] | None:
+    def chat_template(self) -> str | None:
         """The checkpoint's chat template as saved with its tokenizer (chat_template.jinja, or the
-        "chat_template" of tokenizer_config.json), and the special tokens it may name; None when
-        there is none."""
+        "chat_template" of tokenizer_config.json); None when there is none."""
+        template_file = self.directory / "chat_template.jinja"
+        template = template_file.read_text() if template_file.is_file() else self._config().get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return template or None
+
+    def special_tokens(self) -> dict[str, str]:
+        """The special tokens a chat template may name (bos_token, eos_token, ...), as their text."""
+        return {name: (value["content"] if isinstance(value, dict) else value)
+                for name in SPECIAL_TOKENS if (value := self._config().get(name))}
+
+    def _config(self) -> dict:
         import json
 
         config_file = self.directory / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        template_file = self.directory / "chat_template.jinja"
-        template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
-        if isinstance(template, list):  # named templates: the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if not template:
-            return None
-        tokens = {name: (value["content"] if isinstance(value, dict) else value)
-                  for name in ("bos_token", "eos_token") if (value := config.get(name))}
-        return template, tokens
+        return json.loads(config_file.read_text()) if config_file.is_file() else {}
+
+    def token_texts(self, ids) -> list[str]:
+        """Each token's text alone, special tokens included (how OpenAI's logprobs name tokens)."""
+        return [self._tok.decode([int(i)], skip_special_tokens=False) for i in ids]
 
     def stream(self, prompt_ids: list[int]) -> "TextStream":
         """An incremental decode_continuation, for printing tokens as they come."""

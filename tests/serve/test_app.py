@@ -122,7 +122,9 @@ BAD_REQUESTS = [
     ("max_tokens 0", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("unknown field", {"prompt": "x", "colour": "blue"}, 400, "colour"),
     ("unsupported OpenAI field", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
-    ("n of 2", {"prompt": "x", "n": 2}, 400, "n"),
+    ("n of 17", {"prompt": "x", "n": 17}, 400, "n"),
+    ("num_speculative_tokens not compiled", {"prompt": "x", "num_speculative_tokens": 3}, 400, None),
+    ("unknown proposer", {"prompt": "x", "proposer": "oracle"}, 400, None),
     ("no prompt", {"max_tokens": 4}, 400, "prompt"),
     ("token id outside the vocabulary", {"prompt": [10**6], "max_tokens": 4}, 400, None),
     ("prompt too long", {"prompt": list(range(3, 200)), "max_tokens": 4}, 400, None),
@@ -151,23 +153,49 @@ def test_the_api_key_is_required(served, headers):
     assert http("GET", served[1] + "/health")[0] == 200  # health needs no key
 
 
-def test_metrics_count_what_the_requests_did(served, client):
-    def value(text: str, name: str) -> float:
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
-                   or line.startswith(name + "{"))
+def scrape(url: str) -> dict[str, float]:
+    """A Prometheus scrape: each sample's name with its labels -> value."""
+    samples = {}
+    for line in urllib.request.urlopen(url + "/metrics", timeout=30).read().decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
 
-    before = urllib.request.urlopen(served[1] + "/metrics", timeout=30).read().decode()
+
+def total(samples: dict, name: str, **labels) -> float:
+    """The sum of a series' samples whose labels include these."""
+    def matches(key):
+        return key.split("{")[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items())
+    return sum(v for k, v in samples.items() if matches(k))
+
+
+def test_metrics_are_vllm_s_and_count_what_the_requests_did(served, client):
+    before = scrape(served[1])
     response = client.completions.create(model="tiny", prompt="x y", max_tokens=10, temperature=0)
-    after = urllib.request.urlopen(served[1] + "/metrics", timeout=30).read().decode()
-    timings = response.model_extra["timings"]
-    for name, expected in (("speccompile:spec_decode_num_draft_tokens_total", timings["draft_n"]),
-                           ("speccompile:spec_decode_num_accepted_tokens_total", timings["draft_n_accepted"]),
-                           ("speccompile:spec_decode_num_accepted_tokens_per_pos_total", timings["draft_n_accepted"]),
-                           ("speccompile:generation_tokens_total", 10),
-                           ("speccompile:e2e_request_latency_seconds_count", 1)):
-        assert value(after, name) - value(before, name) == expected, name
-    assert value(after, "speccompile:num_requests_running") == 0
-    assert "speccompile:spec_decode_gamma" in after and "speccompile:time_to_first_token_seconds_bucket" in after
+    after = scrape(served[1])
+
+    def grew(name, **labels):
+        return total(after, name, model_name="tiny", **labels) - total(before, name, model_name="tiny", **labels)
+
+    timings, use = response.model_extra["timings"], response.usage
+    assert grew("vllm:spec_decode_num_draft_tokens_total") == timings["draft_n"] > 0
+    assert grew("vllm:spec_decode_num_accepted_tokens_total") == timings["draft_n_accepted"]
+    assert grew("vllm:spec_decode_num_accepted_tokens_per_pos_total") == timings["draft_n_accepted"]
+    assert grew("vllm:generation_tokens_total") == use.completion_tokens == 10
+    assert grew("vllm:prompt_tokens_total") == use.prompt_tokens
+    assert grew("vllm:request_success_total", finished_reason="length") == 1
+    for histogram in ("e2e_request_latency_seconds", "request_queue_time_seconds", "time_to_first_token_seconds",
+                      "request_time_per_output_token_seconds", "request_prompt_tokens"):
+        assert grew(f"vllm:{histogram}_count") == 1, histogram
+    # every delivery after the first is a gap: fewer than the tokens when drafts are kept
+    gaps = grew("vllm:inter_token_latency_seconds_count")
+    assert 1 <= gaps <= 9 and (gaps < 9) == (timings["draft_n_accepted"] > 0)
+    assert total(after, "vllm:num_requests_running", model_name="tiny") == 0
+    positions = {k.split('position="')[1].split('"')[0] for k in after
+                 if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")}
+    assert "0" in positions and all(p.isdigit() for p in positions)  # vLLM's: from 0
+    assert 'speccompile:spec_decode_gamma{model_name="tiny"}' in after
 
 
 def test_a_client_that_leaves_mid_stream_cancels_its_request(bundles):
@@ -188,15 +216,17 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request(bundles):
     response = urllib.request.urlopen(request, timeout=30)
     assert response.readline().startswith(b"data: ")  # streaming has begun
     response.close()  # the client goes away
-    cancelled = 'speccompile:request_success_total{finished_reason="cancelled"} 1.0'
+    def cancelled() -> float:
+        return total(scrape(url), "vllm:request_success_total", model_name="tiny", finished_reason="abort")
+
     for _ in range(300):
-        if cancelled in urllib.request.urlopen(url + "/metrics", timeout=30).read().decode():
+        if cancelled():
             break
         threading.Event().wait(0.01)
-    metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    ended = cancelled()
     stop(server, thread)
     runtime.close()
-    assert cancelled in metrics and runtime.scheduler.idle
+    assert ended == 1 and runtime.scheduler.idle
 
 
 def test_concurrent_clients_each_get_what_they_would_alone(served, client):
@@ -246,8 +276,7 @@ def test_a_full_server_answers_429_with_retry_after_then_serves_again(bundles):
     for client_thread in clients:
         client_thread.start()
     for _ in range(500):  # until all of them are in flight
-        metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
-        if f"speccompile:num_requests_waiting {float(runtime.max_batch)}" in metrics:
+        if total(scrape(url), "vllm:num_requests_waiting") == runtime.max_batch:
             break
         threading.Event().wait(0.01)
     request = urllib.request.Request(url + "/v1/completions", data=body, method="POST", headers=headers)

@@ -1,0 +1,115 @@
+"""The request bodies the server accepts: OpenAI's shapes, vLLM's extensions to them, and ours.
+
+Unknown fields are refused (a typo must not pass silently as a default). Ours, per request: `proposer`
+(who drafts: one of the bundle's kinds), `num_speculative_tokens` (γ: a compiled one, "auto", or 0 for
+plain decoding), `p_min` (the draft model's confidence threshold) and `sampling_rule` (coupled or
+rejection, core/request.py).
+"""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# OpenAI's and vLLM's parameters this server does not implement: refused by name, never ignored
+UNSUPPORTED = ("best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "presence_penalty", "suffix",
+               "repetition_penalty", "min_p", "min_tokens", "top_logprobs")
+MAX_N = 16  # samples per prompt in one request
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """What both routes take."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # vLLM's extension: 0 or -1 turn it off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's: end like EOS (the token is kept in the tokens)
+    ignore_eos: bool = False  # vLLM's: go on past EOS
+    n: int = Field(1, ge=1, le=MAX_N)  # samples of each prompt (choices prompt 0's first, as OpenAI orders them)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # ours: speculation per request
+    proposer: str | None = None
+    num_speculative_tokens: int | Literal["auto"] | None = Field(None, ge=0)
+    p_min: float | None = Field(None, ge=0.0, le=1.0)
+    sampling_rule: Literal["coupled", "rejection"] | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off(cls, value: int) -> int:
+        return max(value, 0)
+
+
+class CompletionRequest(Sampling):
+    # one prompt (text or token ids) or a batch of them
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(union_mode="left_to_right")
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default; null: what the context has left
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, value):
+        if isinstance(value, list) and not value:
+            raise ValueError("the prompt is empty")
+        return value
+
+    def prompts(self) -> list:
+        """The batch: each prompt as text or token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")  # other part types are named in a clear 400 (serve/chat.py)
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls, for the template to render
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)  # null: what the context has left (vLLM's default)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    tools: list[dict] | None = None  # passed to the template; calls come back as the assistant's text
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or messages rendered by the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
