@@ -122,10 +122,10 @@ class Runtime:
                sampling_rule: str | None = None, ignore_eos: bool = False) -> "RequestHandle":
         """Queue one request (a string or token ids) and return its handle at once. Thread-safe.
 
-        gamma: a compiled γ (at most that many drafts per iteration), "auto" (the default when a γ
-        profile matches this hardware: the policy picks γ each iteration for the current load, down
-        to plain decoding where speculation does not pay), or None (auto with a profile, else the
-        bundle's default γ). mode "autoregressive" decodes with the target alone; "speculative"
+        gamma: a compiled γ (at most that many drafts per iteration), 0 (plain decoding), "auto" (the
+        default when a γ profile matches this hardware: the policy picks γ each iteration for the
+        current load, down to plain decoding where speculation does not pay), or None (auto with a
+        profile, else the bundle's default γ). mode "autoregressive" decodes with the target alone; "speculative"
         never lets auto choose plain decoding. temperature 0 is greedy; otherwise tokens are sampled
         exactly from the target's distribution after temperature, top-k (0: off) and top-p (1: off),
         from the request's own random stream (`seed`). sampling_rule "coupled" (the default with a
@@ -363,6 +363,8 @@ class Runtime:
             gamma = AUTO if self.profile is not None else self.default_gamma
         if gamma == AUTO:
             return AUTO, mode is None  # an explicit mode is never overridden
+        if gamma == 0 and not isinstance(gamma, bool) and mode is None:  # plain decoding, asked for by γ
+            return 0, False
         if isinstance(gamma, bool) or gamma not in self.gammas:
             raise SpecCompileError(f"γ={gamma} was not compiled into this bundle "
                                    f"(compiled: {', '.join(map(str, self.gammas))}, or \"auto\")")

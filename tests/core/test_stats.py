@@ -67,3 +67,17 @@ def test_pooled_sums_counts_so_rates_are_over_all_runs():
     assert total.drafted_at == [4, 4, 2, 2, 2, 2] and total.accepted_at == [3, 3, 2, 1, 1, 1]
     assert total.gammas_used == {2: 2, 6: 2}
     assert total.verify_ms == 3.0
+
+
+def test_a_request_ignoring_eos_goes_on_and_records_each_delivery_gap():
+    from speccompile.core.request import Request
+
+    stops, goes_on = Request([3], 6), Request([3], 6, ignore_eos=True, stop_token_ids=frozenset({9}))
+    for request in (stops, goes_on):
+        request.emit([5], {1})
+        request.emit([1, 7], {1})
+    assert stops.generated == [5, 1] and stops.finish_reason == "stop"
+    assert goes_on.generated == [5, 1, 7] and goes_on.finish_reason is None
+    goes_on.emit([8, 9, 4], {1})
+    assert goes_on.generated == [5, 1, 7, 8, 9] and goes_on.finish_reason == "stop"  # a stop token still stops
+    assert len(goes_on.stats.gaps_ms) == 2 and all(gap >= 0 for gap in goes_on.stats.gaps_ms)

@@ -413,3 +413,115 @@ def test_a_medusa_bundle_serves_greedy_requests_and_refuses_sampling_with_a_400(
     finally:
         stop(server, thread)
         runtime.close()
+
+
+def test_n_samples_are_distinct_and_each_is_the_seeded_request_of_its_own(served, client):
+    """vLLM's n: sample i of a seeded request is the request with seed + i, so each is reproducible."""
+    def sampled(**options):
+        return client.completions.create(model="tiny", prompt="x y", max_tokens=12, temperature=0.9, **options)
+
+    four = sampled(n=4, seed=3)
+    texts = [c.text for c in sorted(four.choices, key=lambda c: c.index)]
+    assert [c.index for c in four.choices] == [0, 1, 2, 3] and len(set(texts)) == 4
+    assert [c.text for c in sampled(n=4, seed=3).choices] == texts
+    assert [sampled(seed=3 + i).choices[0].text for i in (0, 2)] == [texts[0], texts[2]]
+    assert four.usage.prompt_tokens == len(served[0].tokenizer.encode("x y"))  # a prompt counts once
+    assert four.usage.completion_tokens == 48
+    streamed = {}
+    for chunk in sampled(n=4, seed=3, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(4)] == texts
+
+
+def test_a_batch_of_prompts_gets_its_choices_in_order(served, client):
+    runtime, _ = served
+    expected = [r.text for r in runtime.generate(["x y", [5, 6, 7]], max_new_tokens=6, temperature=0)]
+    reply = client.completions.create(model="tiny", prompt=["x y", "x y"], max_tokens=6, temperature=0, n=2)
+    assert [c.text for c in reply.choices] == [expected[0]] * 4
+    ids = client.completions.create(model="tiny", prompt=[[5, 6, 7], [5, 6, 7]], max_tokens=6, temperature=0)
+    assert [c.text for c in ids.choices] == [expected[1]] * 2
+
+
+def test_stop_token_ids_end_the_completion_with_the_token_kept(served, client):
+    runtime, _ = served
+    [full] = runtime.generate(["x y x"], max_new_tokens=12, temperature=0)
+    stop_id = full.token_ids[4]
+    first = full.token_ids.index(stop_id)
+    reply = client.completions.create(model="tiny", prompt="x y x", max_tokens=12, temperature=0,
+                                      extra_body={"stop_token_ids": [stop_id]})
+    assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens == first + 1
+
+
+def test_a_request_chooses_its_proposer_gamma_and_p_min(served, client):
+    def speculative(**fields):
+        reply = client.completions.create(model="tiny", prompt="x y x y x y", max_tokens=16, temperature=0,
+                                          extra_body=fields)
+        return reply.model_extra["speculative"]
+
+    assert set(speculative(proposer="ngram")["by_proposer"]) <= {"ngram"}
+    assert set(speculative(proposer="draft", num_speculative_tokens=1)["gammas_used"]) <= {"0", "1"}
+    assert speculative(num_speculative_tokens=0)["mode"] == "autoregressive"
+    assert speculative(proposer="draft", p_min=1.0)["acceptance_rate"] == 0  # nothing is that confident
+
+
+def test_tokenize_detokenize_version_and_the_model_card(served, client):
+    runtime, url = served
+    headers = {"Content-Type": "application/json"}
+    ids = runtime.tokenizer.encode("x y x")
+    status, answer = http("POST", url + "/tokenize", json.dumps({"prompt": "x y x", "return_token_strs": True})
+                          .encode(), headers)
+    assert status == 200 and answer["tokens"] == ids and answer["count"] == len(ids)
+    assert answer["max_model_len"] == runtime.max_seq and len(answer["token_strs"]) == len(ids)
+    assert http("POST", url + "/detokenize", json.dumps({"tokens": ids}).encode(), headers) == (
+        200, {"prompt": runtime.tokenizer.decode(ids)})
+    assert http("POST", url + "/detokenize", json.dumps({"tokens": [10**6]}).encode(), headers)[0] == 400
+    assert http("POST", url + "/tokenize", json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(),
+                headers)[0] == 400  # no chat template here
+    assert http("GET", url + "/version")[1] == {"version": speccompile.__version__}
+    [card] = client.models.list().data
+    assert card.model_extra["max_model_len"] == runtime.max_seq
+    assert card.model_extra["speculative"]["gammas"] == runtime.gammas
+    assert "draft" in card.model_extra["speculative"]["proposers"]
+    assert client.models.retrieve("tiny").id == "tiny"
+
+
+def test_python_m_speccompile_is_the_command_line_and_serve_takes_vllm_s_option_names():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "speccompile", "serve", "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0
+    for option in ("--served-model-name", "--max-num-seqs", "--num-speculative-tokens", "--proposer", "--p-min",
+                   "--chat-template", "--log-level", "--backend", "--disable-access-log"):
+        assert option in result.stdout, option
+
+
+def test_chat_takes_text_parts_the_developer_role_and_defaults_max_tokens_to_the_context_left(chat_served):
+    runtime, chat = chat_served
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]},
+             {"role": "user", "content": "x"}]
+    rendered = "system says x\ny\nuser says x\nassistant says"  # the template names no developer role
+    prompt = runtime.tokenizer.encode(rendered, special_tokens=False)
+    reply = chat.chat.completions.create(model="tiny", messages=parts, temperature=0, extra_body={"ignore_eos": True})
+    assert reply.usage.prompt_tokens == len(prompt)
+    reserved = max(runtime.gammas) if runtime.profile is not None else runtime.default_gamma  # its longest verification
+    assert reply.usage.completion_tokens == runtime.max_seq - len(prompt) - reserved
+    [expected] = runtime.generate([prompt], max_new_tokens=8, temperature=0)
+    assert reply.choices[0].message.content.startswith(expected.text)
+
+
+def test_chat_template_given_to_the_server_renders_where_the_checkpoint_has_none(bundles):
+    runtime = speccompile.load(bundles("llama", "random"))
+    server, thread, url = start(create_app(runtime, "tiny", chat_template=TEMPLATE))
+    try:
+        chat = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+        reply = chat.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                             temperature=0)
+        prompt = runtime.tokenizer.encode("user says x\nassistant says", special_tokens=False)
+        assert reply.usage.prompt_tokens == len(prompt)
+        assert reply.choices[0].message.content == runtime.generate([prompt], max_new_tokens=4)[0].text
+    finally:
+        stop(server, thread)
+        runtime.close()
