@@ -21,18 +21,24 @@ from pathlib import Path
 from speccompile.errors import SpecCompileError, read_json_object
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 4  # 2: verification graphs take draft_len [B]; 3: greedy steps output their confidence;
-# 4: sampling graphs take coupled [B] and Gumbel noise (the coupled rule)
+FORMAT_VERSION = 5  # 2: verification graphs take draft_len [B]; 3: greedy steps output their confidence;
+# 4: sampling graphs take coupled [B] and Gumbel noise (the coupled rule); 5: logits processors and
+# log-probabilities in every graph, and the target's prompt-scoring graph
 STAMP = ".verified.json"  # not in the manifest's file list: it describes the files, it is not one of them
+TOP_LOGPROBS = 20  # the most likely tokens a graph reports with their log-probabilities (OpenAI's largest top_logprobs)
+# each position's log-probability of the token emitted there, and the TOP_LOGPROBS most likely (compiler/logits.py)
+LOGPROBS = ("token_logprob", "top_logprobs", "top_ids")
 
 
 # what a graph computes (see compiler/transformer.py) -> the outputs a runtime reads back; everything
 # else a graph returns is the KV cache, which the runtime binds in place
 GRAPH_OUTPUTS = {
-    "forward": ("next_token", "confidence"),
-    "sample": ("next_token", "probs"),
-    "verify": ("accepted", "next_token", "new_len"),
-    "verify_sample": ("accepted", "next_token", "new_len"),
+    "forward": ("next_token", "confidence", *LOGPROBS),
+    "sample": ("next_token", "probs", *LOGPROBS),
+    "verify": ("accepted", "next_token", "new_len", *LOGPROBS),
+    "verify_sample": ("accepted", "next_token", "new_len", *LOGPROBS),
+    # the target over a chunk of prompt: each position's log-probability of the next prompt token (echo)
+    "score": LOGPROBS,
     # a token tree with Medusa heads (core/tree.py): also which node ended the accepted path, and the
     # heads' candidates for the next iteration's tree (its root is next_token)
     "verify_tree": ("accepted", "next_token", "new_len", "best_node", "next_tree"),
@@ -40,17 +46,22 @@ GRAPH_OUTPUTS = {
 }
 GRAPH_KINDS = tuple(GRAPH_OUTPUTS)
 # each read-back output's element type, and whether it has a value per sequence ([B]), per vocabulary
-# entry ([B, V]) or per tree node ([B, N]); confidence: the probability of the greedy token (softmax
-# over the scored vocabulary), by which a draft stops proposing (core/scheduler.py, p_min)
+# entry ([B, V]), per tree node ([B, N]), per scored position ([B, R]: 1 for a step, all T of a
+# verification or a score) or per position and top token ([B, R, TOP_LOGPROBS]); confidence: the
+# probability of the greedy token (softmax over the scored vocabulary), by which a draft stops
+# proposing (core/scheduler.py, p_min)
 OUTPUT_TYPES = {"next_token": ("int64", None), "confidence": ("float32", None), "probs": ("float32", "vocab"),
                 "accepted": ("int64", None), "new_len": ("int64", None), "best_node": ("int64", None),
-                "next_tree": ("int64", "tree")}
+                "next_tree": ("int64", "tree"), "token_logprob": ("float32", "positions"),
+                "top_logprobs": ("float32", "top"), "top_ids": ("int64", "top")}
 
 
-def output_array(name: str, batch: int, vocab_size: int, tree_size: int = 0):
+def output_array(name: str, batch: int, vocab_size: int, tree_size: int = 0, positions: int = 1):
     """(shape, numpy dtype name) of a read-back output for a batch."""
     dtype, width = OUTPUT_TYPES[name]
-    return ((batch,) if width is None else (batch, vocab_size if width == "vocab" else tree_size)), dtype
+    shapes = {None: (batch,), "vocab": (batch, vocab_size), "tree": (batch, tree_size),
+              "positions": (batch, positions), "top": (batch, positions, TOP_LOGPROBS)}
+    return shapes[width], dtype
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,17 @@ class GraphId:
     @functools.cache
     def verification(cls, gamma: int, sample: bool) -> "GraphId":
         return cls("target", "verify_sample" if sample else "verify", int(gamma))
+
+    @classmethod
+    @functools.cache
+    def score(cls) -> "GraphId":
+        """The target's log-probabilities over a chunk of prompt (echo), writing its cache as a prefill does."""
+        return cls("target", "score")
+
+    @property
+    def positions_scored(self) -> str:
+        """How many positions reach the LM head: "last" (each row's last real token) or "all"."""
+        return "last" if self.kind in ("forward", "sample") else "all"
 
     @classmethod
     @functools.cache

@@ -26,6 +26,7 @@ from speccompile.compiler.tokenizer import check_compatible, eos_token_ids, load
 from speccompile.compiler.transformer import (
     MEDUSA_CANDIDATES,
     build_forward_graph,
+    build_score_graph,
     build_tree_verify_graph,
     build_verify_graph,
     fused_attention_supported,
@@ -226,6 +227,9 @@ def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_o
             graphs[graph.name] = (build_verify_graph(target, graph.name, gamma, max_seq, vocab_out,
                                                      sample=graph.sampling, single_sequence=single_sequence,
                                                      matmul_weights=matmul_weights["target"]), graph)
+    graphs[GraphId.score().name] = (build_score_graph(target, GraphId.score().name, max_seq, vocab_out,
+                                                      single_sequence=single_sequence,
+                                                      matmul_weights=matmul_weights["target"]), GraphId.score())
     if heads:
         for graph in (GraphId.tree_verification(typical=False), GraphId.tree_verification(typical=True)):
             graphs[graph.name] = (build_tree_verify_graph(target, graph.name, heads, max_seq, vocab_out,

@@ -33,8 +33,9 @@ the tests compare against); the ONNX Runtime backend runs this one.
 import numpy as np
 from onnx import helper, numpy_helper
 
-from speccompile.bundle import GRAPH_KINDS, GRAPH_OUTPUTS, OUTPUT_TYPES
+from speccompile.bundle import GRAPH_KINDS, GRAPH_OUTPUTS, LOGPROBS, OUTPUT_TYPES, TOP_LOGPROBS
 from speccompile.compiler.checkpoint import ModelSpec
+from speccompile.compiler.logits import prompt_scores
 from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT64, GraphBuilder
 from speccompile.compiler.spec_accept import OUTPUTS, TREE_OUTPUTS
 from speccompile.compiler.transformer import (
@@ -42,8 +43,7 @@ from speccompile.compiler.transformer import (
     _lm_head,
     accept,
     accept_tree,
-    greedy_confidence,
-    greedy_next,
+    greedy_step,
     medusa_candidates,
     sampled_next,
 )
@@ -87,7 +87,8 @@ def build_session_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int
     tails = {k: _tail(g, spec, k, logits, logits_subset, vocab_ids, ids, past_len, vocab_out, rows, heads, outputs_of)
              for k in kinds}
     outputs = _dispatch(g, kind, [tails[k] for k in kinds], [KINDS[k] for k in kinds], "", outputs_of)
-    shapes = {"probs": ["batch", vocab_out], "next_tree": ["batch", "tree_nodes"]}
+    shapes = {"probs": ["batch", vocab_out], "next_tree": ["batch", "tree_nodes"], "token_logprob": ["batch", "scored"],
+              "top_logprobs": ["batch", "scored", TOP_LOGPROBS], "top_ids": ["batch", "scored", TOP_LOGPROBS]}
     for tensor, (output, elem_type) in zip(outputs, outputs_of.items()):
         g.output(tensor, output, elem_type, shapes.get(output, ["batch"]))
     for value in g.inputs:  # inputs only some kinds read: zero defaults, so other calls need not feed them
@@ -125,12 +126,15 @@ def _tail(g, spec, kind, logits, logits_subset, vocab_ids, ids, past_len, vocab_
         made["next_tree"] = medusa_candidates(b, spec, rows, made["best_node"], made["next_token"], heads, vocab_out)
     elif kind == "forward":
         scores = logits_subset if logits_subset is not None else logits
-        scores = b.op("Squeeze", scores, b.const([1]))
-        made["next_token"], made["confidence"] = greedy_next(b, scores, vocab_ids), greedy_confidence(b, scores)
+        made.update(zip(GRAPH_OUTPUTS[kind], greedy_step(b, b.op("Squeeze", scores, b.const([1])), vocab_out,
+                                                          vocab_ids)))
     elif kind == "sample":
-        made["next_token"], made["probs"] = sampled_next(b, b.op("Squeeze", logits, b.const([1])), vocab_out)
+        made.update(zip(GRAPH_OUTPUTS[kind], sampled_next(b, b.op("Squeeze", logits, b.const([1])), vocab_out)))
+    elif kind == "score":
+        made.update(zip(LOGPROBS, prompt_scores(b, logits, b.input("score_ids", INT64, ["batch", "tokens"]))))
     else:
-        made.update(zip(OUTPUTS, accept(b, logits, ids, past_len, "gamma", vocab_out, kind == "verify_sample")))
+        made.update(zip((*OUTPUTS, *LOGPROBS), accept(b, logits, ids, past_len, "gamma", vocab_out,
+                                                       kind == "verify_sample")))
     yields = []
     for output, elem_type in outputs_of.items():
         if output not in made:  # If needs the same outputs from every branch; the runtime reads only its kind's

@@ -24,8 +24,9 @@ GroupQueryAttention kernel, which reads the cache in place (see _fused_attention
 
 import numpy as np
 
-from speccompile.bundle import kv_cache_shape
+from speccompile.bundle import LOGPROBS, TOP_LOGPROBS, kv_cache_shape
 from speccompile.compiler.checkpoint import ModelSpec
+from speccompile.compiler.logits import emitted_tokens, logprob_outputs, min_p_filtered, processed, prompt_scores
 from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT32, INT64, ORT_DOMAIN, GraphBuilder
 from speccompile.compiler.rope import Rope, inverse_frequencies
 from speccompile.compiler.spec_accept import (
@@ -60,14 +61,25 @@ def build_forward_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int
     if not sample:
         logits = _lm_head(g, spec, hidden_last, vocab_out, vocab_ids)
         g.output(logits, "logits", FLOAT, ["batch", vocab_out if vocab_ids is None else len(vocab_ids)])
-        g.output(greedy_next(g, logits, vocab_ids), "next_token", INT64, ["batch"])
-        g.output(greedy_confidence(g, logits), "confidence", FLOAT, ["batch"])
-        return g
-    assert vocab_ids is None, "sampling graphs score the whole vocabulary (see draft_vocab.py)"
-    next_token, probs = sampled_next(g, _lm_head(g, spec, hidden_last, vocab_out), vocab_out)
-    g.output(probs, "probs", FLOAT, ["batch", vocab_out])
-    g.output(next_token, "next_token", INT64, ["batch"])
+        outputs = greedy_step(g, logits, vocab_out, vocab_ids)
+        names = ("next_token", "confidence", *LOGPROBS)
+    else:
+        assert vocab_ids is None, "sampling graphs score the whole vocabulary (see draft_vocab.py)"
+        outputs = sampled_next(g, _lm_head(g, spec, hidden_last, vocab_out), vocab_out)
+        names = ("next_token", "probs", *LOGPROBS)
+    for tensor, output in zip(outputs, names):
+        g.output(tensor, output, *OUTPUT_SHAPES[output](vocab_out, 1))
     return g
+
+
+# a per-kind graph's read-back outputs: (element type, shape) for a vocabulary of V and R scored positions
+OUTPUT_SHAPES = {
+    "next_token": lambda v, r: (INT64, ["batch"]), "confidence": lambda v, r: (FLOAT, ["batch"]),
+    "accepted": lambda v, r: (INT64, ["batch"]), "new_len": lambda v, r: (INT64, ["batch"]),
+    "probs": lambda v, r: (FLOAT, ["batch", v]), "token_logprob": lambda v, r: (FLOAT, ["batch", r]),
+    "top_logprobs": lambda v, r: (FLOAT, ["batch", r, TOP_LOGPROBS]),
+    "top_ids": lambda v, r: (INT64, ["batch", r, TOP_LOGPROBS]),
+}
 
 
 def build_verify_graph(spec: ModelSpec, name: str, gamma: int, max_seq: int, vocab_out: int, sample: bool = False,
@@ -79,8 +91,22 @@ def build_verify_graph(spec: ModelSpec, name: str, gamma: int, max_seq: int, voc
     past_len = g.input("past_len", INT64, ["batch"])
     hidden = _decoder(g, spec, ids, past_len, max_seq, single_sequence)
     logits = _lm_head(g, spec, hidden, vocab_out)  # [B, γ+1, V]: stays inside the graph
-    for tensor, output in zip(accept(g, logits, ids, past_len, gamma, vocab_out, sample), OUTPUTS):
-        g.output(tensor, output, INT64, ["batch"])
+    for tensor, output in zip(accept(g, logits, ids, past_len, gamma, vocab_out, sample), (*OUTPUTS, *LOGPROBS)):
+        g.output(tensor, output, *OUTPUT_SHAPES[output](vocab_out, gamma + 1))
+    return g
+
+
+def build_score_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int, single_sequence: bool = False,
+                      matmul_weights: str = "float32") -> GraphBuilder:
+    """A prefill of input_ids [B, T] that also scores the prompt: each position's log-probability of
+    score_ids [B, T] (the prompt's next tokens) and its most likely tokens (compiler/logits.py)."""
+    g = GraphBuilder(name, matmul_weights)
+    ids = g.input("input_ids", INT64, ["batch", "tokens"])
+    past_len = g.input("past_len", INT64, ["batch"])
+    hidden = _decoder(g, spec, ids, past_len, max_seq, single_sequence)
+    score_ids = g.input("score_ids", INT64, ["batch", "tokens"])
+    for tensor, output in zip(prompt_scores(g, _lm_head(g, spec, hidden, vocab_out), score_ids), LOGPROBS):
+        g.output(tensor, output, *OUTPUT_SHAPES[output](vocab_out, "tokens"))
     return g
 
 
@@ -113,10 +139,18 @@ def build_tree_verify_graph(spec: ModelSpec, name: str, heads: list, max_seq: in
 # what follows the LM head: shared by the graphs of each kind and the session graph
 
 
-def greedy_next(b: GraphBuilder, logits: str, vocab_ids=None) -> str:
-    """argmax of logits [B, V'], mapped back to a token id when the head scores a subset `vocab_ids`."""
-    best = b.op("ArgMax", logits, axis=-1, keepdims=0)
-    return best if vocab_ids is None else b.op("Gather", b.weight("vocab_ids", vocab_ids), best)
+def greedy_step(b: GraphBuilder, logits: str, vocab_out: int, vocab_ids=None) -> list[str]:
+    """A greedy step on logits [B, V'] (V' the scored subset `vocab_ids` of a cut draft head, else V):
+    (next_token, confidence, *LOGPROBS) of the processed logits (compiler/logits.py)."""
+    subset = b.weight("vocab_ids", vocab_ids) if vocab_ids is not None else None
+    scores = b.op("Squeeze", processed(b, b.op("Unsqueeze", logits, b.const([1])), vocab_out, vocab_ids=subset),
+                  b.const([1]))
+    best = b.op("ArgMax", scores, axis=-1, keepdims=0)  # its place in the scored vocabulary
+    token, top, top_ids = logprob_outputs(b, b.op("Unsqueeze", scores, b.const([1])),
+                                          b.op("Unsqueeze", best, b.const([1])))
+    if subset is not None:
+        best, top_ids = b.op("Gather", subset, best), b.op("Gather", subset, top_ids)
+    return [best, greedy_confidence(b, scores), token, top, top_ids]
 
 
 def greedy_confidence(b: GraphBuilder, logits: str) -> str:
@@ -125,29 +159,34 @@ def greedy_confidence(b: GraphBuilder, logits: str) -> str:
     return b.op("ReduceMax", b.op("Softmax", logits, axis=-1), b.const([-1]), keepdims=0)
 
 
-def sampled_next(b: GraphBuilder, logits: str, vocab_out: int) -> tuple[str, str]:
-    """A token sampled from the transformed distribution of logits [B, V]: by inverse CDF with a
-    supplied uniform per sequence, or in the rows marked `coupled` by Gumbel-max with a supplied noise
-    [B, V] (core/acceptance.py, the coupled rule); returns (next_token [B], probs [B, V])."""
+def sampled_next(b: GraphBuilder, logits: str, vocab_out: int) -> list[str]:
+    """A token sampled from the processed, transformed distribution of logits [B, V]: by inverse CDF
+    with a supplied uniform per sequence, or in the rows marked `coupled` by Gumbel-max with a supplied
+    noise [B, V] (core/acceptance.py, the coupled rule); returns (next_token [B], probs [B, V], *LOGPROBS)."""
     params = _sampling_inputs(b)
     uniform = b.input("uniform", FLOAT, ["batch"])
     coupled = b.input("coupled", BOOL, ["batch"])
     noise = b.input("noise", FLOAT, ["batch", vocab_out])
-    probs = spec_op(b, "SpecTransform", b.op("Unsqueeze", logits, b.const([1])), *params, vocab_size=vocab_out)
-    probs = b.op("Squeeze", probs, b.const([1]))
+    scores = processed(b, b.op("Unsqueeze", logits, b.const([1])), vocab_out)  # [B, 1, V]
+    drawn_from = min_p_filtered(b, spec_op(b, "SpecTransform", scores, *params, vocab_size=vocab_out))
+    probs = b.op("Squeeze", drawn_from, b.const([1]))
     gumbel_max = b.op("ArgMax", gumbel_scores(b, probs, noise), axis=-1, keepdims=0)
-    return b.op("Where", coupled, gumbel_max, spec_op(b, "SpecSample", probs, uniform)), probs
+    token = b.op("Where", coupled, gumbel_max, spec_op(b, "SpecSample", probs, uniform))
+    logprobs = logprob_outputs(b, scores, b.op("Unsqueeze", token, b.const([1])), drawn_from, params[0])
+    return [token, probs, *logprobs]
 
 
 def accept(b: GraphBuilder, logits: str, ids: str, past_len: str, gamma: int | str, vocab_out: int,
            sample: bool) -> list[str]:
-    """SpecAccept over logits [B, γ+1, V] of ids [last, d_1..d_γ], of which the first draft_len [B] are
-    real drafts (a graph input): (accepted, next_token, new_len)."""
+    """SpecAccept over the processed logits [B, γ+1, V] of ids [last, d_1..d_γ], of which the first
+    draft_len [B] are real drafts (a graph input): (accepted, next_token, new_len, *LOGPROBS)."""
     end = b.op("Shape", ids, start=1, end=2) if isinstance(gamma, str) else b.const([gamma + 1])
     drafts = b.op("Slice", ids, b.const([1]), end, b.const([1]))
     draft_len = b.input("draft_len", INT64, ["batch"])
+    scores = processed(b, logits, vocab_out, drafts=drafts)
     if not sample:
-        return spec_accept_node(b, logits, drafts, draft_len, past_len)
+        outputs = spec_accept_node(b, scores, drafts, draft_len, past_len)
+        return [*outputs, *logprob_outputs(b, scores, emitted_tokens(b, ids, outputs[0], outputs[1]))]
     draft_probs = b.input("draft_probs", FLOAT, ["batch", gamma, vocab_out])
     params = _sampling_inputs(b)
     u_accept = b.input("u_accept", FLOAT, ["batch", gamma])
@@ -156,12 +195,14 @@ def accept(b: GraphBuilder, logits: str, ids: str, past_len: str, gamma: int | s
     coupled = b.input("coupled", BOOL, ["batch"])
     positions = gamma + 1 if isinstance(gamma, int) else "positions"
     noise = b.input("verify_noise", FLOAT, ["batch", positions, vocab_out])  # [B, γ+1, V]
-    target_probs = spec_op(b, "SpecTransform", logits, *params, vocab_size=vocab_out)
+    target_probs = min_p_filtered(b, spec_op(b, "SpecTransform", scores, *params, vocab_size=vocab_out))
     rejection = spec_op(b, "SpecAccept", target_probs, draft_probs, drafts, draft_len, u_accept, u_sample, past_len,
                         mode="sample", outputs=3)
     draws = b.op("ArgMax", gumbel_scores(b, target_probs, noise), axis=-1, keepdims=0)  # [B, γ+1]
     drawn = accept_tokens(b, draws, drafts, draft_len, past_len)
-    return [b.op("Where", coupled, c, r) for c, r in zip(drawn, rejection)]
+    outputs = [b.op("Where", coupled, c, r) for c, r in zip(drawn, rejection)]
+    emitted = emitted_tokens(b, ids, outputs[0], outputs[1])
+    return [*outputs, *logprob_outputs(b, scores, emitted, target_probs, params[0])]
 
 
 def accept_tree(b: GraphBuilder, logits: str, ids: str, past_len: str, typical: bool) -> list[str]:

@@ -17,14 +17,20 @@ from speccompile.core.tree import TokenTree
 
 
 class DecoderEngine(Protocol):
+    """Every call that chooses a token also takes `processing` (the logits processors' inputs of its
+    rows, core/processors.processing_inputs; None: none apply) and `logprobs` (whether to report
+    log-probabilities: the call then sets `last_logprobs`, a core.sampling.Logprobs of its positions)."""
+
     cache_lengths: np.ndarray  # int64 [slots]: tokens cached per slot; writable (rollback)
     vocab_size: int
+    last_logprobs: object  # the last call's that asked for them
 
     def start(self, slots: int) -> None:
         """Have caches for at least `slots` sequences (allocated once, reused after) and set every
         length to 0."""
 
-    def forward(self, tokens: np.ndarray, token_count: np.ndarray, first: int = 0) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, token_count: np.ndarray, first: int = 0, processing: dict | None = None,
+                logprobs: bool = False) -> np.ndarray:
         """Append tokens [B, T] (first token_count[b] real, rest padding; 0 real is allowed) at the
         lengths of slots first..first+B-1.
 
@@ -32,13 +38,13 @@ class DecoderEngine(Protocol):
         0 real tokens), and advances those slots' cache_lengths by token_count.
         """
 
-    def forward_confident(self, tokens: np.ndarray, token_count: np.ndarray,
-                          first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    def forward_confident(self, tokens: np.ndarray, token_count: np.ndarray, first: int = 0,
+                          processing: dict | None = None, logprobs: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """forward, returning (next_token [B], its probability [B]: how sure the model is of it)."""
 
     def forward_sample(self, tokens: np.ndarray, token_count: np.ndarray, params: dict, uniform: np.ndarray,
-                       coupled: np.ndarray | None = None, noise: np.ndarray | None = None,
-                       first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                       coupled: np.ndarray | None = None, noise: np.ndarray | None = None, first: int = 0,
+                       processing: dict | None = None, logprobs: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Like forward, but the next token is sampled from the distribution that `params`
         (temperature, top_k, top_p per row) make of the logits: by inverse CDF with one uniform per
         row, or in the rows marked coupled [B] by Gumbel-max with the noise [B, V] (uniforms).
@@ -52,7 +58,8 @@ class DecoderEngine(Protocol):
 
 
 class VerifierEngine(DecoderEngine, Protocol):
-    def verify(self, tokens: np.ndarray, draft_len: np.ndarray, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    def verify(self, tokens: np.ndarray, draft_len: np.ndarray, first: int = 0, processing: dict | None = None,
+               logprobs: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Score tokens [B, γ+1] = [last, d_1..d_γ] in one pass and apply SpecAccept; row b's drafts
         are its first draft_len[b] (0..γ), the rest padding that is never accepted.
 
@@ -62,13 +69,20 @@ class VerifierEngine(DecoderEngine, Protocol):
 
     def verify_sample(self, tokens: np.ndarray, draft_len: np.ndarray, draft_probs: np.ndarray, params: dict,
                       u_accept: np.ndarray, u_sample: np.ndarray, coupled: np.ndarray | None = None,
-                      noise: np.ndarray | None = None, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                      noise: np.ndarray | None = None, first: int = 0, processing: dict | None = None,
+                      logprobs: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """verify with rejection sampling: draft token d_k is accepted with probability
         min(1, p/q) (u_accept [B, γ]); the correction or bonus token is drawn with u_sample [B] from
         the residual or from p (draft_probs [B, γ, V] is q). Rows with coupled [B] set take the
         coupled rule (core/acceptance.py: the target draws every position by Gumbel-max with the
         noise [B, γ+1, V], and drafts are kept while they equal its draws; q and the u are not
         read). Same returns and rollback as verify."""
+
+
+    def score(self, tokens: np.ndarray, score_ids: np.ndarray, first: int = 0):
+        """Prefill tokens [B, T] (all real) and return a core.sampling.Logprobs of each position's
+        log-probability of score_ids [B, T] (the tokens that follow in the prompt) under the model's
+        own distribution, with its most likely tokens: a prompt's scores (echo)."""
 
 
 class TreeVerifierEngine(VerifierEngine, Protocol):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from speccompile.core.processors import Processors
 from speccompile.core.sampling import SamplingParams
 from speccompile.core.stats import GenerationStats
 
@@ -49,6 +50,11 @@ class Request:
     # (epsilon, delta)); a typical request batched with exact ones is verified exactly meanwhile
     acceptance_rule: str = "exact"
     typical: tuple[float, float] = (0.09, 0.3)
+    processors: Processors = Processors()  # penalties, logit bias, min_tokens, min_p (core/processors.py)
+    # log-probabilities to report: each generated token's with this many top tokens (None: none),
+    # and each prompt token's (echo) with this many
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     # -- state, written by the scheduler --
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -69,6 +75,10 @@ class Request:
         self._noise: dict[int, np.ndarray] = {}  # coupled: output position -> its noise, while it may be asked for
         self._noise_drawn = 0  # positions drawn from the stream so far
         self._last_emit_ms = 0.0  # since submission: when tokens were last delivered
+        self.processing = None  # a ProcessorState when processors apply: made by the scheduler when queued
+        # per generated token / per prompt token after the first: (log-probability, top ids, top log-probabilities)
+        self.token_logprobs: list[tuple[float, list[int], list[float]]] = []
+        self.prompt_scores: list[tuple[float, list[int], list[float]]] = []
         self.gamma_cap: int | None = None  # the most drafts an iteration may carry: set by the scheduler when queued
 
     @property
@@ -108,9 +118,10 @@ class Request:
         if self.stop_keep is None or keep < self.stop_keep:
             self.stop_keep = keep
 
-    def emit(self, tokens, eos_ids: set[int]) -> None:
+    def emit(self, tokens, eos_ids: set[int], scores=None) -> None:
         """Append accepted tokens, stopping at EOS or a stop token (kept), max_new_tokens, or a
-        stop check; pass the kept ones on."""
+        stop check; pass the kept ones on. scores: their log-probabilities, when the request asks
+        (one per token, as Logprobs.row gives them)."""
         kept = []
         eos_ids = () if self.ignore_eos else eos_ids
         for token in map(int, tokens):
@@ -124,6 +135,10 @@ class Request:
         start = len(self.generated)
         self.generated.extend(kept)
         self.tokens.extend(kept)
+        if self.processing is not None:
+            self.processing.observe(kept)
+        if scores is not None:
+            self.token_logprobs.extend(scores[: len(kept)])
         if self.on_tokens is not None and len(self.generated) > start:
             self.on_tokens(self.generated[start:])
         if len(self.generated) > start:

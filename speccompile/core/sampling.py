@@ -13,6 +13,21 @@ import numpy as np
 from speccompile.errors import SpecCompileError
 
 
+@dataclass
+class Logprobs:
+    """Log-probabilities a graph call reported (compiler/logits.py): at each row's scored positions,
+    the emitted (or scored) token's, and the most likely tokens with theirs, best first."""
+
+    token: np.ndarray  # [B, R]
+    top: np.ndarray  # [B, R, K]
+    top_ids: np.ndarray  # [B, R, K]
+
+    def row(self, row: int, count: int, top: int) -> list[tuple[float, list[int], list[float]]]:
+        """Row `row`'s first `count` positions: (token's log-probability, top ids, their log-probabilities)."""
+        return [(float(self.token[row, r]), self.top_ids[row, r, :top].tolist(), self.top[row, r, :top].tolist())
+                for r in range(count)]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy

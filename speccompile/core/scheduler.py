@@ -45,6 +45,7 @@ import numpy as np
 
 from speccompile.core.engine import DecoderEngine, VerifierEngine
 from speccompile.core.gamma_policy import GammaPolicy
+from speccompile.core.processors import processing_inputs
 from speccompile.core.proposers import Offer, Proposers
 from speccompile.core.proposers.draft_model import DraftRunner, sampling_params
 from speccompile.core.request import AUTO, Request
@@ -187,24 +188,33 @@ class Scheduler:
         self.joining = request
 
     def _prefill_chunk(self, request: Request, budget: int) -> int:
-        """Prefill the next chunk of a joining request's prompt; its first token when complete."""
+        """Prefill the next chunk of a joining request's prompt; its first token when complete. A
+        request that scores its prompt (echo) has every token but the last scored, in chunks, and
+        the last prefilled alone, as any request's last chunk: it yields the first token."""
         slot, start = len(self.decoding), request.prefilled
-        count = min(budget, len(request.prompt) - start)
+        scoring = request.prompt_logprobs is not None and start < len(request.prompt) - 1
+        count = min(budget, len(request.prompt) - (1 if scoring else 0) - start)
         tokens = np.array([request.prompt[start : start + count]], dtype=np.int64)
         counts = np.array([count], dtype=np.int64)
         began = time.perf_counter()
         complete = start + count == len(request.prompt)
         for runner in self.runners:
             runner.prefill(request, tokens, counts, slot, complete)
-        if complete and not request.params.greedy:
+        options = {"processing": processing_inputs([request], self.target.vocab_size),
+                   "logprobs": request.logprobs is not None}
+        if scoring:
+            following = np.array([request.prompt[start + 1 : start + count + 1]], dtype=np.int64)
+            scores = self.target.score(tokens, following, first=slot)
+            request.prompt_scores.extend(scores.row(0, count, request.prompt_logprobs))
+        elif complete and not request.params.greedy:
             uniform, coupled, noise = draws([request], self.target.vocab_size)
             token, _ = self.target.forward_sample(tokens, counts, sampling_params([request]), uniform, coupled, noise,
-                                                  first=slot)
+                                                  first=slot, **options)
         else:
-            token = self.target.forward(tokens, counts, first=slot)
+            token = self.target.forward(tokens, counts, first=slot, **options)
         request.prefilled += count
         if complete:
-            request.emit(token, self.eos_ids)
+            request.emit(token, self.eos_ids, self._scores([request], 0, 1))
         request.stats.prefill_ms += (time.perf_counter() - began) * 1e3
         return count
 
@@ -279,6 +289,19 @@ class Scheduler:
             plan.policy.observe_costs(gamma, draft_ms, verify_ms)
         self.update(plan, drafts, proposed, accepted, next_token, (draft_ms, verify_ms))
 
+    def _options(self, rows: list[Request]) -> dict:
+        """What a target call of these rows applies and reports: their processors' inputs, and
+        whether any of them asks for log-probabilities."""
+        return {"processing": processing_inputs(rows, self.target.vocab_size),
+                "logprobs": any(r.logprobs is not None for r in rows)}
+
+    def _scores(self, rows: list[Request], row: int, count: int) -> list | None:
+        """Row `row`'s log-probabilities at its first `count` positions in the last target call, if it asks."""
+        request = rows[row]
+        if request.logprobs is None:
+            return None
+        return self.target.last_logprobs.row(row, count, request.logprobs)
+
     def _verify(self, rows: list[Request], offers: list[Offer], drafts: np.ndarray, gamma: int,
                 proposed: np.ndarray, q: dict):
         candidates = np.zeros((len(rows), gamma + 1), dtype=np.int64)
@@ -286,7 +309,7 @@ class Scheduler:
         width = min(gamma, proposed.shape[1])
         candidates[:, 1 : width + 1] = proposed[:, :width]
         if all(r.params.greedy for r in rows):
-            return self.target.verify(candidates, drafts)
+            return self.target.verify(candidates, drafts, **self._options(rows))
         vocab = next((probs.shape[2] for probs in q.values() if probs is not None), self.target.vocab_size)
         draft_probs = np.zeros((len(rows), gamma, vocab), dtype=np.float32)
         u_accept = np.full((len(rows), gamma), 0.5, dtype=np.float32)
@@ -309,20 +332,20 @@ class Scheduler:
             else:  # a point proposal (a lookup) is a point mass
                 draft_probs[row, np.arange(d), proposed[row, :d]] = 1.0
         return self.target.verify_sample(candidates, drafts, draft_probs, sampling_params(rows), u_accept, u_sample,
-                                         coupled if noise is not None else None, noise)
+                                         coupled if noise is not None else None, noise, **self._options(rows))
 
     def _plain_iteration(self, rows: list[Request], began: float) -> None:
         """One plain decoding step of every row, its time (since `began`) counted as decoding."""
         last = np.array([[r.tokens[-1]] for r in rows], dtype=np.int64)
         one = np.ones(len(rows), dtype=np.int64)
         if all(r.params.greedy for r in rows):
-            next_token = self.target.forward(last, one)
+            next_token = self.target.forward(last, one, **self._options(rows))
         else:
             next_token, _ = self.target.forward_sample(last, one, sampling_params(rows),
-                                                       *draws(rows, self.target.vocab_size))
+                                                       *draws(rows, self.target.vocab_size), **self._options(rows))
         elapsed = (time.perf_counter() - began) * 1e3
         for row, request in enumerate(rows):
-            request.emit([next_token[row]], self.eos_ids)
+            request.emit([next_token[row]], self.eos_ids, self._scores(rows, row, 1))
             request.stats.decode_ms += elapsed
             request.stats.record_iteration(0, 0)
 
@@ -374,7 +397,7 @@ class Scheduler:
             offer.source.observe(request.stats, offer, d, n)
             if plan.policy is not None and request.gamma == AUTO and d and offer.source.learns_policy:
                 plan.policy.observe(d, n)
-            request.emit([*proposed[row, :n], next_token[row]], self.eos_ids)
+            request.emit([*proposed[row, :n], next_token[row]], self.eos_ids, self._scores(plan.rows, row, n + 1))
         for runner in self.runners:
             runner.after_verify(plan.rows)
 

@@ -9,7 +9,21 @@ rollback and the meaning of every call live here, once.
 import numpy as np
 
 from speccompile.bundle import Bundle, GraphId
+from speccompile.core.sampling import Logprobs
 from speccompile.core.tree import TokenTree, compaction
+
+# what the logits processors read (compiler/logits.py): a call's `processing` gives each of them, [B, ...]
+PROCESSING = {"penalties": (4, np.float32), "counts": ("vocab", np.float32), "seen": ("vocab", np.float32),
+              "logit_bias": ("vocab", np.float32), "banned": ("vocab", np.float32), "ban_until": (None, np.int64)}
+
+
+def _constant(value) -> np.ndarray:
+    array = np.array(value)
+    array.flags.writeable = False  # fed again as is, never copied again (onnxruntime_engine._feed)
+    return array
+
+
+ON, OFF = _constant(True), _constant(False)
 
 
 class CachedModel:
@@ -23,6 +37,8 @@ class CachedModel:
         self.slots = 0
         self.cache_lengths = np.zeros(0, dtype=np.int64)
         self._zeros: dict[tuple, tuple] = {}  # shape of the noise -> (coupled, noise) that no row reads
+        self._processing_off: dict[int, dict] = {}  # batch -> processing inputs that no call reads
+        self.last_logprobs: Logprobs | None = None  # the last call's that asked for them (logprobs=True)
 
     # -- the engine interface -------------------------------------------------------------------
     def start(self, slots: int) -> None:
@@ -31,26 +47,30 @@ class CachedModel:
             self.slots = slots
         self.cache_lengths = np.zeros(self.slots, dtype=np.int64)
 
-    def forward(self, tokens: np.ndarray, token_count: np.ndarray, first: int = 0) -> np.ndarray:
-        return self.forward_confident(tokens, token_count, first)[0]
+    def forward(self, tokens: np.ndarray, token_count: np.ndarray, first: int = 0, processing: dict | None = None,
+                logprobs: bool = False) -> np.ndarray:
+        return self.forward_confident(tokens, token_count, first, processing, logprobs)[0]
 
-    def forward_confident(self, tokens: np.ndarray, token_count: np.ndarray,
-                          first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    def forward_confident(self, tokens: np.ndarray, token_count: np.ndarray, first: int = 0,
+                          processing: dict | None = None, logprobs: bool = False) -> tuple[np.ndarray, np.ndarray]:
         rows = self._rows(first, len(tokens))
         out = self._run(GraphId.step(self.role, sample=False), first, input_ids=tokens,
-                        past_len=self.cache_lengths[rows], token_count=token_count)
+                        past_len=self.cache_lengths[rows], token_count=token_count,
+                        **self._switches(len(tokens), processing, logprobs))
         self.cache_lengths[rows] += token_count
+        self._keep_logprobs(out, logprobs)
         return out["next_token"].copy(), out["confidence"].copy()
 
-    def forward_sample(self, tokens, token_count, params, uniform, coupled=None, noise=None,
-                       first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    def forward_sample(self, tokens, token_count, params, uniform, coupled=None, noise=None, first: int = 0,
+                       processing: dict | None = None, logprobs: bool = False) -> tuple[np.ndarray, np.ndarray]:
         rows = self._rows(first, len(tokens))
         if coupled is None:  # every row by inverse CDF: the noise is never read
             coupled, noise = self._unread(len(tokens), (len(tokens), self.vocab_size))
         out = self._run(GraphId.step(self.role, sample=True), first, input_ids=tokens,
                         past_len=self.cache_lengths[rows], token_count=token_count, uniform=uniform, coupled=coupled,
-                        noise=noise, **params)
+                        noise=noise, **params, **self._switches(len(tokens), processing, logprobs))
         self.cache_lengths[rows] += token_count
+        self._keep_logprobs(out, logprobs)
         return out["next_token"].copy(), out["probs"].copy()
 
     def _unread(self, batch: int, shape: tuple) -> tuple[np.ndarray, np.ndarray]:
@@ -60,23 +80,57 @@ class CachedModel:
             self._zeros[shape] = np.zeros(batch, bool), np.zeros(shape, np.float32)
         return self._zeros[shape]
 
-    def verify(self, tokens: np.ndarray, draft_len: np.ndarray, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    def _switches(self, batch: int, processing: dict | None, logprobs: bool) -> dict:
+        """The processors' inputs (read-only zeros, made once per batch size, when none applies) and
+        the switches of processing and log-probabilities."""
+        if processing is None:
+            if batch not in self._processing_off:
+                self._processing_off[batch] = {name: _constant(np.zeros(self._processing_shape(batch, width), dtype))
+                                               for name, (width, dtype) in PROCESSING.items()}
+            processing = self._processing_off[batch]
+        return {**processing, "process": OFF if processing is self._processing_off.get(batch) else ON,
+                "want_logprobs": ON if logprobs else OFF}
+
+    def _processing_shape(self, batch: int, width) -> tuple:
+        return (batch,) if width is None else (batch, self.vocab_size if width == "vocab" else width)
+
+    def _keep_logprobs(self, out: dict, logprobs: bool) -> None:
+        if logprobs:
+            self.last_logprobs = Logprobs(out["token_logprob"].copy(), out["top_logprobs"].copy(),
+                                          out["top_ids"].copy())
+
+    def verify(self, tokens: np.ndarray, draft_len: np.ndarray, first: int = 0, processing: dict | None = None,
+               logprobs: bool = False) -> tuple[np.ndarray, np.ndarray]:
         rows = self._rows(first, len(tokens))
         out = self._run(GraphId.verification(tokens.shape[1] - 1, sample=False), first, input_ids=tokens,
-                        past_len=self.cache_lengths[rows], draft_len=draft_len)
+                        past_len=self.cache_lengths[rows], draft_len=draft_len,
+                        **self._switches(len(tokens), processing, logprobs))
         self.cache_lengths[rows] = out["new_len"]
+        self._keep_logprobs(out, logprobs)
         return out["accepted"].copy(), out["next_token"].copy()
 
     def verify_sample(self, tokens, draft_len, draft_probs, params, u_accept, u_sample, coupled=None, noise=None,
-                      first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                      first: int = 0, processing: dict | None = None,
+                      logprobs: bool = False) -> tuple[np.ndarray, np.ndarray]:
         rows = self._rows(first, len(tokens))
         if coupled is None:  # every row by rejection sampling: the noise is never read
             coupled, noise = self._unread(len(tokens), (len(tokens), tokens.shape[1], self.vocab_size))
         out = self._run(GraphId.verification(tokens.shape[1] - 1, sample=True), first, input_ids=tokens,
                         past_len=self.cache_lengths[rows], draft_len=draft_len, draft_probs=draft_probs,
-                        u_accept=u_accept, u_sample=u_sample, coupled=coupled, verify_noise=noise, **params)
+                        u_accept=u_accept, u_sample=u_sample, coupled=coupled, verify_noise=noise, **params,
+                        **self._switches(len(tokens), processing, logprobs))
         self.cache_lengths[rows] = out["new_len"]
+        self._keep_logprobs(out, logprobs)
         return out["accepted"].copy(), out["next_token"].copy()
+
+    def score(self, tokens: np.ndarray, score_ids: np.ndarray, first: int = 0) -> Logprobs:
+        """Prefill tokens [B, T] (every one real) and return each position's log-probability of
+        score_ids [B, T] (the tokens that follow) and its most likely tokens: a prompt's scores (echo)."""
+        rows = self._rows(first, len(tokens))
+        out = self._run(GraphId.score(), first, input_ids=tokens, past_len=self.cache_lengths[rows],
+                        score_ids=score_ids)
+        self.cache_lengths[rows] += tokens.shape[1]
+        return Logprobs(out["token_logprob"].copy(), out["top_logprobs"].copy(), out["top_ids"].copy())
 
     def verify_tree(self, tokens: np.ndarray, draft_len: np.ndarray, tree: TokenTree, typical: tuple | None = None,
                     first: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

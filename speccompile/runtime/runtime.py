@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from speccompile.bundle import Bundle, GraphId, open_bundle
+from speccompile.bundle import TOP_LOGPROBS, Bundle, GraphId, open_bundle
+from speccompile.core.processors import Processors, ProcessorState
 from speccompile.core.proposers import DEFAULT_PROPOSER, Proposers, TreeShape
 from speccompile.core.proposers.draft_model import DraftRunner
 from speccompile.core.request import AUTO, SAMPLING_RULES, Request
@@ -43,6 +44,10 @@ class GenerationResult:
     text: str  # their text, ending before a stop string (as OpenAI's)
     stats: GenerationStats
     finish_reason: str = "length"  # "stop" (EOS, stop token or string), "length", "cancelled"
+    # when asked: per generated token, and per prompt token after the first, (log-probability, the
+    # top token ids, their log-probabilities)
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
     def to_dict(self) -> dict:
         return {"prompt": self.prompt, "text": self.text, "token_ids": self.token_ids,
@@ -119,7 +124,7 @@ class Runtime:
                seed=None, stop: list[str] | None = None, stop_token_ids=(), gamma: int | str | None = None,
                mode: str | None = None, on_tokens=None, proposer: str = DEFAULT_PROPOSER,
                p_min: float | None = None, acceptance: str = "exact",
-               sampling_rule: str | None = None, ignore_eos: bool = False) -> "RequestHandle":
+               sampling_rule: str | None = None, ignore_eos: bool = False, **controls) -> "RequestHandle":
         """Queue one request (a string or token ids) and return its handle at once. Thread-safe.
 
         gamma: a compiled γ (at most that many drafts per iteration), 0 (plain decoding), "auto" (the
@@ -134,6 +139,13 @@ class Runtime:
         rule, whose acceptance is higher (core/acceptance.py, core/request.py).
         stop: strings that end the text (excluded from it); stop_token_ids end it like EOS;
         ignore_eos: generate past the model's EOS token (to max_new_tokens or a stop).
+        controls, the OpenAI and vLLM parameters (core/processors.py): presence_penalty,
+        frequency_penalty, repetition_penalty, logit_bias ({token id: bias}), min_p, min_tokens
+        change the target's distribution, and the draft's alike, so the output stays exactly the
+        processed target's; logprobs=K reports each generated token's log-probability under the
+        distribution it was drawn from and the K (<= 20) most likely tokens' (result.logprobs);
+        prompt_logprobs=K each prompt token's after the first (result.prompt_logprobs, echo).
+        Log-probabilities come from the target's own pass: the same with speculation or without.
         on_tokens(token_ids) is called as tokens are accepted, from the engine thread (from the
         runtime's edge thread for a request with stop strings).
         proposer: who drafts, one of core/proposers' kinds: "draft" (the draft model), "ngram"
@@ -146,7 +158,7 @@ class Runtime:
         approximate, never the default."""
         request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids, gamma,
                                 mode, on_tokens, proposer=proposer, p_min=p_min, acceptance=acceptance,
-                                sampling_rule=sampling_rule, ignore_eos=ignore_eos)
+                                sampling_rule=sampling_rule, ignore_eos=ignore_eos, **controls)
         handle = RequestHandle(request, self, prompt, _stop_strings(stop))
         self._queue(handle)
         return handle
@@ -165,7 +177,7 @@ class Runtime:
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  on_tokens=None, stop: list[str] | None = None, proposer: str = DEFAULT_PROPOSER,
                  p_min: float | None = None, acceptance: str = "exact", sampling_rule: str | None = None,
-                 stop_token_ids=(), ignore_eos: bool = False) -> list[GenerationResult]:
+                 stop_token_ids=(), ignore_eos: bool = False, **controls) -> list[GenerationResult]:
         """Generate for a list of prompts (strings or token-id lists); one result per prompt, in order.
 
         Each prompt is one request (see `submit`); all are checked before any is queued. Prompt i
@@ -182,7 +194,7 @@ class Runtime:
         requests = [self._request(p, max_new_tokens, temperature, top_k, top_p, s, stop, stop_token_ids, gamma, mode,
                                   (lambda ids, i=i: on_tokens(i, ids)) if on_tokens else None, warn=i == 0,
                                   proposer=proposer, p_min=p_min, acceptance=acceptance, sampling_rule=sampling_rule,
-                                  ignore_eos=ignore_eos)
+                                  ignore_eos=ignore_eos, **controls)
                     for i, (p, s) in enumerate(zip(prompts, seeds))]
         handles = [RequestHandle(r, self, p, _stop_strings(stop)) for r, p in zip(requests, prompts)]
         for handle in handles:
@@ -214,7 +226,10 @@ class Runtime:
         text = self.tokenizer.decode_continuation(request.prompt, tokens)
         cut = _before_stop(text, list(stops))
         request.stats.new_tokens = len(tokens)
-        return GenerationResult(prompt, tokens, text if cut is None else cut, request.stats, reason)
+        logprobs = request.token_logprobs[: len(tokens)] if request.logprobs is not None else None
+        prompt_logprobs = request.prompt_scores if request.prompt_logprobs is not None else None
+        return GenerationResult(prompt, tokens, text if cut is None else cut, request.stats, reason, logprobs,
+                                prompt_logprobs)
 
     # -- the engine thread ------------------------------------------------------------------------
     def _queue(self, handle, batched: bool | None = None) -> None:
@@ -262,11 +277,12 @@ class Runtime:
         session load: the single-sequence variants, and the batched graphs when it will share the
         engine (if the load grows later, those load on first use)."""
         sample = not request.params.greedy
-        key = request.gamma, sample, batched
+        key = request.gamma, sample, batched, request.prompt_logprobs is not None
         if key in self._loaded:
             return
         batches = (1, self.max_batch) if batched else (1,)
-        target = [GraphId.step("target", sample=sample)]
+        target = [GraphId.step("target", sample=sample)] + ([GraphId.score()] if request.prompt_logprobs is not None
+                                                            else [])
         if request.proposer.tree:
             target += [GraphId.tree_verification(typical=False)]
             target += [GraphId.tree_verification(typical=True)] if request.acceptance_rule == "typical" else []
@@ -284,8 +300,17 @@ class Runtime:
     def _request(self, prompt, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=None,
                  stop_token_ids=(), gamma=None, mode=None, on_tokens=None, warn: bool = True,
                  proposer: str = DEFAULT_PROPOSER, p_min: float | None = None, acceptance: str = "exact",
-                 sampling_rule: str | None = None, ignore_eos: bool = False) -> Request:
+                 sampling_rule: str | None = None, ignore_eos: bool = False, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, logit_bias: dict | None = None,
+                 min_p: float = 0.0, min_tokens: int = 0, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None) -> Request:
         self.proposers.check(proposer)
+        processors = Processors(presence_penalty, frequency_penalty, repetition_penalty,
+                                tuple(sorted(_logit_bias(logit_bias).items())), min_tokens, min_p)
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= TOP_LOGPROBS):
+                raise SpecCompileError(f"{name} must be an integer in [0, {TOP_LOGPROBS}], got {value!r}")
         sampling_rule = sampling_rule or default_sampling_rule(seed)
         self._check_tree_rules(acceptance, temperature)
         if sampling_rule not in SAMPLING_RULES:
@@ -300,6 +325,9 @@ class Runtime:
                 log.warning(f"warning: {name} has no effect at temperature 0 (greedy decoding); "
                             "set a temperature to sample")
         made = self.proposers.make(proposer, float(p_min))
+        if made.tree and (processors.active or logprobs is not None or prompt_logprobs is not None):
+            raise SpecCompileError("Medusa tree verification applies no logits processors (penalties, logit_bias, "
+                                   "min_p, min_tokens) and reports no log-probabilities: use a chain proposer")
         if made.tree:
             gamma, allow_plain = self._medusa_gamma(mode, gamma)
         else:
@@ -313,7 +341,11 @@ class Runtime:
         request = Request(ids, max_new_tokens, params, seed, gamma, allow_plain,
                           frozenset(self._token_ids(stop_token_ids)), on_tokens=on_tokens, proposer=made,
                           p_min=float(p_min), sampling_rule=sampling_rule, acceptance_rule=acceptance,
-                          ignore_eos=bool(ignore_eos))
+                          ignore_eos=bool(ignore_eos), processors=processors, logprobs=logprobs,
+                          prompt_logprobs=prompt_logprobs)
+        if processors.active:
+            request.processing = ProcessorState.start(processors, ids, self.target.vocab_size,
+                                                      self.tokenizer.eos_token_ids | request.stop_token_ids)
         if not self.scheduler.fits(request):
             cap = self.scheduler.gamma_cap(request)
             raise SpecCompileError(
@@ -391,6 +423,18 @@ class Runtime:
         if bad:
             raise SpecCompileError(f"token id {bad[0]} is outside the vocabulary (0..{self.target.vocab_size - 1})")
         return [int(t) for t in ids]
+
+
+def _logit_bias(bias) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (JSON gives them as strings) to a bias."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise SpecCompileError("logit_bias must map token ids to biases")
+    try:
+        return {int(token): float(value) for token, value in bias.items()}
+    except (TypeError, ValueError):
+        raise SpecCompileError("logit_bias must map token ids to numbers") from None
 
 
 def default_sampling_rule(seed) -> str:

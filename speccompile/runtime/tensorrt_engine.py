@@ -104,7 +104,9 @@ class TrtModel(CachedModel):
             context.set_tensor_address(name, device.ptr)
         outputs = {}
         for name in graph.outputs:
-            shape, dtype = output_array(name, batch, self.vocab_size, inputs["input_ids"].shape[1])
+            width = inputs["input_ids"].shape[1]
+            shape, dtype = output_array(name, batch, self.vocab_size, width,
+                                        positions=width if graph.positions_scored == "all" else 1)
             outputs[name] = self._scratch(scratch, name, shape, dtype)
             context.set_tensor_address(name, outputs[name].ptr)
         if not context.execute_async_v3(self.stream.ptr):

@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 import pytest
 
-from speccompile.bundle import FORMAT_VERSION, open_bundle, sha256_file
+from speccompile.bundle import FORMAT_VERSION, TOP_LOGPROBS, open_bundle, sha256_file
 from speccompile.compiler import build as build_module
 from speccompile.compiler.build import build_bundle
 from speccompile.compiler.trt_rules import tensorrt_violations
@@ -18,11 +18,11 @@ from tests.tiny_models import make_checkpoint
 def test_manifest_describes_every_graph_and_file(bundles):
     bundle = open_bundle(bundles("qwen2", "random"))
     m = bundle.manifest
-    assert m["format_version"] == FORMAT_VERSION == 4
+    assert m["format_version"] == FORMAT_VERSION == 5
     assert m["gammas"] == [1, 4] and m["max_seq"] == 96 and m["max_batch"] == 4
     assert set(m["graphs"]) == {
         "target_forward", "draft_forward", "target_verify_g1", "target_verify_g4",
-        "target_sample", "draft_sample", "target_verify_sample_g1", "target_verify_sample_g4",
+        "target_sample", "draft_sample", "target_verify_sample_g1", "target_verify_sample_g4", "target_score",
     }
     assert m["models"]["target"]["config"]["model_type"] == "qwen2"
     for name, sha in m["files"].items():
@@ -33,6 +33,7 @@ def test_manifest_describes_every_graph_and_file(bundles):
     assert verify["inputs"][0]["shape"] == ["batch", 5]
     outputs = {o["name"]: o for o in verify["outputs"]}
     assert outputs["accepted"] == {"name": "accepted", "dtype": "int64", "shape": ["batch"]}
+    assert outputs["top_ids"] == {"name": "top_ids", "dtype": "int64", "shape": ["batch", 5, TOP_LOGPROBS]}
     assert outputs["present_key.0"]["shape"] == ["batch", 2, 96, 16]
     assert verify["op_counts"]["SpecAccept"] == 1 and verify["op_counts"]["TensorScatter"] == 4
 

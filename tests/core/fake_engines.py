@@ -43,19 +43,21 @@ class FakeEngine:
     def choose(self, prefix) -> int:
         return next_token_of(prefix, self.vocab_size, self.salt)
 
-    def forward(self, tokens, token_count, first=0):
+    def forward(self, tokens, token_count, first=0, processing=None, logprobs=False):
+        assert processing is None and not logprobs, "fake engines neither process logits nor score them"
         choices = self._append(tokens, first)
         self.cache_lengths[first : first + len(tokens)] += token_count
         return choices[np.arange(len(tokens)), np.maximum(token_count - 1, 0)]
 
-    def forward_confident(self, tokens, token_count, first=0):
+    def forward_confident(self, tokens, token_count, first=0, processing=None, logprobs=False):
         """forward, and a confidence in [0, 1) that is a hash of the prefix it follows."""
-        token = self.forward(tokens, token_count, first)
+        token = self.forward(tokens, token_count, first, processing, logprobs)
         rows = range(first, first + len(tokens))
         confidence = [next_token_of(self.cache[s, : self.cache_lengths[s]], 1000, self.salt + 1) / 1000 for s in rows]
         return token, np.array(confidence, dtype=np.float32)
 
-    def verify(self, tokens, draft_len, first=0):
+    def verify(self, tokens, draft_len, first=0, processing=None, logprobs=False):
+        assert processing is None and not logprobs, "fake engines neither process logits nor score them"
         choices = self._append(tokens, first)
         rows = slice(first, first + len(tokens))
         accepted, next_token, self.cache_lengths[rows] = greedy_accept(choices, tokens[:, 1:], self.cache_lengths[rows],
@@ -79,8 +81,8 @@ class AgreeingDraft(FakeEngine):
         super().__init__(**kwargs)
         self.disagree_every = disagree_every
 
-    def forward(self, tokens, token_count, first=0):
-        out = super().forward(tokens, token_count, first)
+    def forward(self, tokens, token_count, first=0, processing=None, logprobs=False):
+        out = super().forward(tokens, token_count, first, processing, logprobs)
         flip = (self.cache_lengths[first : first + len(tokens)] % self.disagree_every) == 0
         return np.where(flip, (out + 1) % self.vocab_size, out)
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from speccompile.core.engine import DecoderEngine
 from speccompile.core.gamma_policy import Acceptance, GammaPolicy
+from speccompile.core.processors import add_drafted, processing_inputs
 from speccompile.core.proposers.base import Offer, Proposer
 from speccompile.core.sampling import draws
 
@@ -66,6 +67,7 @@ class DraftRunner:
         tokens, counts = pad([r.tokens[length:] for r, length in zip(rows, lengths)])
         p_min = np.array([offer.source.p_min if m else 0.0 for offer, m in zip(offers, mine)], dtype=np.float32)
         params = sampling_params(rows) if sampling else None
+        processing = processing_inputs(rows, self.engine.vocab_size)  # the target's processors, drafts counted
         probs_out = []
         for k in range(steps):
             drafting = [m and k < d for m, d in zip(mine, drafts)]
@@ -73,11 +75,12 @@ class DraftRunner:
                 break
             if sampling:
                 uniform, coupled, noise = draws(rows, self.engine.vocab_size, offset=k, active=drafting)
-                token, probs = self.engine.forward_sample(tokens, counts, params, uniform, coupled, noise)
+                token, probs = self.engine.forward_sample(tokens, counts, params, uniform, coupled, noise,
+                                                          processing=processing)
                 confidence = probs[np.arange(len(rows)), token]
                 probs_out.append(probs)
             else:
-                token, confidence = self.engine.forward_confident(tokens, counts)
+                token, confidence = self.engine.forward_confident(tokens, counts, processing=processing)
             for row, offer in enumerate(offers):
                 if drafting[row] and confidence[row] < p_min[row]:
                     drafts[row] = k
@@ -85,6 +88,7 @@ class DraftRunner:
                     proposed[row, k] = token[row]
                 elif offer.tokens is not None and k < len(offer.tokens):
                     token[row] = offer.tokens[k]
+            add_drafted(processing, token, np.ones(len(rows), bool))  # every row's next step reads the token fed
             tokens, counts = token[:, None], np.ones(len(rows), dtype=np.int64)
         return np.stack(probs_out, axis=1) if sampling else None
 
