@@ -143,7 +143,10 @@ def test_graph_names_are_derived_from_what_a_graph_is():
     assert GraphId("draft", "sample").name == "draft_sample"
     assert GraphId.verification(4, sample=False).name == "target_verify_g4"
     assert GraphId.verification(6, sample=True).name == "target_verify_sample_g6"
-    assert GraphId.verification(2, sample=True).outputs == ("accepted", "next_token", "new_len")
+    assert GraphId.verification(2, sample=True).outputs == ("accepted", "next_token", "new_len", "token_logprob",
+                                                             "top_logprobs", "top_ids")
+    assert GraphId.score().name == "target_score" and GraphId.score().positions_scored == "all"
+    assert GraphId.step("target", sample=True).positions_scored == "last"
     with pytest.raises(AssertionError):
         GraphId("target", "verify")  # a verification has a γ
     with pytest.raises(AssertionError):
@@ -160,12 +163,12 @@ def test_the_manifest_records_each_graph_as_its_id(bundles):
 
 
 def test_a_bundle_of_the_previous_format_asks_for_a_rebuild(bundle_copy):
-    """Format 3's sampling graphs lack the coupled rule's inputs (format 2's greedy steps, their
-    confidence; format 1's verifications, draft_len): one error that says to rebuild, before any
-    graph loads."""
+    """Format 4's graphs lack the logits processors, log-probabilities and the scoring graph (format
+    3's sampling graphs, the coupled rule's inputs; format 2's greedy steps, their confidence;
+    format 1's verifications, draft_len): one error that says to rebuild, before any graph loads."""
     manifest = json.loads((bundle_copy / "manifest.json").read_text())
-    for old in (1, 2, 3):
+    for old in (1, 2, 3, 4):
         (bundle_copy / "manifest.json").write_text(json.dumps({**manifest, "format_version": old}))
-        refused = rf"format version {old} is not supported .*reads version 4\); rebuild"
+        refused = rf"format version {old} is not supported .*reads version 5\); rebuild"
         with pytest.raises(SpecCompileError, match=refused):
             open_bundle(bundle_copy)

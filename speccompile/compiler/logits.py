@@ -102,7 +102,7 @@ def min_p_filtered(g, probs: str) -> str:
                 else_branch=keep.graph([(keep.op("Identity", probs), FLOAT)]))
 
 
-def logprob_outputs(g, logits: str, emitted: str, probs: str | None = None,
+def logprob_outputs(g, logits: str, emitted: str, vocab: int, probs: str | None = None,
                     temperature: str | None = None) -> list[str]:
     """(token_logprob [B, R], top_logprobs [B, R, K], top_ids [B, R, K]) of the tokens `emitted`
     [B, R] (an If on `want_logprobs`; zeros when not wanted). logits [B, R, V]: processed. probs
@@ -115,7 +115,7 @@ def logprob_outputs(g, logits: str, emitted: str, probs: str | None = None,
         log_p = then.op("Where", sampled, then.op("Log", probs), log_p)
     token = then.op("Squeeze", then.op("GatherElements", log_p, then.op("Unsqueeze", emitted, then.const([2])), axis=2),
                     then.const([2]))
-    top, ids = then.op("TopK", log_p, then.const([TOP_LOGPROBS]), axis=-1, largest=1, sorted=1, outputs=2)
+    top, ids = _top(then, log_p, vocab)
     none = g.branch("no_logprobs")
     shape = none.op("Shape", emitted)
     wide = none.op("Concat", shape, none.const([TOP_LOGPROBS]), axis=0)
@@ -148,5 +148,14 @@ def prompt_scores(g, logits: str, score_ids: str) -> list[str]:
     log_p = g.op("LogSoftmax", logits, axis=-1)
     token = g.op("Squeeze", g.op("GatherElements", log_p, g.op("Unsqueeze", score_ids, g.const([2])), axis=2),
                  g.const([2]))
-    top, ids = g.op("TopK", log_p, g.const([TOP_LOGPROBS]), axis=-1, largest=1, sorted=1, outputs=2)
-    return [token, top, ids]
+    return [token, *_top(g, log_p, None)]
+
+
+def _top(b, log_p: str, vocab: int | None) -> list[str]:
+    """The TOP_LOGPROBS largest of log_p [B, R, V] and their ids; a vocabulary smaller than that (a
+    tiny cut draft head) is padded with impossible tokens, whose ids are clamped into it."""
+    if vocab is not None and vocab < TOP_LOGPROBS:
+        log_p = b.op("Pad", log_p, b.const([0, 0, 0, 0, 0, TOP_LOGPROBS - vocab]), b.const(NEG_INF, np.float32))
+        top, ids = b.op("TopK", log_p, b.const([TOP_LOGPROBS]), axis=-1, largest=1, sorted=1, outputs=2)
+        return [top, b.op("Min", ids, b.const(vocab - 1))]
+    return b.op("TopK", log_p, b.const([TOP_LOGPROBS]), axis=-1, largest=1, sorted=1, outputs=2)

@@ -147,7 +147,8 @@ def greedy_step(b: GraphBuilder, logits: str, vocab_out: int, vocab_ids=None) ->
                   b.const([1]))
     best = b.op("ArgMax", scores, axis=-1, keepdims=0)  # its place in the scored vocabulary
     token, top, top_ids = logprob_outputs(b, b.op("Unsqueeze", scores, b.const([1])),
-                                          b.op("Unsqueeze", best, b.const([1])))
+                                          b.op("Unsqueeze", best, b.const([1])),
+                                          vocab_out if vocab_ids is None else len(vocab_ids))
     if subset is not None:
         best, top_ids = b.op("Gather", subset, best), b.op("Gather", subset, top_ids)
     return [best, greedy_confidence(b, scores), token, top, top_ids]
@@ -172,7 +173,7 @@ def sampled_next(b: GraphBuilder, logits: str, vocab_out: int) -> list[str]:
     probs = b.op("Squeeze", drawn_from, b.const([1]))
     gumbel_max = b.op("ArgMax", gumbel_scores(b, probs, noise), axis=-1, keepdims=0)
     token = b.op("Where", coupled, gumbel_max, spec_op(b, "SpecSample", probs, uniform))
-    logprobs = logprob_outputs(b, scores, b.op("Unsqueeze", token, b.const([1])), drawn_from, params[0])
+    logprobs = logprob_outputs(b, scores, b.op("Unsqueeze", token, b.const([1])), vocab_out, drawn_from, params[0])
     return [token, probs, *logprobs]
 
 
@@ -186,7 +187,7 @@ def accept(b: GraphBuilder, logits: str, ids: str, past_len: str, gamma: int | s
     scores = processed(b, logits, vocab_out, drafts=drafts)
     if not sample:
         outputs = spec_accept_node(b, scores, drafts, draft_len, past_len)
-        return [*outputs, *logprob_outputs(b, scores, emitted_tokens(b, ids, outputs[0], outputs[1]))]
+        return [*outputs, *logprob_outputs(b, scores, emitted_tokens(b, ids, outputs[0], outputs[1]), vocab_out)]
     draft_probs = b.input("draft_probs", FLOAT, ["batch", gamma, vocab_out])
     params = _sampling_inputs(b)
     u_accept = b.input("u_accept", FLOAT, ["batch", gamma])
@@ -202,7 +203,7 @@ def accept(b: GraphBuilder, logits: str, ids: str, past_len: str, gamma: int | s
     drawn = accept_tokens(b, draws, drafts, draft_len, past_len)
     outputs = [b.op("Where", coupled, c, r) for c, r in zip(drawn, rejection)]
     emitted = emitted_tokens(b, ids, outputs[0], outputs[1])
-    return [*outputs, *logprob_outputs(b, scores, emitted, target_probs, params[0])]
+    return [*outputs, *logprob_outputs(b, scores, emitted, vocab_out, target_probs, params[0])]
 
 
 def accept_tree(b: GraphBuilder, logits: str, ids: str, past_len: str, typical: bool) -> list[str]:

@@ -24,9 +24,24 @@ def softmax_max(logits: np.ndarray) -> float:
     return float(z.max() / z.sum())
 
 
+SWITCHES = ("process", "penalties", "counts", "seen", "logit_bias", "banned", "ban_until", "want_logprobs")
+
+
+def switched_off(session, feeds: dict) -> dict:
+    """The feeds, with the logits processors and log-probabilities off (zeros) where not given."""
+    batch = len(feeds["input_ids"])
+    types = {"tensor(bool)": bool, "tensor(float)": np.float32, "tensor(int64)": np.int64}
+    for value in session.get_inputs():
+        if value.name in SWITCHES and value.name not in feeds:
+            shape = [batch if dim == "batch" else dim for dim in value.shape]
+            feeds[value.name] = np.zeros(shape, types[value.type])
+    return feeds
+
+
 def run_with_cache(session, feeds: dict, cache: dict) -> dict:
-    """Run with cache {"key.0": array, ...} as the past_* inputs; the present_* outputs replace it."""
-    feeds = {**feeds, **{f"past_{key}": value for key, value in cache.items()}}
+    """Run with cache {"key.0": array, ...} as the past_* inputs; the present_* outputs replace it.
+    Processors and log-probabilities are off unless the feeds switch them on."""
+    feeds = switched_off(session, {**feeds, **{f"past_{key}": value for key, value in cache.items()}})
     out = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
     for key in cache:
         cache[key] = out[f"present_{key}"]
