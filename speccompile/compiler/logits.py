@@ -142,19 +142,19 @@ def emitted_tokens(g, ids: str, accepted: str, next_token: str) -> str:
     return g.op("Where", kept, following, g.op("Unsqueeze", next_token, g.const([1])))
 
 
-def prompt_scores(g, logits: str, score_ids: str) -> list[str]:
+def prompt_scores(g, logits: str, score_ids: str, vocab: int) -> list[str]:
     """(token_logprob [B, T], top_logprobs, top_ids [B, T, K]): each position's log-softmax at the
     token that follows it in the prompt (`score_ids`), and its K most likely tokens."""
     log_p = g.op("LogSoftmax", logits, axis=-1)
     token = g.op("Squeeze", g.op("GatherElements", log_p, g.op("Unsqueeze", score_ids, g.const([2])), axis=2),
                  g.const([2]))
-    return [token, *_top(g, log_p, None)]
+    return [token, *_top(g, log_p, vocab)]
 
 
-def _top(b, log_p: str, vocab: int | None) -> list[str]:
+def _top(b, log_p: str, vocab: int) -> list[str]:
     """The TOP_LOGPROBS largest of log_p [B, R, V] and their ids; a vocabulary smaller than that (a
-    tiny cut draft head) is padded with impossible tokens, whose ids are clamped into it."""
-    if vocab is not None and vocab < TOP_LOGPROBS:
+    tiny cut draft head, a test's model) is padded with impossible tokens, whose ids are clamped into it."""
+    if vocab < TOP_LOGPROBS:
         log_p = b.op("Pad", log_p, b.const([0, 0, 0, 0, 0, TOP_LOGPROBS - vocab]), b.const(NEG_INF, np.float32))
         top, ids = b.op("TopK", log_p, b.const([TOP_LOGPROBS]), axis=-1, largest=1, sorted=1, outputs=2)
         return [top, b.op("Min", ids, b.const(vocab - 1))]

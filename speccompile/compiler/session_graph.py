@@ -131,7 +131,8 @@ def _tail(g, spec, kind, logits, logits_subset, vocab_ids, ids, past_len, vocab_
     elif kind == "sample":
         made.update(zip(GRAPH_OUTPUTS[kind], sampled_next(b, b.op("Squeeze", logits, b.const([1])), vocab_out)))
     elif kind == "score":
-        made.update(zip(LOGPROBS, prompt_scores(b, logits, b.input("score_ids", INT64, ["batch", "tokens"]))))
+        made.update(zip(LOGPROBS, prompt_scores(b, logits, b.input("score_ids", INT64, ["batch", "tokens"]),
+                                                vocab_out)))
     else:
         made.update(zip((*OUTPUTS, *LOGPROBS), accept(b, logits, ids, past_len, "gamma", vocab_out,
                                                        kind == "verify_sample")))

@@ -105,7 +105,7 @@ def build_score_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int, 
     past_len = g.input("past_len", INT64, ["batch"])
     hidden = _decoder(g, spec, ids, past_len, max_seq, single_sequence)
     score_ids = g.input("score_ids", INT64, ["batch", "tokens"])
-    for tensor, output in zip(prompt_scores(g, _lm_head(g, spec, hidden, vocab_out), score_ids), LOGPROBS):
+    for tensor, output in zip(prompt_scores(g, _lm_head(g, spec, hidden, vocab_out), score_ids, vocab_out), LOGPROBS):
         g.output(tensor, output, *OUTPUT_SHAPES[output](vocab_out, "tokens"))
     return g
 

@@ -15,7 +15,6 @@ iterations per draft count, drafts per proposer).
 """
 
 import asyncio
-import json
 import os
 import socket
 import time
@@ -25,6 +24,7 @@ from speccompile.errors import SpecCompileError
 from speccompile.serve.chat import render_chat
 from speccompile.serve.metrics import Metrics
 from speccompile.serve.protocol import UNSUPPORTED, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from speccompile.serve.responses import Shape, finish_reason, speculative_stats, usage
 
 
 def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting: int | None = None,
@@ -172,10 +172,11 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
                 handle.cancel()
             return openai_error(400, str(e), None)
         shape = Shape(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), model_name, chat,
-                      body.n)
+                      runtime.tokenizer, body.n, echo=not chat and body.echo, echo_only=max_tokens == 0,
+                      logprobs=reported_logprobs(body, chat))
         if not body.stream:
             results = await asyncio.gather(*(h.result() for h in handles))
-            return shape.body(results, [len(h.request.prompt) for h in handles])
+            return shape.body(results, handles)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = stream_events(runtime, handles, shape, body.stop, include_usage)
         return StreamingResponse(events, media_type="text/event-stream")
@@ -183,13 +184,32 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
     def request_options(body, max_tokens: int | None, sample: int) -> dict:
         """The runtime's arguments for sample `sample` of a prompt: seeds seed, seed + 1, ... (as vLLM's n)."""
         gamma_asked = body.num_speculative_tokens if body.num_speculative_tokens is not None else defaults["gamma"]
-        options = {"max_new_tokens": max_tokens, "temperature": body.temperature, "top_k": body.top_k,
+        options = {"max_new_tokens": max_tokens or (1 if max_tokens == 0 else None),  # echo alone: one, unsent
+                   "temperature": body.temperature, "top_k": body.top_k,
                    "top_p": body.top_p, "seed": None if body.seed is None else body.seed + sample, "stop": body.stop,
                    "stop_token_ids": body.stop_token_ids or (), "ignore_eos": body.ignore_eos, "gamma": gamma_asked,
                    "p_min": body.p_min if body.p_min is not None else defaults["p_min"],
-                   "sampling_rule": body.sampling_rule}
+                   "sampling_rule": body.sampling_rule, "presence_penalty": body.presence_penalty,
+                   "frequency_penalty": body.frequency_penalty, "repetition_penalty": body.repetition_penalty,
+                   "logit_bias": body.logit_bias, "min_p": body.min_p, "min_tokens": body.min_tokens,
+                   "logprobs": reported_logprobs(body, isinstance(body, ChatRequest)),
+                   "prompt_logprobs": scored_prompt(body)}
         proposer_asked = body.proposer or defaults["proposer"]
         return options | ({"proposer": proposer_asked} if proposer_asked else {})
+
+    def reported_logprobs(body, chat: bool) -> int | None:
+        """How many top tokens each generated token's log-probability comes with (None: none asked)."""
+        if chat:
+            return (body.top_logprobs or 0) if body.logprobs else None
+        return body.logprobs
+
+    def scored_prompt(body) -> int | None:
+        """Completions: the prompt's log-probabilities are scored for echo with logprobs, or vLLM's prompt_logprobs."""
+        if isinstance(body, ChatRequest):
+            return None
+        if body.prompt_logprobs is not None:
+            return body.prompt_logprobs
+        return body.logprobs if body.echo else None
 
     def not_served(asked: str):
         return openai_error(404, f"model {asked!r} is not served here (this server serves {model_name!r})", "model",
@@ -202,86 +222,34 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
     return app
 
 
-class Shape:
-    """One response's id, creation time, model and kind (text completion or chat), and its bodies in
-    OpenAI's shapes."""
-
-    def __init__(self, response_id: str, created: int, model: str, chat: bool, n: int = 1):
-        self.id, self.created, self.model, self.chat, self.n = response_id, created, model, chat, n
-        self.object = "chat.completion" if chat else "text_completion"
-
-    def body(self, results: list, prompt_tokens: list[int]) -> dict:
-        """A whole response: a choice per result, usage over all, and the speculative statistics (top
-        level for one choice, as llama.cpp's `timings`; in each choice when there are several)."""
-        choices = []
-        for index, result in enumerate(results):
-            choice = {"index": index, "finish_reason": finish_reason(result), "logprobs": None}
-            if self.chat:
-                choice["message"] = {"role": "assistant", "content": result.text}
-            else:
-                choice["text"] = result.text
-            if len(results) > 1:
-                choice |= speculative_stats(result, prompt_tokens[index])
-            choices.append(choice)
-        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage(results, prompt_tokens, self.n)}
-        return body | (speculative_stats(results[0], prompt_tokens[0]) if len(results) == 1 else {})
-
-    def chunk(self, index: int, text: str, reason: str | None, first: bool = False) -> str:
-        """One server-sent event of a stream: choice `index`'s next text."""
-        choice = {"index": index, "finish_reason": reason, "logprobs": None}
-        if self.chat:
-            choice["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
-        else:
-            choice["text"] = text
-        return self.event({"choices": [choice]})
-
-    def event(self, fields: dict) -> str:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return "data: " + json.dumps({"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                                      **fields}) + "\n\n"
-
-
-def finish_reason(result) -> str:
-    return "stop" if result.finish_reason == "stop" else "length"
-
-
-def usage(results: list, prompt_tokens: list[int], n: int) -> dict:
-    """OpenAI's usage: a prompt sampled n times counts once."""
-    prompts = sum(prompt_tokens[::n])
-    completion = sum(len(r.token_ids) for r in results)
-    return {"prompt_tokens": prompts, "completion_tokens": completion, "total_tokens": prompts + completion}
-
-
-def speculative_stats(result, prompt_tokens: int) -> dict:
-    s = result.stats
-    timings = {"prompt_n": prompt_tokens, "prompt_ms": s.prefill_ms,
-               "predicted_n": len(result.token_ids), "predicted_ms": s.total_ms - s.prefill_ms,
-               "draft_n": s.draft_tokens, "draft_n_accepted": s.accepted_tokens}
-    stats = s.to_dict()
-    speculative = {key: stats[key] for key in ("mode", "acceptance_rate", "mean_acceptance_length", "mean_gamma",
-                                               "gammas_used", "by_proposer")}
-    return {"timings": timings, "speculative": speculative}
-
-
 async def stream_events(runtime, handles: list, shape: Shape, stop, include_usage: bool):
     """Server-sent events: each choice's text deltas as its tokens are accepted (held back while they
-    could begin a stop string, so that its deltas add up to its final text), its last chunk with the
-    finish reason; usage if asked, then [DONE]. A client that disconnects cancels every request."""
+    could begin a stop string, so that its deltas add up to its final text) with those tokens'
+    log-probabilities when asked, its last chunk with the finish reason; usage if asked, then [DONE].
+    With echo the prompt comes first. A client that disconnects cancels every request."""
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     events: asyncio.Queue = asyncio.Queue()
 
     async def one_choice(index: int, handle):
-        decoder, decoded, sent, first = None, "", "", True
+        decoder, decoded, sent, first, delivered = None, "", "", True, 0
+        if shape.echo:
+            await events.put(shape.chunk(index, shape.prompt_text(handle), None, first))
+            first = False
         async for token_ids in handle.stream():
+            if shape.echo_only:
+                continue
             decoder = decoder or runtime.tokenizer.stream(handle.request.prompt)
             decoded += decoder.add(token_ids)
+            entries = handle.request.token_logprobs[delivered : delivered + len(token_ids)]
+            logprobs = shape.delta_logprobs(list(token_ids), entries)
+            delivered += len(token_ids)
             safe = _safe_prefix(decoded, stops)
-            if len(safe) > len(sent) or (first and shape.chat):
-                await events.put(shape.chunk(index, safe[len(sent):], None, first))
+            if len(safe) > len(sent) or (first and shape.chat) or logprobs:
+                await events.put(shape.chunk(index, safe[len(sent):], None, first, logprobs))
                 sent, first = safe, False
         result = await handle.result()
-        await events.put(shape.chunk(index, result.text[len(sent):], finish_reason(result), first))
+        rest = "" if shape.echo_only else result.text[len(sent):]
+        await events.put(shape.chunk(index, rest, finish_reason(result), first))
         return result
 
     tasks = [asyncio.ensure_future(one_choice(i, h)) for i, h in enumerate(handles)]
@@ -299,7 +267,8 @@ async def stream_events(runtime, handles: list, shape: Shape, stop, include_usag
         if include_usage:
             prompt_tokens = [len(h.request.prompt) for h in handles]
             stats = speculative_stats(results[0], prompt_tokens[0]) if len(results) == 1 else {}
-            yield shape.event({"choices": [], "usage": usage(results, prompt_tokens, shape.n), **stats})
+            yield shape.event({"choices": [], "usage": usage(results, prompt_tokens, shape.n, shape.echo_only),
+                               **stats})
         yield "data: [DONE]\n\n"
     finally:
         for pending in [*tasks, done, getter]:

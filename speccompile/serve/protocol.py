@@ -8,12 +8,12 @@ rejection, core/request.py).
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-# OpenAI's and vLLM's parameters this server does not implement: refused by name, never ignored
-UNSUPPORTED = ("best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "presence_penalty", "suffix",
-               "repetition_penalty", "min_p", "min_tokens", "top_logprobs")
+# OpenAI's parameters this server does not implement: refused by name, never ignored
+UNSUPPORTED = ("suffix", "functions", "function_call", "audio", "modalities", "prediction", "web_search_options")
 MAX_N = 16  # samples per prompt in one request
+MAX_LOGPROBS = 20  # the top tokens a graph reports (bundle.TOP_LOGPROBS)
 
 
 class StreamOptions(BaseModel):
@@ -33,6 +33,13 @@ class Sampling(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM's: end like EOS (the token is kept in the tokens)
     ignore_eos: bool = False  # vLLM's: go on past EOS
+    # the logits processors (core/processors.py): OpenAI's, then vLLM's
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0)
     n: int = Field(1, ge=1, le=MAX_N)  # samples of each prompt (choices prompt 0's first, as OpenAI orders them)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -52,7 +59,19 @@ class Sampling(BaseModel):
 class CompletionRequest(Sampling):
     # one prompt (text or token ids) or a batch of them
     prompt: str | list[int] | list[str] | list[list[int]] = Field(union_mode="left_to_right")
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default; null: what the context has left
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default; null: what the context has left; 0: echo only
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's, and this many top tokens'
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt's too)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
+    best_of: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _coherent(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 asks for nothing unless echo is set")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported (each of the n samples is returned)")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -88,6 +107,8 @@ class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)  # null: what the context has left (vLLM's default)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None  # passed to the template; calls come back as the assistant's text
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = None

@@ -14,6 +14,8 @@ import transformers
 
 import speccompile
 from speccompile.compiler import spec_accept, transformer
+from speccompile.core.processors import Processors, ProcessorState, min_p_reference
+from speccompile.core.processors import reference as processors_reference
 from speccompile.core.sampling import transform
 from tests.tiny_models import make_checkpoint, make_word_tokenizer
 
@@ -54,14 +56,35 @@ def exact_joint(target_dir, temperature, top_k, top_p, prompt=PROMPT) -> np.ndar
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
+def exact_processed_joint(target_dir, temperature, processors: Processors, prompt=PROMPT) -> np.ndarray:
+    """P(t1, t2, t3) [V, V, V] with the logits processors applied (their numpy reference) to HF's logits."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(target_dir).eval()
+
+    def next_probs(prefix):
+        with torch.no_grad():
+            logits = model(torch.tensor([prefix])).logits[0, -1:].numpy()
+        state = ProcessorState.start(processors, prompt, VOCAB, ())
+        state.observe(prefix[len(prompt):])
+        probs = transform(processors_reference(logits, state, len(prefix) - len(prompt)), temperature)
+        return min_p_reference(probs, processors.min_p)[0].astype(np.float64)
+
+    joint = np.zeros((VOCAB,) * 3)
+    p1 = next_probs(prompt)
+    for a in range(VOCAB):
+        p2 = next_probs(prompt + [a])
+        for b in range(VOCAB):
+            joint[a, b] = p1[a] * p2[b] * next_probs(prompt + [a, b])
+    return joint
+
+
 def speculative_samples(bundle, temperature, top_k, top_p, prompt=PROMPT, proposer="draft", stats=None,
-                        p_min=0.0, sampling_rule="coupled") -> np.ndarray:
+                        p_min=0.0, sampling_rule="coupled", **controls) -> np.ndarray:
     runtime = speccompile.load(bundle)
     samples = []
     for seed in range(SEEDS):
         results = runtime.generate([prompt] * BATCH, max_new_tokens=3, gamma=GAMMA, temperature=temperature,
                                    top_k=top_k, top_p=top_p, seed=seed, proposer=proposer, p_min=p_min,
-                                   sampling_rule=sampling_rule)
+                                   sampling_rule=sampling_rule, **controls)
         samples += [r.token_ids for r in results]
         if stats is not None:
             stats += [r.stats for r in results]
@@ -83,11 +106,15 @@ def chi_square_rejects(counts: np.ndarray, expected_probs: np.ndarray) -> tuple[
     return statistic > critical, statistic, critical
 
 
-def check(samples, joint):
-    """Test the (t1, t2) joint and the t3 marginal; returns True when any test rejects."""
+def check(samples, joint, later_pair: bool = False):
+    """Test the (t1, t2) joint and the t3 marginal (with later_pair, the (t2, t3) joint too: what a
+    token's dependence on the one before it shows); returns True when any test rejects."""
     pairs = np.bincount(samples[:, 0] * VOCAB + samples[:, 1], minlength=VOCAB * VOCAB)
     third = np.bincount(samples[:, 2], minlength=VOCAB)
     verdicts = [chi_square_rejects(pairs, joint.sum(2).ravel()), chi_square_rejects(third, joint.sum((0, 1)))]
+    if later_pair:
+        later = np.bincount(samples[:, 1] * VOCAB + samples[:, 2], minlength=VOCAB * VOCAB)
+        verdicts.append(chi_square_rejects(later, joint.sum(0).ravel()))
     return any(v[0] for v in verdicts), verdicts
 
 
@@ -109,6 +136,32 @@ def test_speculative_samples_follow_the_target_distribution(pair, bundle, temper
     samples = speculative_samples(bundle, temperature, top_k, top_p, sampling_rule=rule)
     rejected, verdicts = check(samples, exact_joint(pair[0], temperature, top_k, top_p))
     assert not rejected, verdicts
+
+
+PROCESSORS = Processors(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.6,
+                        logit_bias=((2, 1.5), (9, -2.0)), min_p=0.08)
+
+
+@pytest.fixture(scope="module")
+def agreeing_bundle(pair, tmp_path_factory):
+    """The target drafting for itself: drafts are mostly kept, so most tokens come from the positions
+    of a verification after its first, whose penalties count the drafts before them."""
+    return build((pair[0], pair[0]), tmp_path_factory.mktemp("copy") / "bundle")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", RULES)
+def test_samples_with_logits_processors_follow_the_processed_distribution(pair, agreeing_bundle, rule):
+    """Penalties that depend on the drafts before each position, a bias and min_p: the output is the
+    processed target's (and the processors do change it: the unprocessed one is rejected)."""
+    controls = {"presence_penalty": 0.6, "frequency_penalty": 0.4, "repetition_penalty": 1.6,
+                "logit_bias": dict(PROCESSORS.logit_bias), "min_p": 0.08}
+    stats = []
+    samples = speculative_samples(agreeing_bundle, 1.0, 0, 1.0, sampling_rule=rule, stats=stats, **controls)
+    assert sum(s.accepted_tokens for s in stats) > 0.5 * sum(s.draft_tokens for s in stats)
+    rejected, verdicts = check(samples, exact_processed_joint(pair[0], 1.0, PROCESSORS), later_pair=True)
+    assert not rejected, verdicts
+    assert check(samples, exact_joint(pair[0], 1.0, 0, 1.0))[0]
 
 
 @pytest.fixture(scope="module")
