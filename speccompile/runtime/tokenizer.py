@@ -54,8 +54,25 @@ class Tokenizer:
         return json.loads(config_file.read_text()) if config_file.is_file() else {}
 
     def token_texts(self, ids) -> list[str]:
-        """Each token's text alone, special tokens included (how OpenAI's logprobs name tokens)."""
-        return [self._tok.decode([int(i)], skip_special_tokens=False) for i in ids]
+        """Each token's text alone, special tokens included (how OpenAI's logprobs name tokens). A token
+        that is part of a UTF-8 character is named by its bytes, as vLLM names it ("bytes:\\xe2\\x80"),
+        so that two such tokens never share a name."""
+        texts = []
+        for token in map(int, ids):
+            text = self._tok.decode([token], skip_special_tokens=False)
+            if "\ufffd" in text and (raw := self._token_bytes(token)) is not None:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            texts.append(text)
+        return texts
+
+    def _token_bytes(self, token: int) -> bytes | None:
+        """A byte-level BPE piece's bytes (GPT-2's printable alphabet), or a SentencePiece byte-fallback
+        piece's (<0xE2>); None for anything else."""
+        piece = self._tok.id_to_token(token) or ""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        decoder = _byte_decoder()
+        return bytes(decoder[c] for c in piece) if piece and all(c in decoder for c in piece) else None
 
     def stream(self, prompt_ids: list[int]) -> "TextStream":
         """An incremental decode_continuation, for printing tokens as they come."""
@@ -80,3 +97,21 @@ class TextStream:
         if not len(ids):
             return ""
         return self._stream.step(self._tok, [int(i) for i in ids]) or ""  # None: a character is unfinished
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character each byte is written as -> the byte."""
+    global _BYTE_DECODER
+    if _BYTE_DECODER is None:
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+        codes, extra = list(printable), 0
+        for byte in range(256):
+            if byte not in printable:
+                printable.append(byte)
+                codes.append(256 + extra)
+                extra += 1
+        _BYTE_DECODER = {chr(code): byte for byte, code in zip(printable, codes)}
+    return _BYTE_DECODER
+
+
+_BYTE_DECODER = None

@@ -80,3 +80,13 @@ def test_a_stream_holds_back_an_unfinished_character(tmp_path):
 def test_a_stream_keeps_the_space_before_its_first_word(tmp_path):
     tokenizer = sentencepiece_style(tmp_path)
     assert "".join(streamed(tokenizer, tokenizer.encode("Hello"), [2, 3], 1)) == " world!"
+
+
+def test_token_texts_name_partial_characters_by_their_bytes(bundles):
+    from speccompile.runtime.runtime import load
+
+    tokenizer = load(bundles("llama", "random")).tokenizer
+    ids = tokenizer.encode("a ✓")
+    texts = tokenizer.token_texts(ids)
+    assert texts[0] == "a" and texts[-3:] == ["bytes:\\xe2", "bytes:\\x9c", "bytes:\\x93"]
+    assert "".join(texts[:2]) == "a "

@@ -7,6 +7,7 @@ import threading
 import urllib.error
 import urllib.request
 
+import numpy as np
 import openai
 import pytest
 import uvicorn
@@ -119,9 +120,14 @@ def test_models_and_health(served, client):
 BAD_REQUESTS = [
     ("malformed JSON", b"{not json", 400, None),
     ("wrong type", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
-    ("max_tokens 0", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("negative max_tokens", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ("unknown field", {"prompt": "x", "colour": "blue"}, 400, "colour"),
-    ("unsupported OpenAI field", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("unsupported OpenAI field", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("logprobs above 20", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("best_of other than n", {"prompt": "x", "best_of": 2}, 400, None),
+    ("max_tokens 0 without echo", {"prompt": "x", "max_tokens": 0}, 400, None),
+    ("presence_penalty out of range", {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("logit_bias outside the vocabulary", {"prompt": "x", "logit_bias": {"999999": 1}}, 400, None),
     ("n of 17", {"prompt": "x", "n": 17}, 400, "n"),
     ("num_speculative_tokens not compiled", {"prompt": "x", "num_speculative_tokens": 3}, 400, None),
     ("unknown proposer", {"prompt": "x", "proposer": "oracle"}, 400, None),
@@ -525,3 +531,71 @@ def test_chat_template_given_to_the_server_renders_where_the_checkpoint_has_none
     finally:
         stop(server, thread)
         runtime.close()
+
+
+def test_logprobs_are_the_target_s_with_speculation_and_without(served, client):
+    runtime, _ = served
+    [expected] = runtime.generate(["x y x"], max_new_tokens=10, temperature=0, logprobs=3)
+
+    def completion(gamma):
+        return client.completions.create(model="tiny", prompt="x y x", max_tokens=10, temperature=0, logprobs=3,
+                                          extra_body={"num_speculative_tokens": gamma}).choices[0].logprobs
+
+    spec, plain = completion(4), completion(0)
+    # the same to float32 rounding: a verification multiplies γ+1 rows where a decode step multiplies one
+    np.testing.assert_allclose(spec.token_logprobs, plain.token_logprobs, rtol=1e-5)
+    assert spec.tokens == plain.tokens
+    np.testing.assert_allclose(spec.token_logprobs, [e[0] for e in expected.logprobs], rtol=1e-6)
+    assert spec.tokens == runtime.tokenizer.token_texts(expected.token_ids)
+    assert all(3 <= len(top) <= 4 and max(top.values()) >= chosen - 1e-6  # the 3 best and the chosen token
+               for top, chosen in zip(spec.top_logprobs, spec.token_logprobs))
+    assert spec.text_offset[0] == 0 and spec.text_offset == sorted(spec.text_offset)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_hf_does(served, client, checkpoints):
+    """What lm-evaluation-harness's log-likelihood asks: echo, logprobs=1, max_tokens 1 (or 0)."""
+    import torch
+    import transformers
+
+    runtime, _ = served
+    prompt = runtime.tokenizer.encode("x y x y z")
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints("llama")).eval()
+    with torch.no_grad():
+        log_p = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), -1).numpy()
+    for max_tokens in (1, 0):
+        reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                          echo=True, logprobs=1)
+        scored = reply.choices[0].logprobs
+        assert reply.choices[0].text.startswith(runtime.tokenizer.decode(prompt))
+        assert len(scored.token_logprobs) == len(prompt) + max_tokens and scored.token_logprobs[0] is None
+        np.testing.assert_allclose(scored.token_logprobs[1 : len(prompt)],
+                                   log_p[np.arange(len(prompt) - 1), prompt[1:]], atol=2e-5)
+        greedy = [max(top.values()) for top in scored.top_logprobs[1 : len(prompt)]]
+        np.testing.assert_allclose(greedy, log_p[: len(prompt) - 1].max(-1), atol=2e-5)
+    assert reply.usage.completion_tokens == 0
+
+
+def test_chat_logprobs_come_in_openai_s_chat_shape(chat_served):
+    runtime, chat = chat_served
+    reply = chat.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=6,
+                                         temperature=0, logprobs=True, top_logprobs=2)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(entry.top_logprobs) == 2 for entry in content)
+    assert all(entry.top_logprobs[0].logprob >= entry.logprob - 1e-6 for entry in content)
+    streamed = [entry for chunk in chat.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=6, temperature=0, logprobs=True,
+        top_logprobs=2, stream=True) if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content]
+    assert [e.logprob for e in streamed] == [e.logprob for e in content]
+
+
+def test_the_processors_over_http_are_the_python_api_s(served, client):
+    runtime, _ = served
+    controls = {"presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.3, "min_tokens": 3}
+    bias = {"7": 3.0}
+    [expected] = runtime.generate(["x y x"], max_new_tokens=12, temperature=0, logit_bias={7: 3.0}, **controls)
+    reply = client.completions.create(model="tiny", prompt="x y x", max_tokens=12, temperature=0, logit_bias=bias,
+                                      presence_penalty=1.0, frequency_penalty=0.5,
+                                      extra_body={"repetition_penalty": 1.3, "min_tokens": 3})
+    [plain] = runtime.generate(["x y x"], max_new_tokens=12, temperature=0)
+    assert reply.choices[0].text == expected.text != plain.text
