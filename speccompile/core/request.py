@@ -55,6 +55,8 @@ class Request:
     # and each prompt token's (echo) with this many
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # another sample of the same prompt (n samples): its cached prompt is copied, not prefilled again
+    shares_prefill_with: "Request | None" = None
     # -- state, written by the scheduler --
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None

@@ -185,7 +185,23 @@ class Scheduler:
         self.target.cache_lengths[slot] = 0
         for runner in self.runners:
             runner.admit(slot)
+        self._reuse_prefill(request, slot)
         self.joining = request
+
+    def _reuse_prefill(self, request: Request, slot: int) -> None:
+        """Another sample of a prompt that a decoding request has prefilled (n samples): the cached
+        prompt, all but its last token, is copied from that request's slot instead of computed again;
+        the last token is prefilled as any request's last chunk, and yields this sample's first token."""
+        source, keep = request.shares_prefill_with, len(request.prompt) - 1
+        if source is None or source not in self.decoding or source.prompt != request.prompt or keep < 1 \
+                or request.prompt_logprobs is not None:  # a scored prompt is scored: nothing to copy
+            return
+        origin = self.decoding.index(source)
+        self.target.move(origin, slot)
+        self.target.cache_lengths[slot] = keep
+        for runner in self.runners:
+            runner.share(origin, slot, keep)
+        request.prefilled = keep
 
     def _prefill_chunk(self, request: Request, budget: int) -> int:
         """Prefill the next chunk of a joining request's prompt; its first token when complete. A

@@ -124,7 +124,8 @@ class Runtime:
                seed=None, stop: list[str] | None = None, stop_token_ids=(), gamma: int | str | None = None,
                mode: str | None = None, on_tokens=None, proposer: str = DEFAULT_PROPOSER,
                p_min: float | None = None, acceptance: str = "exact",
-               sampling_rule: str | None = None, ignore_eos: bool = False, **controls) -> "RequestHandle":
+               sampling_rule: str | None = None, ignore_eos: bool = False, same_prompt_as=None,
+               **controls) -> "RequestHandle":
         """Queue one request (a string or token ids) and return its handle at once. Thread-safe.
 
         gamma: a compiled γ (at most that many drafts per iteration), 0 (plain decoding), "auto" (the
@@ -146,6 +147,8 @@ class Runtime:
         distribution it was drawn from and the K (<= 20) most likely tokens' (result.logprobs);
         prompt_logprobs=K each prompt token's after the first (result.prompt_logprobs, echo).
         Log-probabilities come from the target's own pass: the same with speculation or without.
+        same_prompt_as: the handle of an earlier request of the same prompt (another of n samples):
+        this one copies its cached prompt instead of prefilling it again.
         on_tokens(token_ids) is called as tokens are accepted, from the engine thread (from the
         runtime's edge thread for a request with stop strings).
         proposer: who drafts, one of core/proposers' kinds: "draft" (the draft model), "ngram"
@@ -158,7 +161,8 @@ class Runtime:
         approximate, never the default."""
         request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids, gamma,
                                 mode, on_tokens, proposer=proposer, p_min=p_min, acceptance=acceptance,
-                                sampling_rule=sampling_rule, ignore_eos=ignore_eos, **controls)
+                                sampling_rule=sampling_rule, ignore_eos=ignore_eos,
+                                shares_prefill_with=same_prompt_as.request if same_prompt_as else None, **controls)
         handle = RequestHandle(request, self, prompt, _stop_strings(stop))
         self._queue(handle)
         return handle
@@ -169,7 +173,9 @@ class Runtime:
         however it ends (from the thread its tokens came from)."""
         handle = AsyncRequestHandle(asyncio.get_running_loop(), self, prompt, _stop_strings(kwargs.get("stop")))
         handle.user_sink, handle.user_finish = kwargs.pop("on_tokens", None), on_finish
-        handle.request = self._request(prompt, **kwargs)
+        same_prompt_as = kwargs.pop("same_prompt_as", None)
+        handle.request = self._request(prompt, shares_prefill_with=same_prompt_as.request if same_prompt_as else None,
+                                       **kwargs)
         self._queue(handle)
         return handle
 
@@ -177,11 +183,12 @@ class Runtime:
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  on_tokens=None, stop: list[str] | None = None, proposer: str = DEFAULT_PROPOSER,
                  p_min: float | None = None, acceptance: str = "exact", sampling_rule: str | None = None,
-                 stop_token_ids=(), ignore_eos: bool = False, **controls) -> list[GenerationResult]:
-        """Generate for a list of prompts (strings or token-id lists); one result per prompt, in order.
+                 stop_token_ids=(), ignore_eos: bool = False, n: int = 1, **controls) -> list[GenerationResult]:
+        """Generate for a list of prompts (strings or token-id lists); n results per prompt (n samples
+        of it, the first of them prefills the prompt and the others copy its cache), in order.
 
-        Each prompt is one request (see `submit`); all are checked before any is queued. Prompt i
-        samples from its own random stream, spawned from `seed` by its index. on_tokens(i, token_ids)
+        Each sample is one request (see `submit`); all are checked before any is queued. Sample i
+        draws from its own random stream, spawned from `seed` by its index. on_tokens(i, token_ids)
         is called as tokens are accepted, for streaming. Each result's stats are its own request's
         (see core/stats.py)."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or (
@@ -189,13 +196,18 @@ class Runtime:
             raise SpecCompileError("prompts must be a list of strings or a list of token-id lists")
         if not prompts:
             raise SpecCompileError("no prompts given")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise SpecCompileError(f"n must be a positive integer, got {n!r}")
+        prompts = [p for p in prompts for _ in range(n)]
         seeds = np.random.SeedSequence(seed).spawn(len(prompts))
         sampling_rule = sampling_rule or default_sampling_rule(seed)  # by the caller's seed, not the spawned ones
-        requests = [self._request(p, max_new_tokens, temperature, top_k, top_p, s, stop, stop_token_ids, gamma, mode,
-                                  (lambda ids, i=i: on_tokens(i, ids)) if on_tokens else None, warn=i == 0,
-                                  proposer=proposer, p_min=p_min, acceptance=acceptance, sampling_rule=sampling_rule,
-                                  ignore_eos=ignore_eos, **controls)
-                    for i, (p, s) in enumerate(zip(prompts, seeds))]
+        requests = []
+        for i, (p, s) in enumerate(zip(prompts, seeds)):
+            requests.append(self._request(p, max_new_tokens, temperature, top_k, top_p, s, stop, stop_token_ids, gamma,
+                                          mode, (lambda ids, i=i: on_tokens(i, ids)) if on_tokens else None,
+                                          warn=i == 0, proposer=proposer, p_min=p_min, acceptance=acceptance,
+                                          sampling_rule=sampling_rule, ignore_eos=ignore_eos,
+                                          shares_prefill_with=requests[i - i % n] if i % n else None, **controls))
         handles = [RequestHandle(r, self, p, _stop_strings(stop)) for r, p in zip(requests, prompts)]
         for handle in handles:
             self._queue(handle, batched=len(requests) > 1)
@@ -303,7 +315,7 @@ class Runtime:
                  sampling_rule: str | None = None, ignore_eos: bool = False, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, logit_bias: dict | None = None,
                  min_p: float = 0.0, min_tokens: int = 0, logprobs: int | None = None,
-                 prompt_logprobs: int | None = None) -> Request:
+                 prompt_logprobs: int | None = None, shares_prefill_with: Request | None = None) -> Request:
         self.proposers.check(proposer)
         processors = Processors(presence_penalty, frequency_penalty, repetition_penalty,
                                 tuple(sorted(_logit_bias(logit_bias).items())), min_tokens, min_p)
@@ -342,7 +354,7 @@ class Runtime:
                           frozenset(self._token_ids(stop_token_ids)), on_tokens=on_tokens, proposer=made,
                           p_min=float(p_min), sampling_rule=sampling_rule, acceptance_rule=acceptance,
                           ignore_eos=bool(ignore_eos), processors=processors, logprobs=logprobs,
-                          prompt_logprobs=prompt_logprobs)
+                          prompt_logprobs=prompt_logprobs, shares_prefill_with=shares_prefill_with)
         if processors.active:
             request.processing = ProcessorState.start(processors, ids, self.target.vocab_size,
                                                       self.tokenizer.eos_token_ids | request.stop_token_ids)

@@ -161,8 +161,9 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
             for prompt in prompts:
                 for sample in range(body.n):
                     metrics.started()  # before the engine can finish it
+                    first = handles[-sample] if sample else None  # the prompt's first sample: its prefill is copied
                     try:
-                        handles.append(runtime.submit_async(prompt, on_finish=metrics.finished,
+                        handles.append(runtime.submit_async(prompt, on_finish=metrics.finished, same_prompt_as=first,
                                                             **request_options(body, max_tokens, sample)))
                     except SpecCompileError:
                         metrics.refused()

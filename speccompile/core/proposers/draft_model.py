@@ -46,6 +46,11 @@ class DraftRunner:
     def move(self, source: int, destination: int) -> None:
         self.engine.move(source, destination)
 
+    def share(self, source: int, destination: int, length: int) -> None:
+        """Slot `destination` starts with what `source` cached of its first `length` tokens (a shared prompt)."""
+        self.engine.move(source, destination)
+        self.engine.cache_lengths[destination] = min(self.engine.cache_lengths[destination], length)
+
     def after_verify(self, rows: list) -> None:
         """The draft keeps what it cached of the accepted tokens, re-reading the last two next time."""
         lengths = np.array([len(r.tokens) for r in rows], dtype=np.int64)
