@@ -86,15 +86,17 @@ def lm_eval_scores(port: int, tokenizer_dir: Path, tasks_dir: Path) -> dict:
                                    task_manager=TaskManager(include_path=str(tasks_dir)), log_samples=True)
 
 
-def in_process_scores(runtime, hf_tokenizer) -> tuple[list[list[float]], list[str]]:
-    """Each choice's log-likelihood (the sum over its tokens, after the context's), and each greedy generation."""
+def in_process_scores(runtime, encode_pair, requests: list[list[tuple[str, str]]]) -> tuple[list, list[str]]:
+    """Each choice's log-likelihood of the (context, continuation) pairs lm-eval asked for, tokenized
+    by lm-eval's own `_encode_pair` (the sum over the continuation's tokens), and each greedy
+    generation with the task's stop."""
     likelihoods = []
-    for context, choices, _ in CHOICES:
-        context_ids = hf_tokenizer(context, add_special_tokens=True)["input_ids"]
+    for pairs in requests:
         scores = []
-        for choice in choices:
-            whole = hf_tokenizer(context + choice, add_special_tokens=True)["input_ids"]
-            [result] = runtime.generate([whole], max_new_tokens=1, temperature=0, prompt_logprobs=0)
+        for context, continuation in pairs:
+            context_ids, continuation_ids = encode_pair(context, continuation)
+            [result] = runtime.generate([context_ids + continuation_ids], max_new_tokens=1, temperature=0,
+                                        prompt_logprobs=0)
             scored = [entry[0] for entry in result.prompt_logprobs]  # positions 1.. of the prompt
             scores.append(sum(scored[len(context_ids) - 1 :]))
         likelihoods.append(scores)
@@ -102,9 +104,16 @@ def in_process_scores(runtime, hf_tokenizer) -> tuple[list[list[float]], list[st
     return likelihoods, generations
 
 
-def main() -> None:
-    import transformers
+def lm_eval_encoder(tokenizer_dir: Path):
+    """lm-eval's own pair encoding for this tokenizer (its local-completions model, never asked to send)."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
 
+    model = LocalCompletionsAPI(model="demo", base_url="http://127.0.0.1:9/v1/completions",
+                                tokenizer_backend="huggingface", tokenizer=str(tokenizer_dir))
+    return model._encode_pair
+
+
+def main() -> None:
     import speccompile
     from speccompile.cli import resolve_bundle
 
@@ -123,11 +132,12 @@ def main() -> None:
         finally:
             server.terminate()
             server.wait(60)
+    choice_samples = sorted(results["samples"]["speccompile_choice"], key=lambda s: s["doc_id"])
+    requests = [[tuple(argument) for argument in sample["arguments"]] for sample in choice_samples]
     runtime = speccompile.load(bundle)
-    likelihoods, generations = in_process_scores(runtime, transformers.AutoTokenizer.from_pretrained(tokenizer_dir))
+    likelihoods, generations = in_process_scores(runtime, lm_eval_encoder(tokenizer_dir), requests)
     runtime.close()
-    theirs_ll = [[float(resp[0][0]) for resp in sample["resps"]] for sample in
-                 sorted(results["samples"]["speccompile_choice"], key=lambda s: s["doc_id"])]
+    theirs_ll = [[float(resp[0][0]) for resp in sample["resps"]] for sample in choice_samples]
     theirs_gen = [sample["resps"][0][0] for sample in
                   sorted(results["samples"]["speccompile_generate"], key=lambda s: s["doc_id"])]
     largest = max(abs(a - b) for ours, theirs in zip(likelihoods, theirs_ll) for a, b in zip(ours, theirs))
