@@ -178,8 +178,10 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
         if not body.stream:
             results = await asyncio.gather(*(h.result() for h in handles))
             return shape.body(results, handles)
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = stream_events(runtime, handles, shape, body.stop, include_usage)
+        options = body.stream_options
+        include_usage = options is not None and options.include_usage
+        events = stream_events(runtime, handles, shape, body.stop, include_usage,
+                               options is not None and options.continuous_usage_stats)
         return StreamingResponse(events, media_type="text/event-stream")
 
     def request_options(body, max_tokens: int | None, sample: int) -> dict:
@@ -223,13 +225,21 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
     return app
 
 
-async def stream_events(runtime, handles: list, shape: Shape, stop, include_usage: bool):
+async def stream_events(runtime, handles: list, shape: Shape, stop, include_usage: bool,
+                        continuous_usage: bool = False):
     """Server-sent events: each choice's text deltas as its tokens are accepted (held back while they
     could begin a stop string, so that its deltas add up to its final text) with those tokens'
-    log-probabilities when asked, its last chunk with the finish reason; usage if asked, then [DONE].
-    With echo the prompt comes first. A client that disconnects cancels every request."""
+    log-probabilities when asked, its last chunk with the finish reason; usage if asked (in every
+    chunk too, with continuous_usage), then [DONE]. With echo the prompt comes first. A client that
+    disconnects cancels every request."""
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     events: asyncio.Queue = asyncio.Queue()
+
+    def so_far(handle, delivered: int) -> dict | None:
+        if not continuous_usage:
+            return None
+        prompt = len(handle.request.prompt)
+        return {"prompt_tokens": prompt, "completion_tokens": delivered, "total_tokens": prompt + delivered}
 
     async def one_choice(index: int, handle):
         decoder, decoded, sent, first, delivered = None, "", "", True, 0
@@ -246,11 +256,13 @@ async def stream_events(runtime, handles: list, shape: Shape, stop, include_usag
             delivered += len(token_ids)
             safe = _safe_prefix(decoded, stops)
             if len(safe) > len(sent) or (first and shape.chat) or logprobs:
-                await events.put(shape.chunk(index, safe[len(sent):], None, first, logprobs))
+                await events.put(shape.chunk(index, safe[len(sent):], None, first, logprobs,
+                                             so_far(handle, delivered)))
                 sent, first = safe, False
         result = await handle.result()
         rest = "" if shape.echo_only else result.text[len(sent):]
-        await events.put(shape.chunk(index, rest, finish_reason(result), first))
+        final = 0 if shape.echo_only else len(result.token_ids)
+        await events.put(shape.chunk(index, rest, finish_reason(result), first, None, so_far(handle, final)))
         return result
 
     tasks = [asyncio.ensure_future(one_choice(i, h)) for i, h in enumerate(handles)]

@@ -19,6 +19,7 @@ MAX_LOGPROBS = 20  # the top tokens a graph reports (bundle.TOP_LOGPROBS)
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
 
 
 class Sampling(BaseModel):

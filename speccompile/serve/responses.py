@@ -89,14 +89,16 @@ class Shape:
             return {"content": [self.chat_entry(t, e) for t, e in zip(tokens, entries)]}
         return self.completion_logprobs(tokens, entries)
 
-    def chunk(self, index: int, text: str, reason: str | None, first: bool = False, logprobs=None) -> str:
-        """One server-sent event of a stream: choice `index`'s next text."""
+    def chunk(self, index: int, text: str, reason: str | None, first: bool = False, logprobs=None,
+              usage_so_far: dict | None = None) -> str:
+        """One server-sent event of a stream: choice `index`'s next text (and, as vLLM's
+        continuous_usage_stats, the usage so far)."""
         choice = {"index": index, "finish_reason": reason, "logprobs": logprobs}
         if self.chat:
             choice["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
         else:
             choice["text"] = text
-        return self.event({"choices": [choice]})
+        return self.event({"choices": [choice]} | ({"usage": usage_so_far} if usage_so_far is not None else {}))
 
     def event(self, fields: dict) -> str:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
