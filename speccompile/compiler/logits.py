@@ -36,13 +36,16 @@ PROCESS_INPUTS = ("process", "penalties", "counts", "seen", "logit_bias", "banne
 LOGPROB_INPUTS = ("want_logprobs",)
 
 
-def processed(g, logits: str, vocab: int, drafts: str | None = None, vocab_ids: str | None = None) -> str:
-    """logits [B, R, V'] after the processors (an If on `process`). drafts [B, R-1]: the drafted
-    input tokens before positions 1..R-1 (a verification), or None (R = 1). vocab_ids: the scored
-    subset of a cut draft head (its V' columns of the [B, V] inputs)."""
+def processed(g, logits: str, vocab: int, drafts: str | None = None, vocab_ids: str | None = None,
+              single: bool = False) -> str:
+    """logits [B, R, V'] (single: [B, V'], one position) after the processors (an If on `process`,
+    whose other branch passes them through). drafts [B, R-1]: the drafted input tokens before
+    positions 1..R-1 (a verification), or None (R = 1). vocab_ids: the scored subset of a cut draft
+    head (its V' columns of the [B, V] inputs)."""
     process = g.input("process", BOOL, [])
     then = g.branch("process")
-    z = _penalised(then, logits, vocab, drafts, vocab_ids)
+    z = _penalised(then, then.op("Unsqueeze", logits, then.const([1])) if single else logits, vocab, drafts, vocab_ids)
+    z = then.op("Squeeze", z, then.const([1])) if single else z
     keep = g.branch("keep")
     return g.op("If", process, then_branch=then.graph([(z, FLOAT)]),
                 else_branch=keep.graph([(keep.op("Identity", logits), FLOAT)]))
@@ -102,22 +105,25 @@ def min_p_filtered(g, probs: str) -> str:
                 else_branch=keep.graph([(keep.op("Identity", probs), FLOAT)]))
 
 
-def logprob_outputs(g, logits: str, emitted: str, vocab: int, probs: str | None = None,
-                    temperature: str | None = None) -> list[str]:
-    """(token_logprob [B, R], top_logprobs [B, R, K], top_ids [B, R, K]) of the tokens `emitted`
-    [B, R] (an If on `want_logprobs`; zeros when not wanted). logits [B, R, V]: processed. probs
-    [B, R, V]: what sampled rows drew from (temperature [B] > 0), whose log it is for those rows."""
+def logprob_outputs(g, logits: str, emitted, vocab: int, probs: str | None = None, temperature: str | None = None,
+                    single: bool = False) -> list[str]:
+    """(token_logprob [B, R], top_logprobs [B, R, K], top_ids [B, R, K]) of the tokens emitted at
+    each position (an If on `want_logprobs`; zeros when not wanted). logits [B, R, V]: processed
+    (single: [B, V], R = 1). emitted(branch) -> [B, R]: makes the emitted tokens, in the branch that
+    needs them. probs [B, R, V]: what sampled rows drew from (temperature [B] > 0), whose log it is
+    for those rows."""
     wanted = g.input("want_logprobs", BOOL, [])
     then = g.branch("logprobs")
-    log_p = then.op("LogSoftmax", logits, axis=-1)
+    log_p = then.op("LogSoftmax", then.op("Unsqueeze", logits, then.const([1])) if single else logits, axis=-1)
     if probs is not None:
         sampled = _per_row(then, then.op("Greater", temperature, then.const(0.0, np.float32)))
         log_p = then.op("Where", sampled, then.op("Log", probs), log_p)
-    token = then.op("Squeeze", then.op("GatherElements", log_p, then.op("Unsqueeze", emitted, then.const([2])), axis=2),
-                    then.const([2]))
+    token = then.op("Squeeze", then.op("GatherElements", log_p, then.op("Unsqueeze", emitted(then), then.const([2])),
+                                       axis=2), then.const([2]))
     top, ids = _top(then, log_p, vocab)
     none = g.branch("no_logprobs")
-    shape = none.op("Shape", emitted)
+    shape = none.op("Shape", logits, start=0, end=1 if single else 2)
+    shape = none.op("Concat", shape, none.const([1]), axis=0) if single else shape
     wide = none.op("Concat", shape, none.const([TOP_LOGPROBS]), axis=0)
     zeros = [none.op("ConstantOfShape", shape, value=_zero(np.float32)),
              none.op("ConstantOfShape", wide, value=_zero(np.float32)),

@@ -173,12 +173,11 @@ class GraphBuilder:
         return [self._renamed(node) for node in self.nodes]
 
     def _renamed(self, node: onnx.NodeProto) -> onnx.NodeProto:
-        if not any(t in self._renames for t in (*node.input, *node.output)):
+        """The node with renamed tensors, in an If's branches too (they read outer names)."""
+        if not self._renames or not _names_in(node) & self._renames.keys():
             return node
         node = onnx.NodeProto.FromString(node.SerializeToString())
-        for field in (node.input, node.output):
-            for k, tensor in enumerate(field):
-                field[k] = self._renames.get(tensor, tensor)
+        _rename(node, self._renames)
         return node
 
     def add_function(self, function: onnx.FunctionProto) -> None:
@@ -200,6 +199,28 @@ class GraphBuilder:
         model = helper.make_model(graph, opset_imports=opsets, functions=self.functions, producer_name="speccompile")
         model.ir_version = IR_VERSION
         return model
+
+
+def _names_in(node: onnx.NodeProto) -> set[str]:
+    """Every tensor a node reads or writes, its subgraphs' included."""
+    names = {*node.input, *node.output}
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            for inner in attribute.g.node:
+                names |= _names_in(inner)
+    return names
+
+
+def _rename(node: onnx.NodeProto, renames: dict[str, str]) -> None:
+    for field in (node.input, node.output):
+        for k, tensor in enumerate(field):
+            field[k] = renames.get(tensor, tensor)
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            for inner in attribute.g.node:
+                _rename(inner, renames)
+            for value in attribute.g.output:
+                value.name = renames.get(value.name, value.name)
 
 
 class BranchBuilder(GraphBuilder):

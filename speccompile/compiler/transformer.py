@@ -143,12 +143,11 @@ def greedy_step(b: GraphBuilder, logits: str, vocab_out: int, vocab_ids=None) ->
     """A greedy step on logits [B, V'] (V' the scored subset `vocab_ids` of a cut draft head, else V):
     (next_token, confidence, *LOGPROBS) of the processed logits (compiler/logits.py)."""
     subset = b.weight("vocab_ids", vocab_ids) if vocab_ids is not None else None
-    scores = b.op("Squeeze", processed(b, b.op("Unsqueeze", logits, b.const([1])), vocab_out, vocab_ids=subset),
-                  b.const([1]))
-    best = b.op("ArgMax", scores, axis=-1, keepdims=0)  # its place in the scored vocabulary
-    token, top, top_ids = logprob_outputs(b, b.op("Unsqueeze", scores, b.const([1])),
-                                          b.op("Unsqueeze", best, b.const([1])),
-                                          vocab_out if vocab_ids is None else len(vocab_ids))
+    scores = processed(b, logits, vocab_out, vocab_ids=subset, single=True)
+    best = b.op("ArgMax", scores, axis=-1, keepdims=1)  # [B, 1]: its place in the scored vocabulary
+    token, top, top_ids = logprob_outputs(b, scores, lambda branch: best,
+                                          vocab_out if vocab_ids is None else len(vocab_ids), single=True)
+    best = b.op("Squeeze", best, b.const([1]))
     if subset is not None:
         best, top_ids = b.op("Gather", subset, best), b.op("Gather", subset, top_ids)
     return [best, greedy_confidence(b, scores), token, top, top_ids]
@@ -173,7 +172,8 @@ def sampled_next(b: GraphBuilder, logits: str, vocab_out: int) -> list[str]:
     probs = b.op("Squeeze", drawn_from, b.const([1]))
     gumbel_max = b.op("ArgMax", gumbel_scores(b, probs, noise), axis=-1, keepdims=0)
     token = b.op("Where", coupled, gumbel_max, spec_op(b, "SpecSample", probs, uniform))
-    logprobs = logprob_outputs(b, scores, b.op("Unsqueeze", token, b.const([1])), vocab_out, drawn_from, params[0])
+    logprobs = logprob_outputs(b, scores, lambda branch: branch.op("Unsqueeze", token, branch.const([1])), vocab_out,
+                               drawn_from, params[0])
     return [token, probs, *logprobs]
 
 
@@ -187,7 +187,8 @@ def accept(b: GraphBuilder, logits: str, ids: str, past_len: str, gamma: int | s
     scores = processed(b, logits, vocab_out, drafts=drafts)
     if not sample:
         outputs = spec_accept_node(b, scores, drafts, draft_len, past_len)
-        return [*outputs, *logprob_outputs(b, scores, emitted_tokens(b, ids, outputs[0], outputs[1]), vocab_out)]
+        return [*outputs, *logprob_outputs(b, scores, lambda branch: emitted_tokens(branch, ids, *outputs[:2]),
+                                           vocab_out)]
     draft_probs = b.input("draft_probs", FLOAT, ["batch", gamma, vocab_out])
     params = _sampling_inputs(b)
     u_accept = b.input("u_accept", FLOAT, ["batch", gamma])
@@ -202,8 +203,8 @@ def accept(b: GraphBuilder, logits: str, ids: str, past_len: str, gamma: int | s
     draws = b.op("ArgMax", gumbel_scores(b, target_probs, noise), axis=-1, keepdims=0)  # [B, γ+1]
     drawn = accept_tokens(b, draws, drafts, draft_len, past_len)
     outputs = [b.op("Where", coupled, c, r) for c, r in zip(drawn, rejection)]
-    emitted = emitted_tokens(b, ids, outputs[0], outputs[1])
-    return [*outputs, *logprob_outputs(b, scores, emitted, vocab_out, target_probs, params[0])]
+    return [*outputs, *logprob_outputs(b, scores, lambda branch: emitted_tokens(branch, ids, *outputs[:2]), vocab_out,
+                                       target_probs, params[0])]
 
 
 def accept_tree(b: GraphBuilder, logits: str, ids: str, past_len: str, typical: bool) -> list[str]:
