@@ -129,4 +129,6 @@ def speculative_stats(result, prompt_tokens: int) -> dict:
     stats = s.to_dict()
     speculative = {key: stats[key] for key in ("mode", "acceptance_rate", "mean_acceptance_length", "mean_gamma",
                                                "gammas_used", "by_proposer")}
+    # per draft position (from 0, as the metrics label them): drafts proposed there, and kept
+    speculative["drafted_by_position"], speculative["accepted_by_position"] = list(s.drafted_at), list(s.accepted_at)
     return {"timings": timings, "speculative": speculative}

@@ -302,7 +302,8 @@ def test_a_full_server_answers_429_with_retry_after_then_serves_again(bundles):
 @pytest.mark.slow
 def test_sigterm_drains_the_request_in_flight_and_exits_cleanly(bundles):
     """`speccompile serve` in its own process: a streaming request is in flight when SIGTERM comes;
-    it is answered to its end, and the process exits 0."""
+    it is answered to its end, and the process exits 0. At the default log level each request is
+    logged (uvicorn's access log)."""
     import signal
     import socket
     import subprocess
@@ -312,7 +313,7 @@ def test_sigterm_drains_the_request_in_flight_and_exits_cleanly(bundles):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-m", "speccompile.cli", "serve", str(bundles("llama", "random")),
-                               "--port", str(port)], stderr=subprocess.PIPE)
+                               "--port", str(port)], stderr=subprocess.PIPE, stdout=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
@@ -330,6 +331,7 @@ def test_sigterm_drains_the_request_in_flight_and_exits_cleanly(bundles):
         rest = stream.read().decode()
         assert rest.rstrip().endswith("data: [DONE]")  # drained: the stream ran to its end
         assert server.wait(30) == 0, server.stderr.read().decode()[-2000:]
+        assert '"POST /v1/completions HTTP/1.1" 200' in server.stdout.read().decode()
     finally:
         server.kill()
 
@@ -599,3 +601,39 @@ def test_the_processors_over_http_are_the_python_api_s(served, client):
                                       extra_body={"repetition_penalty": 1.3, "min_tokens": 3})
     [plain] = runtime.generate(["x y x"], max_new_tokens=12, temperature=0)
     assert reply.choices[0].text == expected.text != plain.text
+
+
+def test_under_load_the_per_position_acceptance_adds_up_to_the_requests_own(served):
+    """Concurrent streams through one server: the scrape's per-position counters grow by exactly the
+    requests' own per-position statistics, under vLLM's names and labels."""
+    import concurrent.futures
+
+    before = scrape(served[1])
+    client = openai.OpenAI(base_url=served[1] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+    def one(i):
+        return client.completions.create(model="tiny", prompt="x y " * (1 + i % 3), max_tokens=12 + i, temperature=0,
+                                          extra_body={"proposer": "draft"})
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        replies = list(pool.map(one, range(6)))
+    after = scrape(served[1])
+    kept = [r.model_extra["speculative"]["accepted_by_position"] for r in replies]
+    for position in range(max(map(len, kept))):
+        grew = (total(after, "vllm:spec_decode_num_accepted_tokens_per_pos_total", model_name="tiny",
+                      position=str(position))
+                - total(before, "vllm:spec_decode_num_accepted_tokens_per_pos_total", model_name="tiny",
+                        position=str(position)))
+        assert grew == sum(k[position] for k in kept if position < len(k)), position
+    drafted = sum(r.model_extra["timings"]["draft_n"] for r in replies)
+    assert total(after, "vllm:spec_decode_num_draft_tokens_total") - total(
+        before, "vllm:spec_decode_num_draft_tokens_total") == drafted > 0
+    assert total(after, "vllm:request_success_total", model_name="tiny") - total(
+        before, "vllm:request_success_total", model_name="tiny") == 6
+
+
+def test_continuous_usage_stats_count_the_tokens_delivered_so_far(client):
+    chunks = list(client.completions.create(model="tiny", prompt="x y x", max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 12 and chunks[-1].usage.completion_tokens == 12
