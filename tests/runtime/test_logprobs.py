@@ -132,3 +132,17 @@ def test_processors_and_logprobs_are_checked_and_refused_clearly(bundles):
     with pytest.raises(SpecCompileError, match="Medusa tree verification applies no logits processors"):
         medusa.generate(["x"], max_new_tokens=2, logprobs=1)
     medusa.close()
+
+
+def test_a_prompt_scored_in_chunks_beside_a_decoding_request_is_scored_as_hf_scores_it(bundles, hf_models):
+    """Prefill chunks of 4 tokens (another request decodes meanwhile): every position scored once, in order."""
+    runtime = speccompile.load(bundles("llama"), prefill_chunk=4)
+    prompt = runtime.tokenizer.encode("x y z " * 6)
+    busy = runtime.submit("y x", max_new_tokens=40, gamma=4)
+    scored = runtime.submit(prompt, max_new_tokens=3, prompt_logprobs=1, gamma=4).result()
+    busy.result()
+    runtime.close()
+    log_p = hf_log_softmax(hf_models("llama"), prompt)
+    assert len(scored.prompt_logprobs) == len(prompt) - 1
+    np.testing.assert_allclose([e[0] for e in scored.prompt_logprobs], log_p[np.arange(len(prompt) - 1), prompt[1:]],
+                               atol=2e-5)
