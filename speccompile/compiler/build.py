@@ -7,6 +7,7 @@ so a failed build leaves nothing behind.
 """
 
 import collections
+import errno
 import json
 import logging
 import os
@@ -103,7 +104,9 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         variant = f", batch-1 variant {len(variants[name][0].nodes)}" if name in variants else ""
         logger.info(f"  {name}: {len(builder.nodes)} nodes{variant}")
 
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    _remove_leftovers(out_dir)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.build-{os.getpid()}-", suffix=".partial",
+                                    dir=out_dir.parent))
     try:
         sessions = _session_graphs(target, draft, max_seq, vocab_out, weights, vocab_ids, heads)
         weight_files = _write_graphs(staging, graphs, variants, sessions)
@@ -132,6 +135,12 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
         write_stamp(staging, manifest["files"])  # every file was just hashed: the first open need not
         _move_into_place(staging, out_dir, force)
+    except OSError as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise SpecCompileError(f"no space left on {out_dir.parent} for the bundle ({e.strerror}); "
+                                   "what the build wrote is removed") from None
+        raise
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -376,14 +385,52 @@ def _manifest(staging, models: dict[str, ModelSpec], graphs, weight_files, matmu
 
 
 def _move_into_place(staging: Path, out_dir: Path, force: bool) -> None:
-    if not out_dir.exists():
-        os.replace(staging, out_dir)
+    """The bundle appears at out_dir by one rename, whole or not at all. A build into a directory
+    that another build filled meanwhile (it was empty when this one began) says so, unless --force."""
+    try:
+        os.rename(staging, out_dir)  # an empty out_dir is replaced; a non-empty one refuses (ENOTEMPTY)
         return
-    assert force or not any(out_dir.iterdir()), "checked in _check_options"
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not out_dir.is_dir():
+            raise
+        if not force:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise SpecCompileError(f"{out_dir} was written by another build while this one ran (pass --force to "
+                                   "replace it); this build's files are removed") from None
     old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
     os.replace(out_dir, old)
     os.replace(staging, out_dir)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_leftovers(out_dir: Path) -> None:
+    """What builds into out_dir killed before they finished left beside it (their staging
+    directories, a replaced bundle not yet removed): each names its process, which is gone."""
+    for leftover in out_dir.parent.glob(f".{out_dir.name}.*"):
+        owner = _owner(leftover.name, out_dir.name)
+        if owner is not None and not _alive(owner):
+            logger.info(f"  removing {leftover.name}, left by build process {owner}, which ended before finishing")
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _owner(name: str, bundle: str) -> int | None:
+    """The process id a leftover's name records (.NAME.build-PID-XXXX.partial, .NAME.old-PID), if any."""
+    rest = name[len(bundle) + 2 :]
+    for prefix, end in (("build-", "-"), ("old-", None)):
+        if rest.startswith(prefix):
+            digits = rest[len(prefix) :].split(end)[0] if end else rest[len(prefix) :]
+            return int(digits) if digits.isdigit() else None
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _size_mb(path: Path) -> float:

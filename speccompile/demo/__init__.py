@@ -9,9 +9,10 @@ or format is rebuilt and an unchanged one never is.
 import hashlib
 import logging
 import os
+import shutil
 from pathlib import Path
 
-from speccompile.bundle import FORMAT_VERSION
+from speccompile.bundle import FORMAT_VERSION, open_bundle
 from speccompile.errors import SpecCompileError
 
 DEMO_ROOT = Path(__file__).resolve().parent
@@ -66,8 +67,14 @@ def demo_medusa_bundle() -> Path:
 
 
 def _built(bundle: Path, what: str, target: Path, draft: Path | None, **options) -> Path:
-    if (bundle / "manifest.json").is_file():
-        return bundle
+    """The cached build, checked (cheaply, by its stamp); one a crash or a full disk damaged is rebuilt."""
+    if bundle.exists():
+        try:
+            open_bundle(bundle)
+            return bundle
+        except SpecCompileError as damaged:
+            logger.warning(f"{what} in the cache is damaged ({damaged}): rebuilding it")
+            shutil.rmtree(bundle, ignore_errors=True)
     try:
         from speccompile.compiler.build import build_bundle
     except ImportError as e:
@@ -78,7 +85,7 @@ def _built(bundle: Path, what: str, target: Path, draft: Path | None, **options)
     try:
         build_bundle(target, draft, bundle, gammas=DEMO_GAMMAS, max_seq=DEMO_MAX_SEQ, max_batch=DEMO_MAX_BATCH,
                      **options)
-    except OSError:
+    except (OSError, SpecCompileError):
         if not (bundle / "manifest.json").is_file():  # another process finished the same build first
             raise
     return bundle
