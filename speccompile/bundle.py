@@ -25,6 +25,7 @@ FORMAT_VERSION = 5  # 2: verification graphs take draft_len [B]; 3: greedy steps
 # 4: sampling graphs take coupled [B] and Gumbel noise (the coupled rule); 5: logits processors and
 # log-probabilities in every graph, and the target's prompt-scoring graph
 STAMP = ".verified.json"  # not in the manifest's file list: it describes the files, it is not one of them
+STAMP_CHECKS = 2  # what a stamp vouches for: 1, the files' hashes; 2, also their graphs' data and ops (check_graph)
 TOP_LOGPROBS = 20  # the most likely tokens a graph reports with their log-probabilities (OpenAI's largest top_logprobs)
 # each position's log-probability of the token emitted there, and the TOP_LOGPROBS most likely (compiler/logits.py)
 LOGPROBS = ("token_logprob", "top_logprobs", "top_ids")
@@ -201,6 +202,7 @@ def open_bundle(path, verify: bool = True) -> Bundle:
         unvouched = _unvouched_files(path, manifest["files"])
         if unvouched:
             _verify_files(path, {name: manifest["files"][name] for name in unvouched})
+            _check_graphs(path, manifest, unvouched)
             write_stamp(path, manifest["files"])
     return Bundle(path, manifest)
 
@@ -210,14 +212,24 @@ def verify_bundle(path) -> Bundle:
     path = Path(path)
     manifest = _read_manifest(path)
     _verify_files(path, manifest["files"])
+    _check_graphs(path, manifest, manifest["files"])
     write_stamp(path, manifest["files"])
     return Bundle(path, manifest)
+
+
+def _check_graphs(path: Path, manifest: dict, names) -> None:
+    for name in names:
+        if name.endswith(".onnx"):
+            check_graph(path, manifest, name)
 
 
 def _read_manifest(path: Path) -> dict:
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
         raise SpecCompileError(f"{path}: not a speccompile bundle (no {MANIFEST})")
+    if manifest_file.is_symlink() or manifest_file.stat().st_size > MANIFEST_MAX_BYTES:
+        raise SpecCompileError(f"{path}: {MANIFEST} is a link or larger than {MANIFEST_MAX_BYTES >> 20} MiB: "
+                               "not a bundle speccompile wrote")
     manifest = read_json_object(manifest_file)
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
@@ -225,7 +237,120 @@ def _read_manifest(path: Path) -> dict:
             f"{path}: bundle format version {version!r} is not supported "
             f"(this speccompile reads version {FORMAT_VERSION}); rebuild the bundle"
         )
+    _check_contained(path, manifest)
     return manifest
+
+
+# A bundle is untrusted input: someone else may have made it. Before any of its files is opened, every
+# file it names must be listed in its manifest (and so hashed), lie inside its directory (no "..", no
+# absolute path, no link out of it), and the tokenizer be of a sane size. Graphs are read next
+# (check_graph): their external data must be listed files too, and their ops the ones speccompile emits.
+MANIFEST_MAX_BYTES = 16 << 20
+TOKENIZER_MAX_BYTES = 128 << 20  # the largest real tokenizer.json files are tens of MB
+
+
+def inside(root: Path, name: str) -> Path:
+    """root/name, if `name` is a relative path that stays inside root, links resolved; else a
+    SpecCompileError naming it. Nothing is opened."""
+    if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
+        raise SpecCompileError(f"{root}: the bundle names a file {name!r}, which is not a plain relative path")
+    relative = Path(name)
+    if relative.is_absolute() or ".." in relative.parts:
+        raise SpecCompileError(f"{root}: the bundle names {name!r}, a path outside its directory: refused")
+    base = root.resolve()
+    resolved = (base / relative).resolve()
+    if resolved != base and base not in resolved.parents:
+        raise SpecCompileError(f"{root}: the bundle's {name!r} links outside its directory: refused")
+    return root / relative
+
+
+def _check_contained(path: Path, manifest: dict) -> None:
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise SpecCompileError(f"{path}: {MANIFEST} has no valid file list")
+    for name in files:
+        inside(path, name)
+    unlisted = sorted(set(referenced_files(manifest)) - set(files))
+    if unlisted:
+        raise SpecCompileError(f"{path}: the bundle reads {unlisted[0]}, which its manifest does not list (and so "
+                               "does not hash): refused")
+    tokenizer = inside(path, referenced_files(manifest)[-1])
+    if tokenizer.is_file() and tokenizer.stat().st_size > TOKENIZER_MAX_BYTES:
+        raise SpecCompileError(f"{path}: its tokenizer is {tokenizer.stat().st_size >> 20} MiB, over the "
+                               f"{TOKENIZER_MAX_BYTES >> 20} MiB a tokenizer may be: refused")
+
+
+# the ops speccompile's graphs are made of (compiler/), by domain; a graph with any other is refused
+STANDARD_OPS = frozenset(
+    "Add And ArgMax Attention Cast Concat Constant ConstantOfShape Cos CumSum DequantizeLinear Div Equal Erf Exp "
+    "Expand Gather GatherElements GatherND Gelu Greater GreaterOrEqual Identity If LayerNormalization Less "
+    "LessOrEqual Log LogSoftmax MatMul Max Min Mul Neg Not Or Pad Pow RMSNormalization Range ReduceMax ReduceMean "
+    "ReduceMin ReduceSum Relu Reshape RotaryEmbedding Shape Sigmoid Sin Slice Softmax Split Sqrt Squeeze Sub Tanh "
+    "TensorScatter TopK Transpose Unsqueeze Where".split())
+RUNTIME_OPS = frozenset({"GroupQueryAttention", "MatMulNBits"})  # ONNX Runtime's com.microsoft kernels
+SPEC_FUNCTIONS = ("SpecAccept", "SpecTransform", "SpecSample")  # the speccompile domain: local functions
+
+
+def check_graph(path: Path, manifest: dict, name: str) -> None:
+    """Refuse a graph file whose external data lies outside the bundle's listed files, or whose ops
+    are not speccompile's, before a session opens it (its structure is read, not its weights)."""
+    import onnx
+
+    try:
+        model = onnx.load(str(inside(path, name)), load_external_data=False)
+    except Exception as e:  # noqa: BLE001 (protobuf's own errors: a file that is not an ONNX model)
+        raise SpecCompileError(f"{path}: {name} is not an ONNX model ({type(e).__name__}): refused") from None
+    functions = {f.name for f in model.functions if f.domain == "speccompile"
+                 and f.name.rstrip("0123456789").rstrip("_") in SPEC_FUNCTIONS}
+    for tensor in _initializers(model.graph):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+            if location not in manifest["files"]:
+                raise SpecCompileError(f"{path}: {name} reads {tensor.name}'s data from {location!r}, which the "
+                                       "bundle does not list: refused")
+            inside(path, location)
+    for node in [*_nodes(model.graph.node), *(n for f in model.functions for n in _nodes(f.node))]:
+        domain = node.domain or ""
+        allowed = {"": STANDARD_OPS, "ai.onnx": STANDARD_OPS, "com.microsoft": RUNTIME_OPS,
+                   "speccompile": functions}.get(domain, ())
+        if node.op_type not in allowed:
+            raise SpecCompileError(f"{path}: {name} holds an op speccompile does not emit ({domain or 'ai.onnx'}."
+                                   f"{node.op_type}): refused")
+
+
+def _nodes(nodes):
+    """Every node, those inside If branches included."""
+    import onnx
+
+    for node in nodes:
+        yield node
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from _nodes(attribute.g.node)
+
+
+def _initializers(graph):
+    import onnx
+
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from _initializers(attribute.g)
+
+
+def referenced_files(manifest: dict) -> list[str]:
+    """Every file the runtime may read, as the manifest names them; the tokenizer's last."""
+    try:
+        names = []
+        for entry in manifest["graphs"].values():
+            names += [entry["file"]] + ([entry["single_sequence"]["file"]] if "single_sequence" in entry else [])
+        for model in manifest["models"].values():
+            names += [model["weights_file"]] + ([model["session"]["file"]] if "session" in model else [])
+        names += [entry["file"] for entry in manifest.get("engines", {}).values()]
+        return names + [f"{manifest['tokenizer']['dir']}/tokenizer.json"]
+    except (KeyError, TypeError, AttributeError):
+        raise SpecCompileError(f"{MANIFEST} does not describe a bundle (its graphs, models or tokenizer)") from None
 
 
 def _verify_files(path: Path, files: dict[str, str]) -> None:
@@ -256,7 +381,7 @@ def write_stamp(path: Path, files: dict[str, str]) -> None:
     """Record that `files` were hashed and matched the manifest, as they are now on disk, with the
     manifest's own hash. A read-only bundle just goes unstamped: each open then hashes it."""
     stamp = {"written_ns": time.time_ns(), "manifest_sha256": sha256_file(path / MANIFEST),
-             "files": _file_stamps(path, files)}
+             "checks": STAMP_CHECKS, "files": _file_stamps(path, files)}
     try:
         tmp = path / (STAMP + ".tmp")
         tmp.write_text(json.dumps(stamp))
@@ -271,11 +396,14 @@ def _unvouched_files(path: Path, files: dict[str, str]) -> list[str]:
     writes: the "racy" case git handles the same way). Every file when the stamp is missing or the
     manifest is not the one it was made for."""
     try:
-        stamp = json.loads((path / STAMP).read_text())
-        written, recorded = int(stamp["written_ns"]), stamp["files"]
-        if stamp["manifest_sha256"] != sha256_file(path / MANIFEST):
+        stamp_file = inside(path, STAMP)
+        if not stamp_file.is_file():  # none, or not a regular file (never read: a pipe would block)
             return list(files)
-    except (OSError, ValueError, KeyError, TypeError):
+        stamp = json.loads(stamp_file.read_text())
+        written, recorded = int(stamp["written_ns"]), stamp["files"]
+        if stamp["manifest_sha256"] != sha256_file(path / MANIFEST) or stamp.get("checks") != STAMP_CHECKS:
+            return list(files)
+    except (OSError, ValueError, KeyError, TypeError, SpecCompileError):
         return list(files)
     now = _file_stamps(path, files)
     return [name for name in files

@@ -148,9 +148,13 @@ class Scheduler:
         """Shutting down: every request in flight or waiting ends as cancelled."""
         self._end_all("cancelled")
 
-    def fail_all(self, error: Exception) -> None:
-        """A backend failure: every request in flight or waiting ends with it."""
-        self._end_all("error", error)
+    def fail_in_flight(self, error: Exception) -> None:
+        """A backend failure during an iteration: the requests it touched (decoding, or being
+        prefilled) end with it; the waiting ones were not touched and go on, into fresh slots."""
+        for request in [*self.decoding, *([self.joining] if self.joining else [])]:
+            request.finish("error", error)
+            self.proposer(request).finish(request)
+        self.decoding, self.joining = [], None
 
     def _end_all(self, reason: str, error: Exception | None = None) -> None:
         for request in [*self.decoding, *([self.joining] if self.joining else []), *self.waiting]:

@@ -133,6 +133,8 @@ class EngineThread:
 
     def __init__(self, scheduler: Scheduler, before_step):
         self.scheduler, self._before_step = scheduler, before_step
+        self.failures_in_a_row = 0  # iterations that raised since the last that did not (health)
+        self.last_error: Exception | None = None
         self._inbox: deque[Request] = deque()
         self._wake = threading.Condition()
         self._closed = False
@@ -168,9 +170,12 @@ class EngineThread:
             try:
                 self._before_step()
                 self.scheduler.step()
-            except Exception as error:  # a backend failure ends the requests in flight, not the engine
+                self.failures_in_a_row = 0
+            except Exception as error:  # a backend failure ends the requests it touched, not the engine
                 log.exception("engine iteration failed")
-                self.scheduler.fail_all(error)
+                self.failures_in_a_row += 1
+                self.last_error = error
+                self.scheduler.fail_in_flight(error)
         self.scheduler.cancel_all()
         while self._inbox:
             self._inbox.popleft().finish("cancelled")

@@ -110,6 +110,18 @@ class Runtime:
     def gammas(self) -> list[int]:
         return self.bundle.gammas
 
+    UNHEALTHY_AFTER = 3  # failed iterations in a row after which the runtime reports itself unhealthy
+
+    def health(self) -> dict:
+        """{"healthy": bool, "failures_in_a_row": n, "last_error": text or None}: unhealthy after
+        UNHEALTHY_AFTER iterations in a row raised (a backend that keeps failing: an orchestrator
+        should restart the process); one iteration that succeeds makes it healthy again."""
+        engine = self._engine
+        failures = engine.failures_in_a_row if engine is not None else 0
+        error = engine.last_error if engine is not None and failures else None
+        return {"healthy": failures < self.UNHEALTHY_AFTER, "failures_in_a_row": failures,
+                "last_error": None if error is None else f"{type(error).__name__}: {error}"}
+
     def speculative_config(self) -> dict:
         """What speculates here, for a client to see: the compiled γ, the default, the proposers a
         request may ask for, the draft model's and Medusa heads' presence, the sampling rules."""

@@ -15,6 +15,8 @@ iterations per draft count, drafts per proposer).
 """
 
 import asyncio
+import hmac
+import json
 import os
 import socket
 import time
@@ -26,10 +28,12 @@ from speccompile.serve.metrics import Metrics
 from speccompile.serve.protocol import UNSUPPORTED, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from speccompile.serve.responses import Shape, finish_reason, speculative_stats, usage
 
+MAX_BODY_BYTES = 4 << 20  # a request body past this is a 413 (a whole context of token ids is tens of KB)
+
 
 def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting: int | None = None,
                gamma: int | str | None = None, proposer: str | None = None, p_min: float | None = None,
-               chat_template: str | None = None):
+               chat_template: str | None = None, max_body_bytes: int = MAX_BODY_BYTES):
     """The FastAPI application serving `runtime` as model `model_name` (bearer `api_key` if given).
     gamma, proposer, p_min: what a request gets that does not ask (default: the runtime's defaults);
     gamma is a compiled γ or "auto". chat_template: the template to render chats with, instead of
@@ -42,6 +46,7 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     app = FastAPI(title="speccompile", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
     server_id = f"{socket.gethostname()}:{os.getpid()}"
     template = chat_template or runtime.tokenizer.chat_template()
     special_tokens = runtime.tokenizer.special_tokens()
@@ -64,7 +69,8 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
     @app.middleware("http")
     async def authorize(request: Request, call_next):
         if api_key is not None and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, f"Bearer {api_key}".encode()):  # in constant time
                 return openai_error(401, "missing or incorrect API key (send Authorization: Bearer KEY)", None,
                                     "invalid_api_key")
         response = await call_next(request)
@@ -73,7 +79,12 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        """200 while the engine serves; 503 after several failed iterations in a row (restart me)."""
+        state = runtime.health()
+        if state["healthy"]:
+            return {"status": "ok"}
+        return JSONResponse({"status": "unhealthy", "failures_in_a_row": state["failures_in_a_row"],
+                             "last_error": state["last_error"]}, 503)
 
     @app.get("/version")
     async def server_version():
@@ -176,7 +187,10 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
                       runtime.tokenizer, body.n, echo=not chat and body.echo, echo_only=max_tokens == 0,
                       logprobs=reported_logprobs(body, chat))
         if not body.stream:
-            results = await asyncio.gather(*(h.result() for h in handles))
+            try:
+                results = await asyncio.gather(*(h.result() for h in handles))
+            except Exception as e:  # noqa: BLE001 (the engine's failure, named for the caller: the one 5xx)
+                return openai_error(500, engine_failure(e), None, "engine_error")
             return shape.body(results, handles)
         options = body.stream_options
         include_usage = options is not None and options.include_usage
@@ -276,7 +290,13 @@ async def stream_events(runtime, handles: list, shape: Shape, stop, include_usag
                 yield getter.result()
             else:
                 getter.cancel()
-        results = done.result()
+        try:
+            results = done.result()
+        except Exception as e:  # noqa: BLE001 (the engine failed: an error event ends the stream, as OpenAI's)
+            error = {"message": engine_failure(e), "type": "server_error", "param": None, "code": "engine_error"}
+            yield "data: " + json.dumps({"error": error}) + "\n\n"
+            yield "data: [DONE]\n\n"
+            return
         if include_usage:
             prompt_tokens = [len(h.request.prompt) for h in handles]
             stats = speculative_stats(results[0], prompt_tokens[0]) if len(results) == 1 else {}
@@ -290,6 +310,56 @@ async def stream_events(runtime, handles: list, shape: Shape, stop, include_usag
         for handle in handles:
             if not handle.done:
                 handle.cancel()
+
+
+class BodyLimit:
+    """An ASGI middleware that answers 413, in OpenAI's error shape, to a request body longer than
+    `limit` bytes: by its Content-Length before anything is read, or as a chunked body grows past it."""
+
+    class TooLarge(Exception):
+        pass
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.limit:
+            return await self._refuse(send)
+        received, started = 0, False
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise BodyLimit.TooLarge
+            return message
+
+        async def watched(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, watched)
+        except BodyLimit.TooLarge:
+            if not started:
+                await self._refuse(send)
+
+    async def _refuse(self, send) -> None:
+        body = json.dumps({"error": {"message": f"the request body is larger than {self.limit} bytes",
+                                     "type": "invalid_request_error", "param": None,
+                                     "code": "request_too_large"}}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def engine_failure(error: Exception) -> str:
+    return f"the engine failed during this request ({type(error).__name__}: {error}); later requests are served"
 
 
 def _safe_prefix(text: str, stops: list[str]) -> str:
