@@ -276,8 +276,13 @@ def _check_contained(path: Path, manifest: dict) -> None:
                                "does not hash): refused")
     tokenizer = inside(path, referenced_files(manifest)[-1])
     if tokenizer.is_file() and tokenizer.stat().st_size > TOKENIZER_MAX_BYTES:
-        raise SpecCompileError(f"{path}: its tokenizer is {tokenizer.stat().st_size >> 20} MiB, over the "
-                               f"{TOKENIZER_MAX_BYTES >> 20} MiB a tokenizer may be: refused")
+        raise SpecCompileError(f"{path}: its tokenizer is {tokenizer.stat().st_size:,} bytes, over the "
+                               f"{TOKENIZER_MAX_BYTES:,} a tokenizer may be: refused")
+    for entry in tokenizer.parent.iterdir():  # the tokenizer reads its config and chat template too
+        name = f"{manifest['tokenizer']['dir']}/{entry.name}"
+        if name not in files:
+            raise SpecCompileError(f"{path}: its tokenizer directory holds {entry.name}, which the manifest does "
+                                   "not list (and so does not hash): refused")
 
 
 # the ops speccompile's graphs are made of (compiler/), by domain; a graph with any other is refused

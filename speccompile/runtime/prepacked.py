@@ -26,7 +26,8 @@ import os
 import time
 from pathlib import Path
 
-from speccompile.bundle import Bundle
+from speccompile.bundle import Bundle, inside
+from speccompile.errors import SpecCompileError
 from speccompile.runtime.hardware import fingerprint, fingerprint_key
 
 log = logging.getLogger("speccompile")
@@ -49,6 +50,11 @@ def open_session(bundle: Bundle, file: str, options, providers, create: bool = T
     import onnxruntime as ort
 
     saved = prepacked_dir(bundle) / file
+    try:  # a bundle made elsewhere may link its prepacked/ out of itself: then it is neither read nor written
+        inside(bundle.path, str(saved.relative_to(bundle.path)))
+    except SpecCompileError as outside:
+        log.warning(f"{outside}; its graph is optimized at every start instead")
+        return ort.InferenceSession(str(bundle.path / file), options, providers=providers), "plain"
     if _valid(bundle, file, saved):
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # done when it was saved
         return ort.InferenceSession(str(saved), options, providers=providers), "saved"
@@ -95,6 +101,8 @@ def _write_stamp(bundle: Bundle, file: str, saved: Path) -> None:
 
 def _valid(bundle: Bundle, file: str, saved: Path) -> bool:
     try:
+        if not _stamp_path(saved).is_file():  # none, or not a regular file (a pipe would block)
+            return False
         stamp = json.loads(_stamp_path(saved).read_text())
         return (stamp["source_sha256"] == bundle.manifest["files"][file]
                 and all(_file_stamp(saved.parent / name) == recorded for name, recorded in stamp["files"].items())

@@ -314,10 +314,8 @@ async def stream_events(runtime, handles: list, shape: Shape, stop, include_usag
 
 class BodyLimit:
     """An ASGI middleware that answers 413, in OpenAI's error shape, to a request body longer than
-    `limit` bytes: by its Content-Length before anything is read, or as a chunked body grows past it."""
-
-    class TooLarge(Exception):
-        pass
+    `limit` bytes: by its Content-Length before anything is read, or as a chunked body grows past it
+    (the route then sees the body end there, and its answer is replaced by the 413)."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -327,27 +325,38 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         if not declared.isdigit() or int(declared) > self.limit:
+            await self._drain(receive)
             return await self._refuse(send)
-        received, started = 0, False
+        received, too_large = 0, False
 
         async def counted():
-            nonlocal received
+            nonlocal received, too_large
             message = await receive()
             received += len(message.get("body", b""))
-            if received > self.limit:
-                raise BodyLimit.TooLarge
+            if received > self.limit and not too_large:
+                too_large = True
+                if message.get("more_body"):
+                    await self._drain(receive)
+                return {"type": "http.request", "body": b"", "more_body": False}
             return message
 
-        async def watched(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+        async def unless_too_large(message):
+            if not too_large:
+                await send(message)
 
-        try:
-            await self.app(scope, counted, watched)
-        except BodyLimit.TooLarge:
-            if not started:
-                await self._refuse(send)
+        await self.app(scope, counted, unless_too_large)
+        if too_large:
+            await self._refuse(send)
+
+    async def _drain(self, receive) -> None:
+        """Read (and drop) what the client is still sending, up to 16 × the limit, so that a client
+        that writes its whole body before it reads sees the 413 rather than a reset connection."""
+        drained = 0
+        while drained <= 16 * self.limit:
+            message = await receive()
+            drained += len(message.get("body", b""))
+            if message["type"] != "http.request" or not message.get("more_body"):
+                return
 
     async def _refuse(self, send) -> None:
         body = json.dumps({"error": {"message": f"the request body is larger than {self.limit} bytes",

@@ -13,8 +13,12 @@ message (OpenAI's newer name for the system role) is passed as `system` to a tem
 name the developer role.
 """
 
+import contextvars
 import json
+import time
 from datetime import datetime
+
+from jinja2.exceptions import SecurityError
 
 from speccompile.errors import SpecCompileError
 
@@ -33,12 +37,26 @@ def render_chat(template: str, special_tokens: dict[str, str], messages: list[di
     marker = "\u0000CONTINUE\u0000"
     if continue_final_message:
         messages[-1]["content"] += marker
+    if len(template) > TEMPLATE_MAX_CHARS:
+        raise SpecCompileError(f"the chat template is {len(template):,} characters, over the {TEMPLATE_MAX_CHARS:,} "
+                               "a template may be")
+    budget = Budget()
+    token = _BUDGET.set(budget)
     try:
-        text = _environment().from_string(template).render(
-            messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
-            **(extra or {}), **special_tokens)
+        chunks = []
+        for chunk in _environment().from_string(template).generate(
+                messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
+                **(extra or {}), **special_tokens):
+            chunks.append(chunk)
+            budget.wrote(len(chunk))
+        text = "".join(chunks)
     except jinja2.TemplateError as e:
         raise SpecCompileError(f"the chat template refused these messages: {e}") from None
+    except (RecursionError, MemoryError, OverflowError):
+        raise SpecCompileError("the chat template failed on these messages (it recursed or grew without "
+                               "bound)") from None
+    finally:
+        _BUDGET.reset(token)
     if continue_final_message:
         if marker not in text:
             raise SpecCompileError("continue_final_message: the chat template does not render the last message")
@@ -60,12 +78,65 @@ def _plain_message(message: dict, template_names_developer: bool) -> dict:
     return message
 
 
+# A template is code from the checkpoint (or the bundle's maker): it renders in a sandbox, within these
+# bounds, checked as it runs: every range() it iterates counts, every piece it writes, every `*` and
+# `**` it computes; past a bound it stops with an error (a 400), never a hung or exhausted server.
+TEMPLATE_MAX_CHARS = 1 << 20
+RENDER_MAX_CHARS = 4 << 20
+RENDER_MAX_ITEMS = 1_000_000  # items all of one render's range() calls may yield
+RENDER_MAX_SECONDS = 2.0
+
+
+class Budget:
+    """One render's use of the bounds."""
+
+    def __init__(self):
+        self.started, self.items, self.chars = time.perf_counter(), 0, 0
+
+    def step(self) -> None:
+        self.items += 1
+        if self.items > RENDER_MAX_ITEMS or (self.items % 1024 == 0 and self._late()):
+            raise SecurityError(f"the template ran past {RENDER_MAX_ITEMS:,} loop items or {RENDER_MAX_SECONDS} s")
+
+    def wrote(self, chars: int) -> None:
+        self.chars += chars
+        if self.chars > RENDER_MAX_CHARS or self._late():
+            raise SecurityError(f"the template wrote past {RENDER_MAX_CHARS:,} characters or {RENDER_MAX_SECONDS} s")
+
+    def _late(self) -> bool:
+        return time.perf_counter() - self.started > RENDER_MAX_SECONDS
+
+
+_BUDGET: contextvars.ContextVar = contextvars.ContextVar("chat_template_budget")
+
+
+def _bounded_range(*args):
+    budget = _BUDGET.get()
+    for item in range(*args):
+        budget.step()
+        yield item
+
+
 def _environment():
-    """transformers' chat-template environment (utils/chat_template_utils.py), made once."""
+    """transformers' chat-template environment (utils/chat_template_utils.py), made once, with the
+    render bounds above."""
     global _ENVIRONMENT
     if _ENVIRONMENT is None:
         import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        class Bounded(ImmutableSandboxedEnvironment):
+            intercepted_binops = frozenset({"*", "**"})
+
+            def call_binop(self, context, operator, left, right):
+                """`*` and `**` whose result would be larger than a render may write."""
+                sizes = [len(v) for v in (left, right) if isinstance(v, (str, list, tuple))]
+                counts = [v for v in (left, right) if isinstance(v, int) and not isinstance(v, bool)]
+                if operator == "*" and sizes and counts and sizes[0] * max(counts[0], 0) > RENDER_MAX_CHARS:
+                    raise SecurityError("the template multiplies a sequence past what a render may write")
+                if operator == "**" and counts and len(counts) == 2 and abs(right) > 64:
+                    raise SecurityError("the template raises a number to too large a power")
+                return super().call_binop(context, operator, left, right)
 
         class Generation(jinja2.ext.Extension):
             """{% generation %}...{% endgeneration %}: marks an assistant's text (for training masks);
@@ -88,8 +159,8 @@ def _environment():
             return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                               sort_keys=sort_keys)
 
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                    extensions=[Generation, jinja2.ext.loopcontrols])
+        environment = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+        environment.globals["range"] = _bounded_range
         environment.filters["tojson"] = tojson
         environment.globals["raise_exception"] = raise_exception
         environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

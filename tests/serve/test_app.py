@@ -637,3 +637,78 @@ def test_continuous_usage_stats_count_the_tokens_delivered_so_far(client):
                                             stream_options={"include_usage": True, "continuous_usage_stats": True}))
     counts = [c.usage.completion_tokens for c in chunks if c.choices]
     assert counts == sorted(counts) and counts[-1] == 12 and chunks[-1].usage.completion_tokens == 12
+
+
+def read_events(url: str, body: dict) -> list:
+    """A streamed completion's events, parsed (the [DONE] marker as the string)."""
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                     method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        lines = [line[6:] for line in response.read().decode().splitlines() if line.startswith("data: ")]
+    return [line if line == "[DONE]" else json.loads(line) for line in lines]
+
+
+def test_a_failing_backend_ends_only_the_requests_in_flight_and_health_tells_the_truth(bundles):
+    runtime = speccompile.load(bundles("llama", "random"), max_batch=4)
+    failing = {"now": False, "always": False}
+    real_verify = runtime.target.verify
+
+    def verify(*args, **kwargs):
+        if failing["now"] or failing["always"]:
+            failing["now"] = False
+            raise RuntimeError("device lost")
+        return real_verify(*args, **kwargs)
+
+    runtime.target.verify = verify
+    server, thread, url = start(create_app(runtime, "tiny"))
+    body = {"prompt": "x y", "max_tokens": 40, "temperature": 0, "num_speculative_tokens": 4}
+    try:
+        streams = []
+        clients = [threading.Thread(target=lambda: streams.append(read_events(url, body))) for _ in range(4)]
+        for client_thread in clients:
+            client_thread.start()
+        for _ in range(500):  # all four decoding
+            if runtime.scheduler.active == 4:
+                break
+            threading.Event().wait(0.01)
+        failing["now"] = True  # one iteration fails
+        for client_thread in clients:
+            client_thread.join(60)
+        for events in streams:  # each ended with an error event naming the failure, then [DONE]
+            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_error"
+            assert "device lost" in events[-2]["error"]["message"]
+        assert http("GET", url + "/health") == (200, {"status": "ok"})
+        status, reply = http("POST", url + "/v1/completions", json.dumps(body).encode(),
+                             {"Content-Type": "application/json"})
+        assert status == 200 and reply["usage"]["completion_tokens"] == 40  # the server goes on
+        failing["always"] = True  # a backend that keeps failing
+        for _ in range(3):
+            status, reply = http("POST", url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+            assert status == 500 and reply["error"]["type"] == "server_error"
+        status, health = http("GET", url + "/health")
+        assert status == 503 and health["failures_in_a_row"] >= 3 and "device lost" in health["last_error"]
+        failing["always"] = False
+        assert http("POST", url + "/v1/completions", json.dumps(body).encode(),
+                    {"Content-Type": "application/json"})[0] == 200
+        assert http("GET", url + "/health")[0] == 200  # one good iteration: healthy again
+    finally:
+        stop(server, thread)
+        runtime.close()
+
+
+def test_a_body_past_the_limit_is_a_413_whether_declared_or_chunked(served):
+    from http.client import HTTPConnection
+
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    huge = json.dumps({"prompt": "x" * (10 << 20)}).encode()
+    status, answer = http("POST", served[1] + "/v1/completions", huge, headers)
+    assert status == 413 and answer["error"]["code"] == "request_too_large"
+    host, port = served[1].removeprefix("http://").split(":")
+    connection = HTTPConnection(host, int(port), timeout=30)
+    connection.request("POST", "/v1/completions", body=iter([huge[i : i + 65536] for i in range(0, len(huge), 65536)]),
+                       headers=headers, encode_chunked=True)
+    response = connection.getresponse()
+    assert response.status == 413 and json.loads(response.read())["error"]["code"] == "request_too_large"
+    connection.close()
+    assert http("GET", served[1] + "/health")[0] == 200

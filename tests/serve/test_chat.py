@@ -148,3 +148,25 @@ def test_a_chat_template_file_is_read_as_jinja_or_as_a_json_string(tmp_path):
     assert read_template(tmp_path / "quoted.json") == "{{ messages[0].content }}\n"
     with pytest.raises(SpecCompileError, match="no such file"):
         read_template(tmp_path / "missing.jinja")
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "loop items"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{{ 'x' * 100 }}{% endfor %}{% endfor %}",
+     "characters"),
+    ("{{ 'x' * 1000000000 }}", "multiplies a sequence"),
+    ("{{ 10 ** 1000000000 }}", "too large a power"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recursed"),
+], ids=["nested loops", "huge output", "huge string", "huge power", "recursion"])
+def test_a_hostile_template_stops_at_its_bounds_with_one_error(template, message):
+    import time
+
+    started = time.perf_counter()
+    with pytest.raises(SpecCompileError, match=message):
+        render_chat(template, {}, [{"role": "user", "content": "x"}])
+    assert time.perf_counter() - started < 10
+
+
+def test_an_oversized_template_is_refused():
+    with pytest.raises(SpecCompileError, match="over the 1,048,576 a template may be"):
+        render_chat("x" * (2 << 20), {}, [{"role": "user", "content": "x"}])
