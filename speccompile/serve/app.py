@@ -44,6 +44,7 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     app = FastAPI(title="speccompile", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
@@ -65,6 +66,13 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
         else:
             message = f"{param}: {first['msg']}" if param else first["msg"]
         return openai_error(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        """FastAPI's own refusals (a body it cannot parse, an unknown route) in OpenAI's error shape."""
+        detail = error.detail if isinstance(error.detail, str) else "the request was refused"
+        message = "the request body is not valid JSON" if "parsing the body" in detail else detail
+        return openai_error(error.status_code, message, None)
 
     @app.middleware("http")
     async def authorize(request: Request, call_next):

@@ -6,7 +6,7 @@ plain decoding), `p_min` (the draft model's confidence threshold) and `sampling_
 rejection, core/request.py).
 """
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -47,7 +47,7 @@ class Sampling(BaseModel):
     user: str | None = None
     # ours: speculation per request
     proposer: str | None = None
-    num_speculative_tokens: int | Literal["auto"] | None = Field(None, ge=0)
+    num_speculative_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] | None = None
     p_min: float | None = Field(None, ge=0.0, le=1.0)
     sampling_rule: Literal["coupled", "rejection"] | None = None
 

@@ -1,0 +1,75 @@
+"""The suite's server fuzz (tests/serve/fuzz.py), for longer: N generated requests across the POST
+routes against a server on the given bundle (default: the demo bundle's), counted by route and
+status; every one must be a 2xx or a 4xx in OpenAI's error shape. Prints the counts, the failures
+(a 5xx, a 4xx without OpenAI's body, a hang past the timeout) with their bodies, and whether the
+server still answers a normal request.
+
+    python tools/fuzz_serve.py [--bundle DIR] [--requests 20000] [--seed 0]
+"""
+
+import argparse
+import collections
+import json
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import speccompile  # noqa: E402
+from speccompile.serve.app import create_app  # noqa: E402
+from tests.serve.fuzz import MODEL, acceptable, requests  # noqa: E402
+from tests.serve.test_app import TEMPLATE, start, stop  # noqa: E402
+from tests.serve.test_fuzz import send  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bundle", default=None)
+    parser.add_argument("--requests", type=int, default=20000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    runtime = speccompile.load(args.bundle) if args.bundle else speccompile.load()
+    app = create_app(runtime, MODEL, max_waiting=64, chat_template=TEMPLATE)
+    server, thread, url = start(app)
+    counts, failures = collections.Counter(), []
+    began = time.perf_counter()
+    lock = threading.Lock()
+
+    @settings(max_examples=args.requests, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(data=st.data())
+    def run(data):
+        route, body = data.draw(requests(app.openapi()))
+        try:
+            status, answer = send(url, route, body)
+            problem = acceptable(status, answer)
+        except Exception as e:  # noqa: BLE001 (a hang or a dropped connection is a failure to count)
+            status, problem = "no answer", f"{type(e).__name__}: {e}"
+        with lock:
+            counts[route, status] += 1
+            if problem is not None:
+                failures.append((route, body[:400], problem))
+
+    random.seed(args.seed)
+    run()
+    took = time.perf_counter() - began
+    status, answer = send(url, "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 4}).encode())
+    stop(server, thread)
+    runtime.close()
+    print(f"{sum(counts.values())} requests in {took:.0f} s")
+    for (route, code), count in sorted(counts.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        print(f"  {route:22} {code!s:>10}  {count}")
+    print(f"failures: {len(failures)}")
+    for route, body, problem in failures[:20]:
+        print(f"  {route} {body!r}: {problem}")
+    print(f"a normal request afterwards: {status}")
+    sys.exit(1 if failures or status != 200 else 0)
+
+
+if __name__ == "__main__":
+    main()
