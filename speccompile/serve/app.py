@@ -289,6 +289,7 @@ async def stream_events(runtime, handles: list, shape: Shape, stop, include_usag
 
     tasks = [asyncio.ensure_future(one_choice(i, h)) for i, h in enumerate(handles)]
     done = asyncio.ensure_future(asyncio.gather(*tasks))
+    done.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: a client gone is no error
     getter = None
     try:
         while not (done.done() and events.empty()):
@@ -312,7 +313,7 @@ async def stream_events(runtime, handles: list, shape: Shape, stop, include_usag
                                **stats})
         yield "data: [DONE]\n\n"
     finally:
-        for pending in [*tasks, done, getter]:
+        for pending in [getter, done, *tasks]:  # the gathering first: its cancellation reaches the choices
             if pending is not None and not pending.done():
                 pending.cancel()
         for handle in handles:
