@@ -419,6 +419,7 @@ def _bench_value(value) -> str:
 
 
 DRAIN_S = 30  # serve: how long a shutdown waits for requests in flight
+IDLE_S = 5  # serve: a connection without a request in progress is closed after this long (uvicorn's default)
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -457,7 +458,7 @@ def serve(bundle, host, port, api_key, model_name, max_batch, gamma, proposer, p
     try:
         import uvicorn
 
-        from speccompile.serve.app import create_app
+        from speccompile.serve.app import create_app, http_protocol
         from speccompile.serve.chat import read_template
     except ImportError as e:
         raise SpecCompileError(f"serve needs the serve extra ({e.name} is missing): "
@@ -488,7 +489,7 @@ def serve(bundle, host, port, api_key, model_name, max_batch, gamma, proposer, p
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=not no_access_log,
-                timeout_graceful_shutdown=DRAIN_S)
+                timeout_graceful_shutdown=DRAIN_S, http=http_protocol(), timeout_keep_alive=IDLE_S)
     runtime.close()  # what the drain left is cancelled
 
 

@@ -376,6 +376,21 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+def http_protocol():
+    """uvicorn's HTTP/1.1 protocol, with its keep-alive timeout also on a new connection: a client
+    that connects and sends nothing is disconnected after it, as an idle keep-alive connection is
+    (uvicorn otherwise waits for a first request forever)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class IdleTimeoutH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
+
+    return IdleTimeoutH11Protocol
+
+
 def engine_failure(error: Exception) -> str:
     return f"the engine failed during this request ({type(error).__name__}: {error}); later requests are served"
 

@@ -14,7 +14,7 @@ import uvicorn
 
 import speccompile
 from speccompile.errors import SpecCompileError
-from speccompile.serve.app import _safe_prefix, create_app
+from speccompile.serve.app import _safe_prefix, create_app, http_protocol
 
 KEY = "test-key"
 
@@ -712,3 +712,48 @@ def test_a_body_past_the_limit_is_a_413_whether_declared_or_chunked(served):
     assert response.status == 413 and json.loads(response.read())["error"]["code"] == "request_too_large"
     connection.close()
     assert http("GET", served[1] + "/health")[0] == 200
+
+
+def test_idle_and_slow_clients_hold_no_engine_slot(bundles):
+    """A client that connects and sends nothing is disconnected; one that reads its stream a byte at a
+    time does not keep its request in the engine: the engine finishes it and serves others meanwhile."""
+    import socket
+
+    runtime = speccompile.load(bundles("llama", "random"))
+    config = uvicorn.Config(create_app(runtime, "tiny"), host="127.0.0.1", port=0, log_level="warning",
+                            timeout_keep_alive=1, http=http_protocol())
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        threading.Event().wait(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        idle = socket.create_connection(("127.0.0.1", port), timeout=10)
+        slow = socket.create_connection(("127.0.0.1", port), timeout=10)
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        body = json.dumps({"prompt": "x y", "max_tokens": 60, "temperature": 0, "stream": True}).encode()
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert slow.recv(1)  # the stream began; the client reads no more for now
+        for _ in range(500):
+            if runtime.scheduler.idle:
+                break
+            threading.Event().wait(0.01)
+        assert runtime.scheduler.idle  # finished in the engine while its client sleeps
+        status, _ = http("POST", f"http://127.0.0.1:{port}/v1/completions",
+                         json.dumps({"prompt": "x", "max_tokens": 4}).encode(), {"Content-Type": "application/json"})
+        assert status == 200
+        idle.settimeout(10)
+        assert idle.recv(1) == b""  # the silent client was disconnected
+        rest = b""
+        while not rest.endswith(b"data: [DONE]\r\n\r\n0\r\n\r\n") and len(rest) < 1 << 20:
+            chunk = slow.recv(4096)
+            if not chunk:
+                break
+            rest += chunk
+        assert b"data: [DONE]" in rest  # and it still gets its whole stream when it reads
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        runtime.close()
