@@ -211,7 +211,7 @@ class Runtime:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise SpecCompileError(f"n must be a positive integer, got {n!r}")
         prompts = [p for p in prompts for _ in range(n)]
-        seeds = np.random.SeedSequence(seed).spawn(len(prompts))
+        seeds = np.random.SeedSequence(_seed(seed)).spawn(len(prompts))
         sampling_rule = sampling_rule or default_sampling_rule(seed)  # by the caller's seed, not the spawned ones
         requests = []
         for i, (p, s) in enumerate(zip(prompts, seeds)):
@@ -329,6 +329,7 @@ class Runtime:
                  min_p: float = 0.0, min_tokens: int = 0, logprobs: int | None = None,
                  prompt_logprobs: int | None = None, shares_prefill_with: Request | None = None) -> Request:
         self.proposers.check(proposer)
+        seed = _seed(seed)
         processors = Processors(presence_penalty, frequency_penalty, repetition_penalty,
                                 tuple(sorted(_logit_bias(logit_bias).items())), min_tokens, min_p)
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
@@ -447,6 +448,16 @@ class Runtime:
         if bad:
             raise SpecCompileError(f"token id {bad[0]} is outside the vocabulary (0..{self.target.vocab_size - 1})")
         return [int(t) for t in ids]
+
+
+def _seed(seed):
+    """A seed as the random streams take it: any integer (a negative one, as vLLM's seeds may be, is
+    taken modulo 2**64), a SeedSequence, or None."""
+    if seed is None or isinstance(seed, np.random.SeedSequence):
+        return seed
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise SpecCompileError(f"seed must be an integer, got {seed!r}")
+    return int(seed) % 2**64
 
 
 def _logit_bias(bias) -> dict[int, float]:

@@ -18,6 +18,10 @@ class Tokenizer:
 
     def encode(self, text: str, special_tokens: bool = True) -> list[int]:
         """special_tokens=False for text that writes its own (a rendered chat template)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate (JSON can carry one): no tokenizer takes it
+            raise SpecCompileError(f"the text is not valid Unicode: {e.reason} at position {e.start}") from None
         ids = self._tok.encode(text, add_special_tokens=special_tokens).ids
         if not ids:
             raise SpecCompileError(f"prompt {text!r} encodes to no tokens")

@@ -30,7 +30,7 @@ class Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)  # vLLM's extension: 0 or -1 turn it off
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM's: end like EOS (the token is kept in the tokens)
     ignore_eos: bool = False  # vLLM's: go on past EOS

@@ -87,8 +87,8 @@ def body_of(schema: dict, components: dict, depth: int = 0, valid: bool | None =
     the bodies are valid (each value of its type, in its bounds: they reach the engine); the others
     have values far out of bounds, of another type, missing fields or an unknown one."""
     if valid is None:
-        return st.one_of(body_of(schema, components, depth, True), body_of(schema, components, depth, False),
-                         body_of(schema, components, depth, False))
+        return st.one_of(sparse(schema, components, depth), body_of(schema, components, depth, True),
+                         body_of(schema, components, depth, False), body_of(schema, components, depth, False))
     schema = resolve(schema, components)
     properties, required = schema.get("properties", {}), set(schema.get("required", []))
 
@@ -100,6 +100,21 @@ def body_of(schema: dict, components: dict, depth: int = 0, valid: bool | None =
     present = st.fixed_dictionaries({name: field(name, sub) for name, sub in properties.items() if name in required},
                                     optional={**optional, **({} if valid else {"unknown_field": json_values})})
     return present if valid else st.one_of(present, st.dictionaries(text, json_values, max_size=3))
+
+
+def sparse(schema: dict, components: dict, depth: int = 0):
+    """A valid object of the required properties and at most three others: what most clients send,
+    and what reaches the engine's deepest paths (sampling, seeds, processors, logprobs)."""
+    schema = resolve(schema, components)
+    properties, required = schema.get("properties", {}), set(schema.get("required", []))
+    optional = sorted(set(properties) - required)
+
+    @st.composite
+    def build(draw):
+        names = sorted(required) + draw(st.lists(st.sampled_from(optional), max_size=3, unique=True))
+        return {name: draw(value_of(properties[name], components, name, depth, True)) for name in names}
+
+    return build()
 
 
 def requests(openapi: dict):

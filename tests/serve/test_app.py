@@ -135,6 +135,7 @@ BAD_REQUESTS = [
     ("token id outside the vocabulary", {"prompt": [10**6], "max_tokens": 4}, 400, None),
     ("prompt too long", {"prompt": list(range(3, 200)), "max_tokens": 4}, 400, None),
     ("another model", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("a lone surrogate in the prompt", {"prompt": "x \ud800 y"}, 400, None),
 ]
 
 
