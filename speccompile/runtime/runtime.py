@@ -9,6 +9,7 @@ calibration live in policies.py, a Medusa bundle's tree sizing in tree_sizing.py
 """
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -332,6 +333,8 @@ class Runtime:
         seed = _seed(seed)
         processors = Processors(presence_penalty, frequency_penalty, repetition_penalty,
                                 tuple(sorted(_logit_bias(logit_bias).items())), min_tokens, min_p)
+        # beyond the context, min_tokens bans EOS for the whole request either way: the graphs take int64
+        processors = dataclasses.replace(processors, min_tokens=min(processors.min_tokens, self.max_seq))
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or not 0 <= value <= TOP_LOGPROBS):
@@ -344,7 +347,7 @@ class Runtime:
             p_min = self.profile.p_min if self.profile is not None else 0.0
         if isinstance(p_min, bool) or not isinstance(p_min, (int, float)) or not 0.0 <= p_min <= 1.0:
             raise SpecCompileError(f"p_min must be a probability in [0, 1], got {p_min!r}")
-        params = SamplingParams(float(temperature), int(top_k), float(top_p))
+        params = self._sampling(temperature, top_k, top_p)
         if warn:
             for name in params.without_effect():
                 log.warning(f"warning: {name} has no effect at temperature 0 (greedy decoding); "
@@ -377,6 +380,17 @@ class Runtime:
                 f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens + γ={cap} exceeds the bundle's "
                 f"max sequence length {self.max_seq} (rebuild with a larger --max-seq, or ask for fewer tokens)")
         return request
+
+    def _sampling(self, temperature, top_k, top_p) -> SamplingParams:
+        """The sampling controls, checked, in the graphs' ranges: a temperature below 1e-5 is greedy
+        (as vLLM's: float32 would round it to 0 anyway), a top_k past the vocabulary keeps it all."""
+        for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise SpecCompileError(f"{name} must be a number, got {value!r}")
+        if isinstance(top_k, float) and not top_k.is_integer():
+            raise SpecCompileError(f"top_k must be an integer, got {top_k!r}")
+        temperature = 0.0 if 0 < temperature < 1e-5 else float(temperature)
+        return SamplingParams(temperature, int(min(top_k, self.target.vocab_size)), float(top_p))
 
     def _check_tree_rules(self, acceptance: str, temperature) -> None:
         """Typical acceptance only on a Medusa bundle, and a Medusa bundle's trees greedy only (tree

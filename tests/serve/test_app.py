@@ -758,3 +758,15 @@ def test_idle_and_slow_clients_hold_no_engine_slot(bundles):
         server.should_exit = True
         thread.join(10)
         runtime.close()
+
+
+def test_values_at_the_edges_of_their_types_never_reach_the_engine_as_failures(served):
+    """Found by fuzzing: a top_k or min_tokens past int64 used to fail the engine's iteration (and every
+    request in it); a temperature float32 rounds to 0 is greedy, as vLLM's below 1e-5."""
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    for edge in ({"top_k": 2**70, "temperature": 0.8, "seed": -3}, {"min_tokens": 2**70, "max_tokens": 4},
+                 {"temperature": 1e-300, "seed": 2**64 - 1}):
+        status, reply = http("POST", served[1] + "/v1/completions",
+                             json.dumps({"prompt": "x y", "max_tokens": 4, **edge}).encode(), headers)
+        assert status == 200 and reply["usage"]["completion_tokens"] == 4, (edge, reply)
+    assert served[0].health()["failures_in_a_row"] == 0
