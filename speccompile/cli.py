@@ -458,8 +458,9 @@ def serve(bundle, host, port, api_key, model_name, max_batch, gamma, proposer, p
     try:
         import uvicorn
 
-        from speccompile.serve.app import create_app, http_protocol
+        from speccompile.serve.app import create_app
         from speccompile.serve.chat import read_template
+        from speccompile.serve.limits import http_protocol
     except ImportError as e:
         raise SpecCompileError(f"serve needs the serve extra ({e.name} is missing): "
                                "pip install 'speccompile[serve]'") from None

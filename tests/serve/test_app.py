@@ -14,7 +14,8 @@ import uvicorn
 
 import speccompile
 from speccompile.errors import SpecCompileError
-from speccompile.serve.app import _safe_prefix, create_app, http_protocol
+from speccompile.serve.app import _safe_prefix, create_app
+from speccompile.serve.limits import http_protocol
 
 KEY = "test-key"
 
@@ -651,14 +652,14 @@ def read_events(url: str, body: dict) -> list:
 
 def test_a_failing_backend_ends_only_the_requests_in_flight_and_health_tells_the_truth(bundles):
     runtime = speccompile.load(bundles("llama", "random"), max_batch=4)
-    failing = {"now": False, "always": False}
+    failing = {"batch of four": True, "always": False}
     real_verify = runtime.target.verify
 
-    def verify(*args, **kwargs):
-        if failing["now"] or failing["always"]:
-            failing["now"] = False
+    def verify(tokens, *args, **kwargs):
+        if (failing["batch of four"] and len(tokens) == 4) or failing["always"]:
+            failing["batch of four"] = False  # the first verification of all four streams fails, once
             raise RuntimeError("device lost")
-        return real_verify(*args, **kwargs)
+        return real_verify(tokens, *args, **kwargs)
 
     runtime.target.verify = verify
     server, thread, url = start(create_app(runtime, "tiny"))
@@ -668,13 +669,9 @@ def test_a_failing_backend_ends_only_the_requests_in_flight_and_health_tells_the
         clients = [threading.Thread(target=lambda: streams.append(read_events(url, body))) for _ in range(4)]
         for client_thread in clients:
             client_thread.start()
-        for _ in range(500):  # all four decoding
-            if runtime.scheduler.active == 4:
-                break
-            threading.Event().wait(0.01)
-        failing["now"] = True  # one iteration fails
         for client_thread in clients:
             client_thread.join(60)
+        assert not failing["batch of four"]  # the failure happened
         for events in streams:  # each ended with an error event naming the failure, then [DONE]
             assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_error"
             assert "device lost" in events[-2]["error"]["message"]
