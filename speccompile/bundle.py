@@ -21,9 +21,10 @@ from pathlib import Path
 from speccompile.errors import SpecCompileError, read_json_object
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 5  # 2: verification graphs take draft_len [B]; 3: greedy steps output their confidence;
+FORMAT_VERSION = 6  # 2: verification graphs take draft_len [B]; 3: greedy steps output their confidence;
 # 4: sampling graphs take coupled [B] and Gumbel noise (the coupled rule); 5: logits processors and
-# log-probabilities in every graph, and the target's prompt-scoring graph
+# log-probabilities in every graph, and the target's prompt-scoring graph; 6: grammar masks (`forbidden`)
+# in every graph, Medusa trees' included
 STAMP = ".verified.json"  # not in the manifest's file list: it describes the files, it is not one of them
 STAMP_CHECKS = 2  # what a stamp vouches for: 1, the files' hashes; 2, also their graphs' data and ops (check_graph)
 TOP_LOGPROBS = 20  # the most likely tokens a graph reports with their log-probabilities (OpenAI's largest top_logprobs)
@@ -289,7 +290,7 @@ def _check_contained(path: Path, manifest: dict) -> None:
 STANDARD_OPS = frozenset(
     "Add And ArgMax Attention Cast Concat Constant ConstantOfShape Cos CumSum DequantizeLinear Div Equal Erf Exp "
     "Expand Gather GatherElements GatherND Gelu Greater GreaterOrEqual Identity If LayerNormalization Less "
-    "LessOrEqual Log LogSoftmax MatMul Max Min Mul Neg Not Or Pad Pow RMSNormalization Range ReduceMax ReduceMean "
+    "LessOrEqual Log LogSoftmax MatMul Max Min Mod Mul Neg Not Or Pad Pow RMSNormalization Range ReduceMax ReduceMean "
     "ReduceMin ReduceSum Relu Reshape RotaryEmbedding Shape Sigmoid Sin Slice Softmax Split Sqrt Squeeze Sub Tanh "
     "TensorScatter TopK Transpose Unsqueeze Where".split())
 RUNTIME_OPS = frozenset({"GroupQueryAttention", "MatMulNBits"})  # ONNX Runtime's com.microsoft kernels

@@ -2,9 +2,13 @@
 routes against a server on the given bundle (default: the demo bundle's), counted by route and
 status; every one must be a 2xx or a 4xx in OpenAI's error shape. Prints the counts, the failures
 (a 5xx, a 4xx without OpenAI's body, a hang past the timeout) with their bodies, and whether the
-server still answers a normal request.
+server still answers a normal request. A progress line every --every requests, so a long run that is
+stopped still says how far it got.
 
-    python tools/fuzz_serve.py [--bundle DIR] [--requests 20000] [--seed 0]
+    python tools/fuzz_serve.py [--bundle DIR | --tiny] [--requests 20000] [--seed 0]
+
+--tiny serves the suite's tiny llama pair (random target and draft, built into a temporary directory):
+the same server paths at a fraction of the demo pair's cost per request.
 """
 
 import argparse
@@ -12,6 +16,7 @@ import collections
 import json
 import random
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,16 +33,30 @@ from tests.serve.test_app import TEMPLATE, start, stop  # noqa: E402
 from tests.serve.test_fuzz import send  # noqa: E402
 
 
+def tiny_bundle(workdir: Path) -> Path:
+    from speccompile.compiler.build import build_bundle
+    from tests.tiny_models import make_checkpoint, make_tokenizer
+
+    tokenizer = make_tokenizer()
+    target = make_checkpoint(workdir / "target", "llama", seed=0, size="target", tokenizer=tokenizer)
+    draft = make_checkpoint(workdir / "draft", "llama", seed=1, size="draft", tokenizer=tokenizer)
+    return build_bundle(target, draft, workdir / "bundle", gammas=[1, 4], max_seq=96, max_batch=4)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bundle", default=None)
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tiny", action="store_true", help="serve the suite's tiny llama pair")
+    parser.add_argument("--every", type=int, default=1000, help="print progress every N requests")
     args = parser.parse_args()
-    runtime = speccompile.load(args.bundle) if args.bundle else speccompile.load()
+    workdir = tempfile.TemporaryDirectory()
+    bundle = tiny_bundle(Path(workdir.name)) if args.tiny else args.bundle
+    runtime = speccompile.load(bundle, max_batch=2) if bundle else speccompile.load()
     app = create_app(runtime, MODEL, max_waiting=64, chat_template=TEMPLATE)
     server, thread, url = start(app)
-    counts, failures = collections.Counter(), []
+    counts, by_status, failures = collections.Counter(), collections.Counter(), []
     began = time.perf_counter()
     lock = threading.Lock()
 
@@ -52,8 +71,14 @@ def main() -> None:
             status, problem = "no answer", f"{type(e).__name__}: {e}"
         with lock:
             counts[route, status] += 1
+            by_status[status] += 1
             if problem is not None:
                 failures.append((route, body[:400], problem))
+            done = sum(counts.values())
+            if done % args.every == 0:
+                statuses = dict(sorted(by_status.items(), key=str))
+                print(f"{done} requests, {time.perf_counter() - began:.0f} s: {statuses}, failures {len(failures)}",
+                      flush=True)
 
     random.seed(args.seed)
     run()
@@ -61,6 +86,7 @@ def main() -> None:
     status, answer = send(url, "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 4}).encode())
     stop(server, thread)
     runtime.close()
+    workdir.cleanup()
     print(f"{sum(counts.values())} requests in {took:.0f} s")
     for (route, code), count in sorted(counts.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         print(f"  {route:22} {code!s:>10}  {count}")

@@ -36,7 +36,8 @@ from speccompile.compiler.trt_rules import check_tensorrt_compatible
 from speccompile.errors import SpecCompileError
 from speccompile.progress import Progress
 
-DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64", onnx.TensorProto.BOOL: "bool"}
+DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64", onnx.TensorProto.BOOL: "bool",
+          onnx.TensorProto.INT32: "int32"}
 PHASES = ["load target", "load draft", "check compatibility", "export graphs", "check graphs", "write bundle"]
 logger = logging.getLogger(__name__)
 

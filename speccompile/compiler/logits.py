@@ -11,6 +11,9 @@ Processing (the `process` input), on logits z [B, R, V] at R positions (a verifi
   min_tokens   z = -inf for the `banned` tokens (EOS and stop tokens) at positions r < ban_until
   min_p        after temperature, top-k and top-p: drop tokens below min_p × the largest probability,
                renormalise (penalties[:, 3]; sampling only: greedy decoding keeps its argmax)
+  grammar      z = -inf for the tokens a request's grammar forbids at position r: `forbidden` int32
+               [B, R, ceil(V/32)], bit t % 32 of word t // 32 (core/grammar.py), unpacked here with
+               integer division and modulo (ops TensorRT parses too; it has no bitwise ones)
 Position r of a verification predicts the token after its input r, so its counts and seen tokens are
 the fed ones (`counts`, `seen`: everything generated so far) plus the drafts d_1..d_r before it: the
 draft-dependent part is a cumulative sum in the graph, and every drafted position is scored under the
@@ -29,10 +32,10 @@ import numpy as np
 import onnx
 
 from speccompile.bundle import TOP_LOGPROBS
-from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT64
+from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT32, INT64
 
 NEG_INF = float(np.finfo(np.float32).min)  # a banned token's logit: exp gives 0, argmax never picks it
-PROCESS_INPUTS = ("process", "penalties", "counts", "seen", "logit_bias", "banned", "ban_until")
+PROCESS_INPUTS = ("process", "penalties", "counts", "seen", "logit_bias", "banned", "ban_until", "forbidden")
 LOGPROB_INPUTS = ("want_logprobs",)
 
 
@@ -76,7 +79,31 @@ def _penalised(b, z: str, vocab: int, drafts: str | None, vocab_ids: str | None)
     positions = b.op("Unsqueeze", b.op("Range", b.const(0), b.op("Squeeze", b.op("Shape", z, start=1, end=2),
                                                                    b.const([0])), b.const(1)), b.const([0, 2]))
     early = b.op("Less", positions, ban_until)  # [B, R, 1]
-    return b.op("Where", b.op("And", early, banned), b.const(NEG_INF, np.float32), z)
+    z = b.op("Where", b.op("And", early, banned), b.const(NEG_INF, np.float32), z)
+    return _allowed(b, z, vocab, vocab_ids)
+
+
+def constrained(g, logits: str, vocab: int) -> str:
+    """logits [B, R, V] without the tokens each position's grammar forbids (an If on `process`): what
+    a Medusa tree's verification applies, which takes no other processor."""
+    process = g.input("process", BOOL, [])
+    then = g.branch("constrain")
+    keep = g.branch("unconstrained")
+    return g.op("If", process, then_branch=then.graph([(_allowed(then, logits, vocab, None), FLOAT)]),
+                else_branch=keep.graph([(keep.op("Identity", logits), FLOAT)]))
+
+
+def _allowed(b, z: str, vocab: int, vocab_ids: str | None) -> str:
+    """z [B, R, V'] with the forbidden tokens' logits at NEG_INF: bit k of word w is token 32w + k."""
+    words = (vocab + 31) // 32
+    forbidden = b.op("Cast", b.input("forbidden", INT32, ["batch", "mask_positions", words]), to=INT64)
+    unsigned = b.op("Mod", forbidden, b.const(1 << 32))  # two's complement words as 0..2^32-1
+    powers = b.const((1 << np.arange(32, dtype=np.int64)))
+    bits = b.op("Mod", b.op("Div", b.op("Unsqueeze", unsigned, b.const([3])), powers), b.const(2))  # [B, R, W, 32]
+    bits = b.op("Slice", b.op("Reshape", bits, b.const([0, 0, -1])), b.const([0]), b.const([vocab]), b.const([2]))
+    if vocab_ids is not None:
+        bits = b.op("Gather", bits, vocab_ids, axis=2)
+    return b.op("Where", b.op("Greater", bits, b.const(0)), b.const(NEG_INF, np.float32), z)
 
 
 def _columns(b, vocab_ids: str | None):

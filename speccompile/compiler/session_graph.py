@@ -122,7 +122,8 @@ def _tail(g, spec, kind, logits, logits_subset, vocab_ids, ids, past_len, vocab_
     b = g.branch(kind)
     made = {}
     if kind.startswith("verify_tree"):
-        made.update(zip(TREE_OUTPUTS, accept_tree(b, logits, ids, past_len, typical=kind == "verify_tree_typical")))
+        made.update(zip(TREE_OUTPUTS, accept_tree(b, logits, ids, past_len, kind == "verify_tree_typical",
+                                                               vocab_out)))
         made["next_tree"] = medusa_candidates(b, spec, rows, made["best_node"], made["next_token"], heads, vocab_out)
     elif kind == "forward":
         scores = logits_subset if logits_subset is not None else logits

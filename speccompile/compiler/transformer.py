@@ -26,7 +26,14 @@ import numpy as np
 
 from speccompile.bundle import LOGPROBS, TOP_LOGPROBS, kv_cache_shape
 from speccompile.compiler.checkpoint import ModelSpec
-from speccompile.compiler.logits import emitted_tokens, logprob_outputs, min_p_filtered, processed, prompt_scores
+from speccompile.compiler.logits import (
+    constrained,
+    emitted_tokens,
+    logprob_outputs,
+    min_p_filtered,
+    processed,
+    prompt_scores,
+)
 from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT32, INT64, ORT_DOMAIN, GraphBuilder
 from speccompile.compiler.rope import Rope, inverse_frequencies
 from speccompile.compiler.spec_accept import (
@@ -127,7 +134,7 @@ def build_tree_verify_graph(spec: ModelSpec, name: str, heads: list, max_seq: in
     past_len = g.input("past_len", INT64, ["batch"])
     hidden = _decoder(g, spec, ids, past_len, max_seq, single_sequence, tree=True)
     logits = _lm_head(g, spec, hidden, vocab_out)  # [B, N, V]
-    accepted, next_token, new_len, best = accept_tree(g, logits, ids, past_len, typical)
+    accepted, next_token, new_len, best = accept_tree(g, logits, ids, past_len, typical, vocab_out)
     next_tree = medusa_candidates(g, spec, hidden, best, next_token, heads, vocab_out)
     for tensor, output in zip((accepted, next_token, new_len, best), TREE_OUTPUTS):
         g.output(tensor, output, INT64, ["batch"])
@@ -207,10 +214,12 @@ def accept(b: GraphBuilder, logits: str, ids: str, past_len: str, gamma: int | s
                                        target_probs, params[0])]
 
 
-def accept_tree(b: GraphBuilder, logits: str, ids: str, past_len: str, typical: bool) -> list[str]:
+def accept_tree(b: GraphBuilder, logits: str, ids: str, past_len: str, typical: bool, vocab_out: int) -> list[str]:
     """Tree SpecAccept over logits [B, N, V] of the tree ids [B, N], of which the first 1 + draft_len
-    nodes are verified: (accepted, next_token, new_len, best_node)."""
+    nodes are verified: (accepted, next_token, new_len, best_node). A grammar's mask applies at each
+    node (the state after the path to it); a tree takes no other processor."""
     draft_len = b.input("draft_len", INT64, ["batch"])
+    logits = constrained(b, logits, vocab_out)
     topology = (b.input("tree_parents", INT64, ["tree_nodes"]), b.input("tree_depths", INT64, ["tree_nodes"]),
                 b.input("tree_mask", BOOL, ["tree_nodes", "tree_nodes"]))
     rule = None

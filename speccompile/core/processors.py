@@ -7,6 +7,9 @@ decoding one token at a time (its counts include the drafts before that position
 model's proposal the same way, so speculation keeps the output exactly the processed target's: greedy
 identical to autoregressive decoding, sampled from the processed distribution.
 
+A grammar (core/grammar.py) rides along: its masks are one more input of the same graphs' processing,
+with the same rule: each position masked by the grammar's state after the tokens before it.
+
   presence_penalty   -p for every token generated at least once          (OpenAI; -2..2)
   frequency_penalty  -f × the times a token was generated                (OpenAI; -2..2)
   repetition_penalty logit / r if positive, × r if not, for tokens in the prompt or generated
@@ -87,17 +90,23 @@ class ProcessorState:
         return [p.presence_penalty, p.frequency_penalty, p.repetition_penalty - 1.0, p.min_p]
 
 
-def processing_inputs(rows: list, vocab: int, offset: int = 0) -> dict | None:
-    """The processors' graph inputs for a batch of requests (None when none of them processes):
-    offset: the output position the call's first scored position predicts, after each row's
-    generated tokens (a draft step k: k)."""
+def processing_inputs(rows: list, vocab: int, offset: int = 0, drafted: list | None = None,
+                      positions: int = 1) -> dict | None:
+    """The processors' graph inputs for a batch of requests (None when none of them processes or is
+    constrained): offset: the output position the call's first scored position predicts, after each
+    row's generated tokens (a draft step k: k). A grammar's masks (`forbidden` [B, positions, W],
+    core/grammar.py) are for the call's scored positions: after each row's `drafted` tokens 1..r
+    (a verification), or at its committed state (one position)."""
     states = [r.processing for r in rows]
-    if all(s is None for s in states):
+    if all(s is None for s in states) and all(r.grammar is None for r in rows):
         return None
     batch = len(rows)
     inputs = {"penalties": np.zeros((batch, 4), np.float32), "ban_until": np.zeros(batch, np.int64),
-              **{name: np.zeros((batch, vocab), np.float32) for name in ("counts", "seen", "logit_bias", "banned")}}
+              **{name: np.zeros((batch, vocab), np.float32) for name in ("counts", "seen", "logit_bias", "banned")},
+              "forbidden": np.zeros((batch, positions, (vocab + 31) // 32), np.int32)}
     for row, (request, state) in enumerate(zip(rows, states)):
+        if request.grammar is not None:
+            request.grammar.masks(drafted[row] if drafted is not None else (), inputs["forbidden"][row])
         if state is None:
             continue
         inputs["penalties"][row] = state.penalties()
@@ -108,13 +117,25 @@ def processing_inputs(rows: list, vocab: int, offset: int = 0) -> dict | None:
 
 
 def add_drafted(inputs: dict | None, tokens: np.ndarray, drafting) -> None:
-    """A draft step proposed `tokens` [B] (rows where `drafting`): the next step counts them."""
+    """A draft step fed `tokens` [B] (rows where `drafting`): the next step counts them."""
     if inputs is None:
         return
     rows = np.flatnonzero(drafting)
     inputs["counts"][rows, tokens[rows]] += 1.0
     inputs["seen"][rows, tokens[rows]] = 1.0
     inputs["ban_until"] -= 1
+
+
+def constrain_next(inputs: dict | None, requests: list, proposed: np.ndarray, counts) -> None:
+    """The draft model's next step: each constrained row's mask after its first counts[row] proposals
+    (proposed [B, ≥ count]); a row that proposes no more is left unconstrained (its token is not read)."""
+    if inputs is None:
+        return
+    for row, (request, count) in enumerate(zip(requests, counts)):
+        if request.grammar is None:
+            continue
+        mask = request.grammar.mask_after(list(proposed[row, :count])) if count is not None else None
+        inputs["forbidden"][row, 0] = 0 if mask is None else mask
 
 
 def reference(logits: np.ndarray, state: ProcessorState, generated: int, drafts=()) -> np.ndarray:

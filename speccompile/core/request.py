@@ -77,7 +77,8 @@ class Request:
         self._noise: dict[int, np.ndarray] = {}  # coupled: output position -> its noise, while it may be asked for
         self._noise_drawn = 0  # positions drawn from the stream so far
         self._last_emit_ms = 0.0  # since submission: when tokens were last delivered
-        self.processing = None  # a ProcessorState when processors apply: made by the scheduler when queued
+        self.processing = None  # a ProcessorState when processors apply: made by the runtime
+        self.grammar = None  # a core.grammar.GrammarState when the output is constrained: made by the runtime
         # per generated token / per prompt token after the first: (log-probability, top ids, top log-probabilities)
         self.token_logprobs: list[tuple[float, list[int], list[float]]] = []
         self.prompt_scores: list[tuple[float, list[int], list[float]]] = []
@@ -134,6 +135,10 @@ class Request:
             if len(self.generated) + len(kept) >= self.max_new_tokens:
                 self.finish_reason = "length"
                 break
+        if self.grammar is not None:
+            allowed = self.grammar.commit(kept)
+            if allowed < len(kept):  # see GrammarState.commit: the grammar cannot go on
+                kept, self.finish_reason = kept[:allowed], "stop"
         start = len(self.generated)
         self.generated.extend(kept)
         self.tokens.extend(kept)

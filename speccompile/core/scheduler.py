@@ -256,6 +256,10 @@ class Scheduler:
                           dtype=np.int64)
         gamma = self._graph_gamma(rows, counts)
         drafts = np.minimum(np.minimum(counts, gamma), needed)
+        for row, (request, offer) in enumerate(zip(rows, offers)):
+            if request.grammar is not None and offer.tokens is not None and drafts[row]:
+                # a lookup's proposal is cut where the grammar forbids it (the draft model's is masked)
+                drafts[row] = request.grammar.valid_prefix(offer.tokens[: drafts[row]])
         return Plan(rows, offers, drafts, gamma if drafts.max() > 0 else 0, policy)
 
     def _wanted_gamma(self, rows: list[Request], policy: GammaPolicy | None) -> np.ndarray:
@@ -309,10 +313,11 @@ class Scheduler:
             plan.policy.observe_costs(gamma, draft_ms, verify_ms)
         self.update(plan, drafts, proposed, accepted, next_token, (draft_ms, verify_ms))
 
-    def _options(self, rows: list[Request]) -> dict:
-        """What a target call of these rows applies and reports: their processors' inputs, and
-        whether any of them asks for log-probabilities."""
-        return {"processing": processing_inputs(rows, self.target.vocab_size),
+    def _options(self, rows: list[Request], drafted: list | None = None, positions: int = 1) -> dict:
+        """What a target call of these rows applies and reports: their processors' inputs (and
+        grammars' masks, at the call's scored positions: after each row's `drafted` tokens 1..r in
+        a verification), and whether any of them asks for log-probabilities."""
+        return {"processing": processing_inputs(rows, self.target.vocab_size, drafted=drafted, positions=positions),
                 "logprobs": any(r.logprobs is not None for r in rows)}
 
     def _scores(self, rows: list[Request], row: int, count: int) -> list | None:
@@ -328,8 +333,9 @@ class Scheduler:
         candidates[:, 0] = [r.tokens[-1] for r in rows]
         width = min(gamma, proposed.shape[1])
         candidates[:, 1 : width + 1] = proposed[:, :width]
+        options = self._options(rows, [candidates[row, 1 : 1 + int(d)] for row, d in enumerate(drafts)], gamma + 1)
         if all(r.params.greedy for r in rows):
-            return self.target.verify(candidates, drafts, **self._options(rows))
+            return self.target.verify(candidates, drafts, **options)
         vocab = next((probs.shape[2] for probs in q.values() if probs is not None), self.target.vocab_size)
         draft_probs = np.zeros((len(rows), gamma, vocab), dtype=np.float32)
         u_accept = np.full((len(rows), gamma), 0.5, dtype=np.float32)
@@ -352,7 +358,7 @@ class Scheduler:
             else:  # a point proposal (a lookup) is a point mass
                 draft_probs[row, np.arange(d), proposed[row, :d]] = 1.0
         return self.target.verify_sample(candidates, drafts, draft_probs, sampling_params(rows), u_accept, u_sample,
-                                         coupled if noise is not None else None, noise, **self._options(rows))
+                                         coupled if noise is not None else None, noise, **options)
 
     def _plain_iteration(self, rows: list[Request], began: float) -> None:
         """One plain decoding step of every row, its time (since `began`) counted as decoding."""
@@ -393,7 +399,8 @@ class Scheduler:
         if all(r.acceptance_rule == "typical" for r in rows):
             typical = tuple(np.array([r.typical[k] for r in rows], dtype=np.float32) for k in (0, 1))
         began = time.perf_counter()
-        best, next_token, next_tree = self.target.verify_tree(tokens, draft_len, tree, typical)
+        forbidden = self._tree_masks(rows, tokens, draft_len, tree)
+        best, next_token, next_tree = self.target.verify_tree(tokens, draft_len, tree, typical, forbidden=forbidden)
         elapsed = (time.perf_counter() - began) * 1e3
         self.last_gamma = int(tree.depths[draft_len].max())
         for row, request in enumerate(rows):
@@ -403,6 +410,22 @@ class Scheduler:
             request.stats.tree_nodes += int(draft_len[row])
             request.proposer.next_tree = next_tree[row]
             request.emit([*tokens[row, path], next_token[row]], self.eos_ids)
+
+    def _tree_masks(self, rows: list[Request], tokens: np.ndarray, draft_len: np.ndarray, tree) -> np.ndarray | None:
+        """[B, N, W]: the grammar's mask at each verified node of each constrained row, after the path
+        to it (None when no row is constrained). A node whose path the grammar refuses keeps zeros:
+        it cannot be accepted, since a refused token is never the masked target's choice."""
+        if all(r.grammar is None for r in rows):
+            return None
+        forbidden = np.zeros((len(rows), tree.size, (self.target.vocab_size + 31) // 32), np.int32)
+        for row, request in enumerate(rows):
+            if request.grammar is None:
+                continue
+            for node in range(1 + int(draft_len[row])):
+                mask = request.grammar.mask_after(list(tokens[row, tree.path_to(node)]) if node else [])
+                if mask is not None:
+                    forbidden[row, node] = mask
+        return forbidden
 
     # -- decoding: update -----------------------------------------------------------------------
     def update(self, plan: Plan, drafts: np.ndarray, proposed: np.ndarray, accepted: np.ndarray,

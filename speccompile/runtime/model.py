@@ -14,7 +14,8 @@ from speccompile.core.tree import TokenTree, compaction
 
 # what the logits processors read (compiler/logits.py): a call's `processing` gives each of them, [B, ...]
 PROCESSING = {"penalties": (4, np.float32), "counts": ("vocab", np.float32), "seen": ("vocab", np.float32),
-              "logit_bias": ("vocab", np.float32), "banned": ("vocab", np.float32), "ban_until": (None, np.int64)}
+              "logit_bias": ("vocab", np.float32), "banned": ("vocab", np.float32), "ban_until": (None, np.int64),
+              "forbidden": ("words", np.int32)}
 
 
 def _constant(value) -> np.ndarray:
@@ -92,6 +93,8 @@ class CachedModel:
                 "want_logprobs": ON if logprobs else OFF}
 
     def _processing_shape(self, batch: int, width) -> tuple:
+        if width == "words":  # a grammar's forbidden bits at one position (core/grammar.py)
+            return batch, 1, (self.vocab_size + 31) // 32
         return (batch,) if width is None else (batch, self.vocab_size if width == "vocab" else width)
 
     def _keep_logprobs(self, out: dict, logprobs: bool) -> None:
@@ -133,11 +136,14 @@ class CachedModel:
         return Logprobs(out["token_logprob"].copy(), out["top_logprobs"].copy(), out["top_ids"].copy())
 
     def verify_tree(self, tokens: np.ndarray, draft_len: np.ndarray, tree: TokenTree, typical: tuple | None = None,
-                    first: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    first: int = 0, forbidden: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """forbidden [B, N, W]: each node's grammar mask (core/grammar.py), None: no row is constrained."""
         rows = self._rows(first, len(tokens))
         past_len = self.cache_lengths[rows].copy()
+        switches = self._switches(len(tokens), None if forbidden is None else {"forbidden": forbidden}, False)
         feeds = {"input_ids": tokens, "past_len": past_len, "draft_len": draft_len, "tree_parents": tree.parents,
-                 "tree_depths": tree.depths, "tree_ranks": tree.ranks, "tree_mask": tree.ancestors}
+                 "tree_depths": tree.depths, "tree_ranks": tree.ranks, "tree_mask": tree.ancestors,
+                 "process": switches["process"], "forbidden": switches["forbidden"]}
         if typical is not None:
             feeds["typical_epsilon"], feeds["typical_delta"] = (np.full(len(tokens), v, np.float32) for v in typical)
         out = self._run(GraphId.tree_verification(typical is not None), first, **feeds)

@@ -461,8 +461,8 @@ def graph_feeds(bundle, graph: str, batch: int = 1, context: int = 32):
     def feeds_for(session):
         feeds = {}
         for spec in entry["inputs"]:
-            shape = [batch if d == "batch" else (1 if d == "tokens" else d) for d in spec["shape"]]
-            dtype = {"float32": np.float32, "int64": np.int64, "bool": np.bool_}[spec["dtype"]]
+            shape = [batch if d == "batch" else (d if isinstance(d, int) else 1) for d in spec["shape"]]
+            dtype = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "bool": np.bool_}[spec["dtype"]]
             feeds[spec["name"]] = np.zeros(shape, dtype=dtype)
         feeds["past_len"] = np.full(batch, context, dtype=np.int64)
         if "token_count" in feeds:

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from speccompile.bundle import TOP_LOGPROBS, Bundle, GraphId, open_bundle
+from speccompile.core.grammar import Constraint, GrammarEngine
 from speccompile.core.processors import Processors, ProcessorState
 from speccompile.core.proposers import DEFAULT_PROPOSER, Proposers, TreeShape
 from speccompile.core.proposers.draft_model import DraftRunner
@@ -85,6 +86,8 @@ class Runtime:
         else:
             raise SpecCompileError(f"unknown backend {backend!r} (available: onnxruntime, tensorrt)")
         self.tokenizer = Tokenizer(bundle.path / bundle.manifest["tokenizer"]["dir"], bundle.manifest["tokenizer"])
+        self._grammars: GrammarEngine | None = None
+        self._grammar_lock = threading.Lock()
         self.max_seq, self.default_gamma = bundle.max_seq, bundle.default_gamma
         self.max_batch = bundle.max_batch if max_batch is None else max_batch
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or \
@@ -160,6 +163,11 @@ class Runtime:
         distribution it was drawn from and the K (<= 20) most likely tokens' (result.logprobs);
         prompt_logprobs=K each prompt token's after the first (result.prompt_logprobs, echo).
         Log-probabilities come from the target's own pass: the same with speculation or without.
+        Structured output (core/grammar.py), at most one of: json_schema (a dict or its JSON text),
+        json_object=True (any JSON object), regex, choice (a list of strings), grammar (Lark, or
+        llama.cpp's GBNF): the text is generated under the constraint, the draft's proposals and the
+        target's every scored position alike, so speculation stays on and the output is exactly the
+        target's constrained distribution; a constraint that does not compile raises SpecCompileError.
         same_prompt_as: the handle of an earlier request of the same prompt (another of n samples):
         this one copies its cached prompt instead of prefilling it again.
         on_tokens(token_ids) is called as tokens are accepted, from the engine thread (from the
@@ -328,8 +336,11 @@ class Runtime:
                  sampling_rule: str | None = None, ignore_eos: bool = False, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, logit_bias: dict | None = None,
                  min_p: float = 0.0, min_tokens: int = 0, logprobs: int | None = None,
-                 prompt_logprobs: int | None = None, shares_prefill_with: Request | None = None) -> Request:
+                 prompt_logprobs: int | None = None, shares_prefill_with: Request | None = None,
+                 json_schema=None, grammar=None, regex=None, choice=None, json_object: bool = False) -> Request:
         self.proposers.check(proposer)
+        constraint = grammar if isinstance(grammar, Constraint) else Constraint.of(json_schema, grammar, regex, choice,
+                                                                                   json_object)
         seed = _seed(seed)
         processors = Processors(presence_penalty, frequency_penalty, repetition_penalty,
                                 tuple(sorted(_logit_bias(logit_bias).items())), min_tokens, min_p)
@@ -374,12 +385,22 @@ class Runtime:
         if processors.active:
             request.processing = ProcessorState.start(processors, ids, self.target.vocab_size,
                                                       self.tokenizer.eos_token_ids | request.stop_token_ids)
+        if constraint is not None:
+            request.grammar = self.grammars().start(constraint)
         if not self.scheduler.fits(request):
             cap = self.scheduler.gamma_cap(request)
             raise SpecCompileError(
                 f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens + γ={cap} exceeds the bundle's "
                 f"max sequence length {self.max_seq} (rebuild with a larger --max-seq, or ask for fewer tokens)")
         return request
+
+    def grammars(self) -> GrammarEngine:
+        """The grammar engine of this bundle's tokenizer (core/grammar.py), made on first use (~50 ms)."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                self._grammars = GrammarEngine(self.tokenizer.directory / "tokenizer.json", self.target.vocab_size,
+                                               self.tokenizer.eos_token_ids)
+            return self._grammars
 
     def _sampling(self, temperature, top_k, top_p) -> SamplingParams:
         """The sampling controls, checked, in the graphs' ranges: a temperature below 1e-5 is greedy

@@ -47,8 +47,8 @@ def with_oracle_heads(runtime, continuations: dict):
     ranks (1, 1, ..) and wrong tokens elsewhere, so that paths off the first branch are accepted."""
     verify_tree = runtime.target.verify_tree
 
-    def oracle(tokens, draft_len, tree, typical=None, first=0):
-        best, next_token, next_tree = verify_tree(tokens, draft_len, tree, typical, first)
+    def oracle(tokens, draft_len, tree, typical=None, first=0, forbidden=None):
+        best, next_token, next_tree = verify_tree(tokens, draft_len, tree, typical, first, forbidden)
         for row, request in enumerate(runtime.scheduler.decoding):
             full = continuations[tuple(request.prompt)]
             start = int(runtime.target.cache_lengths[first + row]) + 1  # the root is the first uncached token
@@ -86,9 +86,9 @@ def test_typical_acceptance_is_opt_in_labelled_and_applied(bundles):
     rules = []
     verify_tree = runtime.target.verify_tree
 
-    def recorded(tokens, draft_len, tree, typical=None, first=0):
+    def recorded(tokens, draft_len, tree, typical=None, first=0, forbidden=None):
         rules.append(None if typical is None else tuple(float(v[0]) for v in typical))
-        return verify_tree(tokens, draft_len, tree, typical, first)
+        return verify_tree(tokens, draft_len, tree, typical, first, forbidden)
 
     runtime.target.verify_tree = recorded
     [exact] = runtime.generate([PROMPTS[0]], max_new_tokens=8)
@@ -195,9 +195,9 @@ def test_a_larger_batch_verifies_the_prefix_sized_for_it(bundles, checkpoints):
     widths = []
     verify_tree = runtime.target.verify_tree
 
-    def recorded(tokens, draft_len, tree, typical=None, first=0):
+    def recorded(tokens, draft_len, tree, typical=None, first=0, forbidden=None):
         widths.append((len(tokens), tokens.shape[1], tree.size))
-        return verify_tree(tokens, draft_len, tree, typical, first)
+        return verify_tree(tokens, draft_len, tree, typical, first, forbidden)
 
     runtime.target.verify_tree = recorded
     expected = [hf_greedy(checkpoints("llama"), p, MAX_NEW) for p in PROMPTS[:2]]

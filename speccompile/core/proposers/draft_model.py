@@ -15,7 +15,7 @@ import numpy as np
 
 from speccompile.core.engine import DecoderEngine
 from speccompile.core.gamma_policy import Acceptance, GammaPolicy
-from speccompile.core.processors import add_drafted, processing_inputs
+from speccompile.core.processors import add_drafted, constrain_next, processing_inputs
 from speccompile.core.proposers.base import Offer, Proposer
 from speccompile.core.sampling import draws
 
@@ -72,7 +72,8 @@ class DraftRunner:
         tokens, counts = pad([r.tokens[length:] for r, length in zip(rows, lengths)])
         p_min = np.array([offer.source.p_min if m else 0.0 for offer, m in zip(offers, mine)], dtype=np.float32)
         params = sampling_params(rows) if sampling else None
-        processing = processing_inputs(rows, self.engine.vocab_size)  # the target's processors, drafts counted
+        # the target's processors, drafts counted, and its grammars, each step masked after the drafts before it
+        processing = processing_inputs(rows, self.engine.vocab_size)
         probs_out = []
         for k in range(steps):
             drafting = [m and k < d for m, d in zip(mine, drafts)]
@@ -94,6 +95,8 @@ class DraftRunner:
                 elif offer.tokens is not None and k < len(offer.tokens):
                     token[row] = offer.tokens[k]
             add_drafted(processing, token, np.ones(len(rows), bool))  # every row's next step reads the token fed
+            constrain_next(processing, rows, proposed, [k + 1 if drafting[row] and drafts[row] > k else None
+                                                        for row in range(len(rows))])
             tokens, counts = token[:, None], np.ones(len(rows), dtype=np.int64)
         return np.stack(probs_out, axis=1) if sampling else None
 
