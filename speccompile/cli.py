@@ -5,6 +5,7 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 
 import click
 
@@ -220,14 +221,20 @@ ACCEPTANCE_HELP = ("Medusa bundles: 'typical' accepts plausible tokens the targe
 @click.option("--acceptance", type=click.Choice(["exact", "typical"]), default="exact", show_default=True,
               help=ACCEPTANCE_HELP)
 @click.option("--ignore-eos", is_flag=True, help="Go on past the model's end-of-sequence token.")
+@click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Generate JSON valid against the schema in this file (structured output).")
+@click.option("--grammar", "grammar_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Generate text in the grammar in this file: Lark, or llama.cpp's GBNF.")
+@click.option("--regex", default=None, help="Generate text matching this regular expression.")
 @click.option("--json", "as_json", is_flag=True, help="Print results as a JSON list.")
 @backend_option
 @user_errors
 def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, top_p, seed, proposer, sampling_rule,
-             p_min, tree, acceptance, ignore_eos, as_json, backend):
+             p_min, tree, acceptance, ignore_eos, json_schema, grammar_file, regex, as_json, backend):
     """Generate text with speculative decoding (or the target alone).
 
-    BUNDLE defaults to the embedded demo pair.
+    BUNDLE defaults to the embedded demo pair. With --json-schema, --grammar or --regex the output is
+    constrained, the draft's proposals and the target's choices alike (speculation stays on).
     """
     import speccompile
 
@@ -238,7 +245,9 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
     results = runtime.generate(list(prompts), max_new_tokens=max_new_tokens, mode=mode, gamma=gamma,
                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, on_tokens=stream,
                                proposer=proposer, p_min=p_min, acceptance=acceptance, sampling_rule=sampling_rule,
-                               ignore_eos=ignore_eos)
+                               ignore_eos=ignore_eos, regex=regex,
+                               json_schema=Path(json_schema).read_text() if json_schema else None,
+                               grammar=Path(grammar_file).read_text() if grammar_file else None)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=1))
         return

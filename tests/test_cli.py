@@ -301,3 +301,26 @@ def test_build_draft_vocab_without_frequencies_is_one_line(tmp_path, checkpoints
                                    "--draft-vocab", 24, "--max-seq", 64))
     assert code == 1 and "Traceback" not in output
     assert "token_frequencies.json" in output
+
+
+def test_generate_with_a_json_schema_file_validates_and_a_bad_one_is_one_line(bundles, tmp_path):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"size": {"enum": ["S", "M", "L"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["size", "n"]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    code, output = run("generate", bundles("llama", "random"), "--prompt", "x y", "--max-new-tokens", 40,
+                       "--json-schema", tmp_path / "schema.json", "--json")
+    assert code == 0, output
+    [result] = json.loads(output)
+    jsonschema.validate(json.loads(result["text"]), schema)
+    assert result["stats"]["draft_tokens"] > 0  # speculation stayed on
+    (tmp_path / "bad.json").write_text('{"type": "nope"}')
+    code, output = run("generate", bundles("llama", "random"), "--prompt", "x", "--json-schema", tmp_path / "bad.json")
+    assert code != 0 and output.strip().count("\n") == 0 and "json_schema does not compile" in output
+    (tmp_path / "digits.gbnf").write_text('root ::= [0-9] [0-9] ";"')
+    code, output = run("generate", bundles("llama", "random"), "--prompt", "x", "--grammar", tmp_path / "digits.gbnf",
+                       "--json")
+    text = json.loads(output)[0]["text"]
+    assert code == 0 and len(text) == 3 and text[:2].isdigit() and text[2] == ";"

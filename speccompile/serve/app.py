@@ -222,7 +222,7 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
                    "frequency_penalty": body.frequency_penalty, "repetition_penalty": body.repetition_penalty,
                    "logit_bias": body.logit_bias, "min_p": body.min_p, "min_tokens": body.min_tokens,
                    "logprobs": reported_logprobs(body, isinstance(body, ChatRequest)),
-                   "prompt_logprobs": scored_prompt(body)}
+                   "prompt_logprobs": scored_prompt(body), **body.constraint()}
         proposer_asked = body.proposer or defaults["proposer"]
         return options | ({"proposer": proposer_asked} if proposer_asked else {})
 

@@ -4,6 +4,10 @@ Unknown fields are refused (a typo must not pass silently as a default). Ours, p
 (who drafts: one of the bundle's kinds), `num_speculative_tokens` (γ: a compiled one, "auto", or 0 for
 plain decoding), `p_min` (the draft model's confidence threshold) and `sampling_rule` (coupled or
 rejection, core/request.py).
+
+Structured output (core/grammar.py), one way per request: OpenAI's `response_format` (json_object, or
+json_schema with its schema), vLLM's `structured_outputs` (json, regex, choice, grammar, json_object)
+or its older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 """
 
 from typing import Annotated, Literal
@@ -20,6 +24,39 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")  # `schema` itself would shadow pydantic's own attribute
+    strict: bool | None = None  # objects are closed to unlisted keys either way (core/grammar.closed_objects)
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs json_schema: {name, schema}")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: one of its fields."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_schema: dict | str | None = Field(None, alias="json")  # `json` would shadow pydantic's own
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class Sampling(BaseModel):
@@ -50,6 +87,36 @@ class Sampling(BaseModel):
     num_speculative_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] | None = None
     p_min: float | None = Field(None, ge=0.0, le=1.0)
     sampling_rule: Literal["coupled", "rejection"] | None = None
+    # structured output
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraint(self) -> dict:
+        """The runtime's constraint arguments (json_schema, json_object, regex, choice or grammar): {} for none."""
+        asked = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            schema = self.response_format.json_schema
+            asked["response_format"] = {"json_schema": schema.json_schema} if schema else {"json_object": True}
+        if self.structured_outputs is not None:
+            given = self.structured_outputs.model_dump(exclude_none=True)
+            asked["structured_outputs"] = given
+        guided = {key: value for key, value in (("json_schema", self.guided_json), ("regex", self.guided_regex),
+                                                 ("choice", self.guided_choice), ("grammar", self.guided_grammar))
+                  if value is not None}
+        if guided:
+            asked["guided_*"] = guided
+        if len(asked) > 1:
+            raise ValueError(f"give one of {' and '.join(asked)}, not both")
+        return next(iter(asked.values()), {})
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        self.constraint()
+        return self
 
     @field_validator("top_k")
     @classmethod
