@@ -25,6 +25,7 @@ them) reuses those masks; a rejected draft rolls the matcher back to where the k
 """
 
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,16 +153,21 @@ class GrammarEngine:
         except ValueError as e:  # a decoder it cannot read tokens' bytes from (or none)
             raise SpecCompileError(f"structured output needs a tokenizer whose tokens' bytes are known: {e}") from None
         self._compiled: dict[Constraint, object] = {}
+        self._lock = threading.Lock()  # requests are made on several threads (a server's and its workers)
 
     def start(self, constraint: Constraint) -> "GrammarState":
         """A request's state at the start of its output; SpecCompileError names what does not compile."""
-        matcher = self._compiled.get(constraint)
+        with self._lock:
+            matcher = self._compiled.get(constraint)
         if matcher is None:
-            matcher = self._compile(constraint)
-            if len(self._compiled) >= CACHED_GRAMMARS:
-                del self._compiled[next(iter(self._compiled))]
-            self._compiled[constraint] = matcher
-        return GrammarState(matcher.deep_copy(), self.words, self.tokenizer.eos_tokens)
+            matcher = self._compile(constraint)  # outside the lock: a large grammar takes seconds
+            with self._lock:
+                if len(self._compiled) >= CACHED_GRAMMARS:
+                    del self._compiled[next(iter(self._compiled))]
+                self._compiled[constraint] = matcher
+        with self._lock:
+            copy = matcher.deep_copy()
+        return GrammarState(copy, self.words, self.tokenizer.eos_tokens)
 
     def _compile(self, constraint: Constraint):
         from llguidance import LLMatcher

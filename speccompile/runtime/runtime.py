@@ -394,6 +394,12 @@ class Runtime:
                 f"max sequence length {self.max_seq} (rebuild with a larger --max-seq, or ask for fewer tokens)")
         return request
 
+    def compile_constraint(self, **constraint) -> None:
+        """Compile a constraint (json_schema=, regex=, ...: as `submit` takes them) into the grammar
+        cache, so that a request asking for it starts at once; SpecCompileError if it does not compile."""
+        if constraint:
+            self.grammars().start(Constraint.of(**constraint))
+
     def grammars(self) -> GrammarEngine:
         """The grammar engine of this bundle's tokenizer (core/grammar.py), made on first use (~50 ms)."""
         with self._grammar_lock:

@@ -179,6 +179,10 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
                                     "retry later", None, "rate_limit_exceeded")
             response.headers["Retry-After"] = "1"
             return response
+        try:  # compiled off the event loop (a large grammar takes seconds); requests then find it cached
+            await asyncio.to_thread(runtime.compile_constraint, **body.constraint())
+        except SpecCompileError as e:
+            return openai_error(400, str(e), None)
         handles = []
         try:
             for prompt in prompts:
