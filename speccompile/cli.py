@@ -288,13 +288,15 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
 @click.option("--acceptance", "rules", type=click.Choice(["exact", "typical"]), multiple=True,
               help="Medusa bundles: compare acceptance rules (repeat: exact and typical) against the same plain "
               "runs: speedup, agreement with exact greedy output, and the target's log-likelihood of each text.")
+@click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Constrain every request, speculative and autoregressive, to JSON valid against this schema.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object with the summary keys (with several --proposer or --concurrency: a "
               "JSON list, one object per proposer, or per concurrency and mode).")
 @backend_option
 @user_errors
 def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, concurrency, requests, rate,
-          always_speculate, proposers, p_min, sampling_rule, tree, rules, plot_path, as_json, backend):
+          always_speculate, proposers, p_min, sampling_rule, tree, rules, plot_path, json_schema, as_json, backend):
     """Speculative vs autoregressive tokens/s on the same prompts (medians over repeats): at batch 1,
     or with --concurrency, serving many requests at once (γ auto by default)."""
     import speccompile
@@ -302,6 +304,9 @@ def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, con
 
     runtime = speccompile.load(resolve_bundle(bundle), backend, shared_threads=True)  # the process is ours
     _tree_option(runtime, tree)
+    constrained = {"json_schema": Path(json_schema).read_text()} if json_schema else {}
+    if constrained:
+        runtime.compile_constraint(**constrained)  # a bad schema: one line, before anything runs
     if rules:
         _bench_acceptance(runtime, read_prompts(prompts_file), list(rules), max_new_tokens, repeats, as_json)
         return
@@ -310,12 +315,12 @@ def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, con
                 "max_new_tokens": max_new_tokens, "repeats": repeats, "gamma": _gamma_option(gamma),
                 "always_speculate": always_speculate,
                 "sampling": ({"temperature": temperature, "sampling_rule": sampling_rule} if temperature else {})
-                | _p_min_option(p_min),
+                | _p_min_option(p_min) | constrained,
                 "proposer": proposers[0] if proposers else DEFAULT_PROPOSER}
         _bench_load(runtime, read_prompts(prompts_file), load, as_json, plot_path)
         return
     sampling = ({"temperature": temperature, "seed": 0, "sampling_rule": sampling_rule} if temperature else {}) \
-        | _p_min_option(p_min)
+        | _p_min_option(p_min) | constrained
     if len(proposers) > 1:
         _bench_proposers(runtime, read_prompts(prompts_file), list(proposers), max_new_tokens, repeats,
                          _gamma_option(gamma), sampling, as_json)
@@ -326,7 +331,8 @@ def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, con
         click.echo(json.dumps(summary))
         return
     costs = ("target_step_ms", "draft_step_ms", "verify_ms", "overhead_ms_per_iteration", "draft_to_target_step_ratio",
-             "acceptance_by_position")
+             "acceptance_by_position") + (("grammar_ms_per_token_autoregressive", "grammar_ms_per_token_speculative")
+                                         if constrained else ())
     rows = [(k, summary[k]) for k in summary] + [(k, details[k]) for k in costs]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

@@ -324,3 +324,17 @@ def test_generate_with_a_json_schema_file_validates_and_a_bad_one_is_one_line(bu
                        "--json")
     text = json.loads(output)[0]["text"]
     assert code == 0 and len(text) == 3 and text[:2].isdigit() and text[2] == ";"
+
+
+def test_bench_with_a_json_schema_constrains_both_sides_and_reports_the_grammar_s_cost(bundles, tmp_path):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    code, output = run("bench", bundles("llama", "random"), "--max-new-tokens", 16, "--repeats", 1, "--json-schema",
+                       tmp_path / "schema.json")
+    assert code == 0, output
+    costs = dict(line.split(None, 1) for line in output.splitlines() if line.startswith("grammar_ms_per_token"))
+    assert all(float(costs[f"grammar_ms_per_token_{mode}"]) > 0 for mode in ("autoregressive", "speculative"))
+    (tmp_path / "bad.json").write_text('{"type": 3}')
+    code, output = run("bench", bundles("llama", "random"), "--json-schema", tmp_path / "bad.json")
+    assert code == 1 and "does not compile" in output and "Traceback" not in output

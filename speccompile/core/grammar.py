@@ -26,6 +26,7 @@ them) reuses those masks; a rejected draft rolls the matcher back to where the k
 
 import json
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,6 +206,7 @@ class GrammarState:
         self._masks: list[np.ndarray] = []  # forbidden bits at the committed state, then after each of _ahead
         self._allowed = np.empty((1, words), np.int32)  # llguidance's scratch row
         self.broken = False  # a committed token the grammar refused (see commit)
+        self.busy_s = 0.0  # time spent in the grammar engine for this request (masks, commits, rollbacks)
 
     def masks(self, drafted, out: np.ndarray) -> None:
         """Write into out [R, W] the forbidden tokens at positions 0..R-1: after the first r tokens of
@@ -227,6 +229,13 @@ class GrammarState:
 
     def mask_after(self, drafted: list[int]) -> np.ndarray | None:
         """The forbidden bits [W] after the committed tokens and `drafted`; None if the grammar refuses one."""
+        began = time.perf_counter()
+        try:
+            return self._mask_after(drafted)
+        finally:
+            self.busy_s += time.perf_counter() - began
+
+    def _mask_after(self, drafted: list[int]) -> np.ndarray | None:
         common = self._common(drafted)
         if common == len(drafted) and common < len(self._masks):  # a prefix of the lookahead: known already
             return self._masks[common]
@@ -245,6 +254,13 @@ class GrammarState:
         Returns how many of them the grammar allows in a row: fewer than all only where another
         control forbade every token the grammar allowed (min_tokens banning the EOS that must end
         it): the request must end before the refused token, and the state stays broken."""
+        began = time.perf_counter()
+        try:
+            return self._commit(kept)
+        finally:
+            self.busy_s += time.perf_counter() - began
+
+    def _commit(self, kept: list[int]) -> int:
         if self.broken:
             return 0
         kept = [int(t) for t in kept]

@@ -165,6 +165,8 @@ class Request:
         self.error = error
         self.stats.new_tokens = len(self.generated)
         self.stats.total_ms = (time.perf_counter() - self.submitted) * 1e3
+        if self.grammar is not None:
+            self.stats.grammar_ms = self.grammar.busy_s * 1e3
         if self.stats.gamma == AUTO and self.stats.iterations and not self.stats.draft_tokens:
             self.stats.mode = "autoregressive"  # the policy judged that speculation does not pay here
         if self.on_finish is not None:

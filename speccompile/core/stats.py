@@ -35,6 +35,7 @@ class GenerationStats:
     total_ms: float = 0.0  # from submission (queueing included) to the last token
     ttft_ms: float = 0.0  # from submission to the first token
     queue_ms: float = 0.0  # from submission to the start of its prefill (waiting for a slot)
+    grammar_ms: float = 0.0  # a constrained request's masks, commits and rollbacks (inside the phases above)
     # the time between each delivery of tokens and the one before (several tokens arrive at once after
     # a verification): vLLM's inter-token latencies, one per engine output after the first
     gaps_ms: list[float] = field(default_factory=list)
@@ -123,6 +124,7 @@ class GenerationStats:
                                    "acceptance_rate": kept / drafted}
                             for name, (n, drafted, kept) in self.by_proposer.items()},
             **phases,
+            **({"grammar_ms": self.grammar_ms} if self.grammar_ms else {}),
             "total_ms": self.total_ms,
             "ttft_ms": self.ttft_ms,
             "tokens_per_s": self.tokens_per_s,
@@ -137,7 +139,7 @@ def pooled(stats: list[GenerationStats]) -> GenerationStats:
     for s in stats:
         total.acceptance = stats[0].acceptance if stats else "exact"
         for name in ("new_tokens", "iterations", "draft_tokens", "accepted_tokens", "tree_nodes", "prefill_ms",
-                     "draft_ms", "verify_ms", "decode_ms", "total_ms"):
+                     "draft_ms", "verify_ms", "decode_ms", "total_ms", "grammar_ms"):
             setattr(total, name, getattr(total, name) + getattr(s, name))
         for mine, theirs in ((total.accepted_at, s.accepted_at), (total.drafted_at, s.drafted_at)):
             mine.extend([0] * (len(theirs) - len(mine)))

@@ -206,6 +206,9 @@ def _cost_details(ar, spec) -> dict:
         "draft_to_target_step_ratio": t_draft / t_target if t_target else 0.0,
         "predicted_speedup": predicted_speedup_mixed(spec.acceptance_by_position, spec.gammas_used, t_target, t_draft,
                                                      t_verify),
+        # structured output: the grammar engine's time per generated token (inside the times above)
+        "grammar_ms_per_token_autoregressive": ar.grammar_ms / max(1, ar.new_tokens),
+        "grammar_ms_per_token_speculative": spec.grammar_ms / max(1, spec.new_tokens),
     }
 
 

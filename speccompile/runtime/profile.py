@@ -60,7 +60,9 @@ that finishes early leaves the others a smaller batch. Neither depends on the co
 
 import json
 import logging
+import os
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, fields
 from datetime import datetime, timezone
@@ -438,6 +440,8 @@ def op_profile(bundle, graph: str, feeds_for, runs: int = 5, top: int = 8) -> li
     # a process with the shared pool must use it
     options = session_options(shared_pool=shared_thread_pool(create=False))
     options.enable_profiling = True
+    # the trace goes to the temporary directory, not the caller's: a run that fails leaves nothing in the cwd
+    options.profile_file_prefix = str(Path(tempfile.gettempdir()) / f"speccompile-op-profile-{os.getpid()}")
     options.log_severity_level = 3  # plain session.run copies the cache (no in-place binding): expected here
     session = ort.InferenceSession(str(bundle.graph_path(graph)), options, providers=["CPUExecutionProvider"])
     feeds = feeds_for(session)
