@@ -40,21 +40,22 @@ LOGPROB_INPUTS = ("want_logprobs",)
 
 
 def processed(g, logits: str, vocab: int, drafts: str | None = None, vocab_ids: str | None = None,
-              single: bool = False) -> str:
+              single: bool = False, positions: int | str = 1) -> str:
     """logits [B, R, V'] (single: [B, V'], one position) after the processors (an If on `process`,
     whose other branch passes them through). drafts [B, R-1]: the drafted input tokens before
     positions 1..R-1 (a verification), or None (R = 1). vocab_ids: the scored subset of a cut draft
-    head (its V' columns of the [B, V] inputs)."""
+    head (its V' columns of the [B, V] inputs). positions: R, as the grammar mask's shape declares it."""
     process = g.input("process", BOOL, [])
     then = g.branch("process")
-    z = _penalised(then, then.op("Unsqueeze", logits, then.const([1])) if single else logits, vocab, drafts, vocab_ids)
+    z = _penalised(then, then.op("Unsqueeze", logits, then.const([1])) if single else logits, vocab, drafts, vocab_ids,
+                   positions)
     z = then.op("Squeeze", z, then.const([1])) if single else z
     keep = g.branch("keep")
     return g.op("If", process, then_branch=then.graph([(z, FLOAT)]),
                 else_branch=keep.graph([(keep.op("Identity", logits), FLOAT)]))
 
 
-def _penalised(b, z: str, vocab: int, drafts: str | None, vocab_ids: str | None) -> str:
+def _penalised(b, z: str, vocab: int, drafts: str | None, vocab_ids: str | None, positions: int | str) -> str:
     penalties = b.input("penalties", FLOAT, ["batch", 4])
     presence, frequency, repetition = (_per_row(b, b.op("Gather", penalties, b.const(k), axis=1)) for k in range(3))
     columns = _columns(b, vocab_ids)
@@ -80,23 +81,27 @@ def _penalised(b, z: str, vocab: int, drafts: str | None, vocab_ids: str | None)
                                                                    b.const([0])), b.const(1)), b.const([0, 2]))
     early = b.op("Less", positions, ban_until)  # [B, R, 1]
     z = b.op("Where", b.op("And", early, banned), b.const(NEG_INF, np.float32), z)
-    return _allowed(b, z, vocab, vocab_ids)
+    return _allowed(b, z, vocab, vocab_ids, positions)
 
 
-def constrained(g, logits: str, vocab: int) -> str:
+def constrained(g, logits: str, vocab: int, positions: int | str = "tree_nodes") -> str:
     """logits [B, R, V] without the tokens each position's grammar forbids (an If on `process`): what
     a Medusa tree's verification applies, which takes no other processor."""
     process = g.input("process", BOOL, [])
     then = g.branch("constrain")
     keep = g.branch("unconstrained")
-    return g.op("If", process, then_branch=then.graph([(_allowed(then, logits, vocab, None), FLOAT)]),
+    return g.op("If", process, then_branch=then.graph([(_allowed(then, logits, vocab, None, positions), FLOAT)]),
                 else_branch=keep.graph([(keep.op("Identity", logits), FLOAT)]))
 
 
-def _allowed(b, z: str, vocab: int, vocab_ids: str | None) -> str:
+def grammar_mask(g, vocab: int, positions: int | str) -> str:
+    """The `forbidden` input [B, positions, ceil(V/32)] (a session graph declares it first, with free positions)."""
+    return g.input("forbidden", INT32, ["batch", positions, (vocab + 31) // 32])
+
+
+def _allowed(b, z: str, vocab: int, vocab_ids: str | None, positions: int | str = "mask_positions") -> str:
     """z [B, R, V'] with the forbidden tokens' logits at NEG_INF: bit k of word w is token 32w + k."""
-    words = (vocab + 31) // 32
-    forbidden = b.op("Cast", b.input("forbidden", INT32, ["batch", "mask_positions", words]), to=INT64)
+    forbidden = b.op("Cast", grammar_mask(b, vocab, positions), to=INT64)
     unsigned = b.op("Mod", forbidden, b.const(1 << 32))  # two's complement words as 0..2^32-1
     powers = b.const((1 << np.arange(32, dtype=np.int64)))
     bits = b.op("Mod", b.op("Div", b.op("Unsqueeze", unsigned, b.const([3])), powers), b.const(2))  # [B, R, W, 32]

@@ -35,7 +35,7 @@ from onnx import helper, numpy_helper
 
 from speccompile.bundle import GRAPH_KINDS, GRAPH_OUTPUTS, LOGPROBS, OUTPUT_TYPES, TOP_LOGPROBS
 from speccompile.compiler.checkpoint import ModelSpec
-from speccompile.compiler.logits import prompt_scores
+from speccompile.compiler.logits import grammar_mask, prompt_scores
 from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT64, GraphBuilder
 from speccompile.compiler.spec_accept import OUTPUTS, TREE_OUTPUTS
 from speccompile.compiler.transformer import (
@@ -68,6 +68,7 @@ def build_session_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int
     token_count = g.input("token_count", INT64, ["batch"])
     kind = g.input("kind", INT64, [])
     fused = g.input("fused", BOOL, [])
+    grammar_mask(g, vocab_out, "mask_positions")  # one position for a step, γ+1 or a tree's nodes for the others
     trees = [k for k in kinds if k.startswith("verify_tree")]
     assert not trees or heads, "tree kinds read the Medusa heads"
     # the tree kinds are the last kinds: one comparison tells a tree call (positions, mask) from the others

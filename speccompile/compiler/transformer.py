@@ -191,7 +191,8 @@ def accept(b: GraphBuilder, logits: str, ids: str, past_len: str, gamma: int | s
     end = b.op("Shape", ids, start=1, end=2) if isinstance(gamma, str) else b.const([gamma + 1])
     drafts = b.op("Slice", ids, b.const([1]), end, b.const([1]))
     draft_len = b.input("draft_len", INT64, ["batch"])
-    scores = processed(b, logits, vocab_out, drafts=drafts)
+    positions = gamma + 1 if isinstance(gamma, int) else "positions"
+    scores = processed(b, logits, vocab_out, drafts=drafts, positions=positions)
     if not sample:
         outputs = spec_accept_node(b, scores, drafts, draft_len, past_len)
         return [*outputs, *logprob_outputs(b, scores, lambda branch: emitted_tokens(branch, ids, *outputs[:2]),
@@ -202,7 +203,6 @@ def accept(b: GraphBuilder, logits: str, ids: str, past_len: str, gamma: int | s
     u_sample = b.input("u_sample", FLOAT, ["batch"])
     # rows verified by the coupled rule (core/acceptance.py): the greedy rule on Gumbel-perturbed scores
     coupled = b.input("coupled", BOOL, ["batch"])
-    positions = gamma + 1 if isinstance(gamma, int) else "positions"
     noise = b.input("verify_noise", FLOAT, ["batch", positions, vocab_out])  # [B, γ+1, V]
     target_probs = min_p_filtered(b, spec_op(b, "SpecTransform", scores, *params, vocab_size=vocab_out))
     rejection = spec_op(b, "SpecAccept", target_probs, draft_probs, drafts, draft_len, u_accept, u_sample, past_len,
@@ -219,7 +219,7 @@ def accept_tree(b: GraphBuilder, logits: str, ids: str, past_len: str, typical: 
     nodes are verified: (accepted, next_token, new_len, best_node). A grammar's mask applies at each
     node (the state after the path to it); a tree takes no other processor."""
     draft_len = b.input("draft_len", INT64, ["batch"])
-    logits = constrained(b, logits, vocab_out)
+    logits = constrained(b, logits, vocab_out, "tree_nodes")
     topology = (b.input("tree_parents", INT64, ["tree_nodes"]), b.input("tree_depths", INT64, ["tree_nodes"]),
                 b.input("tree_mask", BOOL, ["tree_nodes", "tree_nodes"]))
     rule = None

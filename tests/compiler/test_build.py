@@ -18,7 +18,7 @@ from tests.tiny_models import make_checkpoint
 def test_manifest_describes_every_graph_and_file(bundles):
     bundle = open_bundle(bundles("qwen2", "random"))
     m = bundle.manifest
-    assert m["format_version"] == FORMAT_VERSION == 5
+    assert m["format_version"] == FORMAT_VERSION == 6
     assert m["gammas"] == [1, 4] and m["max_seq"] == 96 and m["max_batch"] == 4
     assert set(m["graphs"]) == {
         "target_forward", "draft_forward", "target_verify_g1", "target_verify_g4",

@@ -24,16 +24,16 @@ def softmax_max(logits: np.ndarray) -> float:
     return float(z.max() / z.sum())
 
 
-SWITCHES = ("process", "penalties", "counts", "seen", "logit_bias", "banned", "ban_until", "want_logprobs")
+SWITCHES = ("process", "penalties", "counts", "seen", "logit_bias", "banned", "ban_until", "forbidden", "want_logprobs")
 
 
 def switched_off(session, feeds: dict) -> dict:
     """The feeds, with the logits processors and log-probabilities off (zeros) where not given."""
     batch = len(feeds["input_ids"])
-    types = {"tensor(bool)": bool, "tensor(float)": np.float32, "tensor(int64)": np.int64}
+    types = {"tensor(bool)": bool, "tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32}
     for value in session.get_inputs():
         if value.name in SWITCHES and value.name not in feeds:
-            shape = [batch if dim == "batch" else dim for dim in value.shape]
+            shape = [batch if dim == "batch" else dim if isinstance(dim, int) else 1 for dim in value.shape]
             feeds[value.name] = np.zeros(shape, types[value.type])
     return feeds
 
