@@ -11,17 +11,18 @@ For every engine x tokenizer x schema it prints:
   compile ms  schema -> ready matcher (best of up to 3 runs; xgrammar's cache is off). llguidance builds its
               lexer lazily, so part of its compile cost lands in the first walk: hence
   1st walk ms the whole first (cold) walk of the instance, mask + consume per token, EOS check excluded
-  mask us     full next-token bitmask, median and p99 over all walks (5 by default) of a valid instance
+  mask us     full next-token bitmask, median and p99 over all walks (20 by default) of a valid instance
   tok us      bitmask + consuming the token (the per-token cost a decoder pays), median
   spec us     4 x (consume a draft token + bitmask), then roll back 3 (keep 1): median and p99
 then whether the engines' masks allow the same number of tokens at each step (they compile one language, but
-differ in details), and each engine's install footprint (package dir, runtime requirements and their size).
+differ in details), and each engine's install footprint: package dir, runtime requirements and their size,
+import time in a fresh interpreter and whether importing it loads torch.
 Every walk checks that each token of the instance is in the mask, is accepted, and that EOS is allowed at the end.
 Every engine runs single-threaded where it has a knob (RAYON_NUM_THREADS=1, xgrammar max_threads=1,
 torch.set_num_threads(1)). JSON is compact (no whitespace allowed) in all three engines so that they match
 the same language. torch is imported (by xgrammar) only here, never by the speccompile runtime.
 
-Run (from the repository root, about 1-2 minutes on 2 cores):
+Run (from the repository root, about 30 s on 2 cores):
     python tools/measure_grammar_engines.py
     python tools/measure_grammar_engines.py --quick     # smoke test: small corpus, 1 repetition
 """
@@ -167,18 +168,25 @@ def demo_tokenizer():
     return Tok("demo-8k", path, info["size"], info["eos_token_ids"][0], special_ids(path))
 
 
-def stdlib_files(limit_bytes):
-    """The stdlib's .py files (not site-packages), up to limit_bytes: plenty of text to learn 32k merges."""
+def stdlib_texts(limit_bytes):
+    """The stdlib's .py files (not site-packages), up to limit_bytes: plenty of text to learn 32k merges.
+
+    A few test modules are deliberately not UTF-8 (and the trainer rejects them): those are skipped.
+    """
     root = os.path.join(sys.base_prefix, "lib", f"python{sys.version_info.major}.{sys.version_info.minor}")
     files = sorted(glob.glob(os.path.join(root, "*.py"))) + sorted(glob.glob(os.path.join(root, "*", "*.py")))
-    picked, total = [], 0
+    texts, total = [], 0
     for path in files:
-        size = os.path.getsize(path)
-        if "site-packages" in path or total + size > limit_bytes:
+        if "site-packages" in path or total >= limit_bytes:
             continue
-        picked.append(path)
-        total += size
-    return picked
+        with open(path, "rb") as f:
+            data = f.read()
+        try:
+            texts.append(data.decode("utf-8"))
+        except UnicodeDecodeError:
+            continue
+        total += len(data)
+    return texts
 
 
 def train_big_tokenizer(out_dir, corpus_bytes):
@@ -195,7 +203,7 @@ def train_big_tokenizer(out_dir, corpus_bytes):
         show_progress=False,
     )
     start = time.perf_counter()
-    tok.train(stdlib_files(corpus_bytes), trainer)
+    tok.train_from_iterator(stdlib_texts(corpus_bytes), trainer)
     path = os.path.join(out_dir, "tokenizer.json")
     tok.save(path)
     n_vocab = tok.get_vocab_size()
@@ -560,6 +568,20 @@ def print_table(rows):
         print(fmt_row(row, WIDTHS))
 
 
+def print_summary(rows):
+    """Geometric mean per engine over its cells: one number per column, no one schema dominating."""
+    print("\nper-engine geometric mean over tokenizers x schemas (cells that failed are left out):")
+    columns = {"compile ms": 5, "1st walk ms": 6, "mask us med": 7, "mask us p99": 8, "tok us med": 9,
+               "spec us med": 10, "spec us p99": 11}
+    print(f"  {'engine':13} " + " ".join(f"{name:>11}" for name in columns))
+    for engine_cls in ENGINES:
+        cells = [r for r in rows if r[0] == engine_cls.name and r[5] != "FAILED"]
+        if not cells:
+            continue
+        means = [float(np.exp(np.mean(np.log([float(r[i]) for r in cells])))) for i in columns.values()]
+        print(f"  {engine_cls.name:13} " + " ".join(f"{m:11.2f}" for m in means))
+
+
 def print_agreement(counts):
     """Do the engines allow the same number of tokens at each step? A check that they compiled one language."""
     print("\nmask agreement (steps of the first walk where the engines' allowed-token counts differ):")
@@ -574,8 +596,26 @@ def print_agreement(counts):
         print(f"  {tok_name:9} {schema_name:11} {differ}/{steps}{detail}")
 
 
+IMPORT_PROBE = (
+    "import sys, time; start = time.perf_counter(); import {module}; "
+    "print(f'{{time.perf_counter() - start:.2f}}', 'torch' in sys.modules)"
+)
+
+
+def import_cost(module):
+    """Import time in a fresh interpreter, and whether importing drags in torch (the runtime must not)."""
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-c", IMPORT_PROBE.format(module=module)], capture_output=True,
+                            text=True, timeout=120)
+    if result.returncode != 0:
+        return "import failed"
+    seconds, torch_loaded = result.stdout.split()
+    return f"import {seconds} s{', imports torch' if torch_loaded == 'True' else ''}"
+
+
 def print_footprints():
-    print("\ninstall footprint (package dir; declared runtime requirements and their installed size):")
+    print("\ninstall footprint (package dir; declared runtime requirements and their installed size; import cost):")
     for name in PACKAGES:
         try:
             version = importlib.metadata.version(PACKAGES[name])
@@ -584,13 +624,14 @@ def print_footprints():
             print(f"  {name}: not installed ({exc})")
             continue
         deps = ", ".join(runtime) if runtime else "none"
-        print(f"  {name} {version}: {pkg_mb:.1f} MB; requires: {deps} ({deps_mb:.0f} MB installed)")
+        print(f"  {name} {version}: {pkg_mb:.1f} MB; requires: {deps} ({deps_mb:.0f} MB installed); "
+              f"{import_cost(PACKAGES[name])}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke test: small training corpus, 1 repetition")
-    parser.add_argument("--reps", type=int, default=5, help="walks per cell (default 5)")
+    parser.add_argument("--reps", type=int, default=20, help="walks per cell (default 20)")
     args = parser.parse_args()
     reps = 1 if args.quick else args.reps
 
@@ -606,6 +647,7 @@ def main():
         for engine_cls in ENGINES:
             rows += run_engine(engine_cls, toks, reps, failures, counts)
     print_table(rows)
+    print_summary(rows)
     print_agreement(counts)
     print_footprints()
     if failures:
