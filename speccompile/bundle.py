@@ -290,7 +290,7 @@ def _check_contained(path: Path, manifest: dict) -> None:
 STANDARD_OPS = frozenset(
     "Add And ArgMax Attention Cast Concat Constant ConstantOfShape Cos CumSum DequantizeLinear Div Equal Erf Exp "
     "Expand Gather GatherElements GatherND Gelu Greater GreaterOrEqual Identity If LayerNormalization Less "
-    "LessOrEqual Log LogSoftmax MatMul Max Min Mod Mul Neg Not Or Pad Pow RMSNormalization Range ReduceMax ReduceMean "
+    "LessOrEqual Log LogSoftmax MatMul Max Min Mul Neg Not Or Pad Pow RMSNormalization Range ReduceMax ReduceMean "
     "ReduceMin ReduceSum Relu Reshape RotaryEmbedding Shape Sigmoid Sin Slice Softmax Split Sqrt Squeeze Sub Tanh "
     "TensorScatter TopK Transpose Unsqueeze Where".split())
 RUNTIME_OPS = frozenset({"GroupQueryAttention", "MatMulNBits"})  # ONNX Runtime's com.microsoft kernels

@@ -37,7 +37,7 @@ from speccompile.errors import SpecCompileError
 from speccompile.progress import Progress
 
 DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64", onnx.TensorProto.BOOL: "bool",
-          onnx.TensorProto.INT32: "int32"}
+          onnx.TensorProto.INT32: "int32", onnx.TensorProto.UINT8: "uint8"}
 PHASES = ["load target", "load draft", "check compatibility", "export graphs", "check graphs", "write bundle"]
 logger = logging.getLogger(__name__)
 

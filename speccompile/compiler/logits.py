@@ -11,9 +11,9 @@ Processing (the `process` input), on logits z [B, R, V] at R positions (a verifi
   min_tokens   z = -inf for the `banned` tokens (EOS and stop tokens) at positions r < ban_until
   min_p        after temperature, top-k and top-p: drop tokens below min_p × the largest probability,
                renormalise (penalties[:, 3]; sampling only: greedy decoding keeps its argmax)
-  grammar      z = -inf for the tokens a request's grammar forbids at position r: `forbidden` int32
-               [B, R, ceil(V/32)], bit t % 32 of word t // 32 (core/grammar.py), unpacked here with
-               integer division and modulo (ops TensorRT parses too; it has no bitwise ones)
+  grammar      (its own If, on `constrain`) z + NEG_INF/2 for the tokens a request's grammar forbids at
+               position r: `forbidden` [B, R, 4·ceil(V/32)] uint8, the bytes of int32 bitmask words (bit
+               t % 32 of word t // 32, core/grammar.py), unpacked by a 256-entry table
 Position r of a verification predicts the token after its input r, so its counts and seen tokens are
 the fed ones (`counts`, `seen`: everything generated so far) plus the drafts d_1..d_r before it: the
 draft-dependent part is a cumulative sum in the graph, and every drafted position is scored under the
@@ -32,30 +32,32 @@ import numpy as np
 import onnx
 
 from speccompile.bundle import TOP_LOGPROBS
-from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT32, INT64
+from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT32, INT64, UINT8
 
 NEG_INF = float(np.finfo(np.float32).min)  # a banned token's logit: exp gives 0, argmax never picks it
-PROCESS_INPUTS = ("process", "penalties", "counts", "seen", "logit_bias", "banned", "ban_until", "forbidden")
+PROCESS_INPUTS = ("process", "penalties", "counts", "seen", "logit_bias", "banned", "ban_until", "constrain",
+                  "forbidden")
 LOGPROB_INPUTS = ("want_logprobs",)
 
 
 def processed(g, logits: str, vocab: int, drafts: str | None = None, vocab_ids: str | None = None,
               single: bool = False, positions: int | str = 1) -> str:
     """logits [B, R, V'] (single: [B, V'], one position) after the processors (an If on `process`,
-    whose other branch passes them through). drafts [B, R-1]: the drafted input tokens before
-    positions 1..R-1 (a verification), or None (R = 1). vocab_ids: the scored subset of a cut draft
-    head (its V' columns of the [B, V] inputs). positions: R, as the grammar mask's shape declares it."""
+    whose other branch passes them through), then the grammar's mask (an If on `constrain`). drafts
+    [B, R-1]: the drafted input tokens before positions 1..R-1 (a verification), or None (R = 1).
+    vocab_ids: the scored subset of a cut draft head (its V' columns of the [B, V] inputs).
+    positions: R, as the grammar mask's shape declares it."""
     process = g.input("process", BOOL, [])
     then = g.branch("process")
-    z = _penalised(then, then.op("Unsqueeze", logits, then.const([1])) if single else logits, vocab, drafts, vocab_ids,
-                   positions)
+    z = _penalised(then, then.op("Unsqueeze", logits, then.const([1])) if single else logits, vocab, drafts, vocab_ids)
     z = then.op("Squeeze", z, then.const([1])) if single else z
     keep = g.branch("keep")
-    return g.op("If", process, then_branch=then.graph([(z, FLOAT)]),
-                else_branch=keep.graph([(keep.op("Identity", logits), FLOAT)]))
+    penalised = g.op("If", process, then_branch=then.graph([(z, FLOAT)]),
+                     else_branch=keep.graph([(keep.op("Identity", logits), FLOAT)]))
+    return constrained(g, penalised, vocab, positions, vocab_ids, single)
 
 
-def _penalised(b, z: str, vocab: int, drafts: str | None, vocab_ids: str | None, positions: int | str) -> str:
+def _penalised(b, z: str, vocab: int, drafts: str | None, vocab_ids: str | None) -> str:
     penalties = b.input("penalties", FLOAT, ["batch", 4])
     presence, frequency, repetition = (_per_row(b, b.op("Gather", penalties, b.const(k), axis=1)) for k in range(3))
     columns = _columns(b, vocab_ids)
@@ -80,35 +82,46 @@ def _penalised(b, z: str, vocab: int, drafts: str | None, vocab_ids: str | None,
     positions = b.op("Unsqueeze", b.op("Range", b.const(0), b.op("Squeeze", b.op("Shape", z, start=1, end=2),
                                                                    b.const([0])), b.const(1)), b.const([0, 2]))
     early = b.op("Less", positions, ban_until)  # [B, R, 1]
-    z = b.op("Where", b.op("And", early, banned), b.const(NEG_INF, np.float32), z)
-    return _allowed(b, z, vocab, vocab_ids, positions)
+    return b.op("Where", b.op("And", early, banned), b.const(NEG_INF, np.float32), z)
 
 
-def constrained(g, logits: str, vocab: int, positions: int | str = "tree_nodes") -> str:
-    """logits [B, R, V] without the tokens each position's grammar forbids (an If on `process`): what
-    a Medusa tree's verification applies, which takes no other processor."""
-    process = g.input("process", BOOL, [])
+def constrained(g, logits: str, vocab: int, positions: int | str, vocab_ids: str | None = None,
+                single: bool = False) -> str:
+    """logits [B, R, V'] (single: [B, V']) without the tokens each position's grammar forbids (an If
+    on `constrain`, whose other branch passes them through). A Medusa tree's verification applies it
+    alone: it takes no other processor."""
+    constrain = g.input("constrain", BOOL, [])
     then = g.branch("constrain")
+    z = _allowed(then, then.op("Unsqueeze", logits, then.const([1])) if single else logits, vocab, vocab_ids, positions)
+    z = then.op("Squeeze", z, then.const([1])) if single else z
     keep = g.branch("unconstrained")
-    return g.op("If", process, then_branch=then.graph([(_allowed(then, logits, vocab, None, positions), FLOAT)]),
+    return g.op("If", constrain, then_branch=then.graph([(z, FLOAT)]),
                 else_branch=keep.graph([(keep.op("Identity", logits), FLOAT)]))
 
 
 def grammar_mask(g, vocab: int, positions: int | str) -> str:
-    """The `forbidden` input [B, positions, ceil(V/32)] (a session graph declares it first, with free positions)."""
-    return g.input("forbidden", INT32, ["batch", positions, (vocab + 31) // 32])
+    """The `forbidden` input: uint8 [B, positions, 4 ceil(V/32)], the bytes of the int32 bitmask words
+    (a session graph declares it first, with free positions)."""
+    return g.input("forbidden", UINT8, ["batch", positions, 4 * ((vocab + 31) // 32)])
 
 
-def _allowed(b, z: str, vocab: int, vocab_ids: str | None, positions: int | str = "mask_positions") -> str:
-    """z [B, R, V'] with the forbidden tokens' logits at NEG_INF: bit k of word w is token 32w + k."""
-    forbidden = b.op("Cast", grammar_mask(b, vocab, positions), to=INT64)
-    unsigned = b.op("Mod", forbidden, b.const(1 << 32))  # two's complement words as 0..2^32-1
-    powers = b.const((1 << np.arange(32, dtype=np.int64)))
-    bits = b.op("Mod", b.op("Div", b.op("Unsqueeze", unsigned, b.const([3])), powers), b.const(2))  # [B, R, W, 32]
-    bits = b.op("Slice", b.op("Reshape", bits, b.const([0, 0, -1])), b.const([0]), b.const([vocab]), b.const([2]))
+# byte value -> its 8 tokens' logit offsets (bit k set: token 8·byte + k is forbidden): half of NEG_INF,
+# so that any finite logit plus it stays finite, and below every allowed one
+BYTE_OFFSETS = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, np.float32(NEG_INF / 2),
+                        np.float32(0)).astype(np.float32)
+
+
+def _allowed(b, z: str, vocab: int, vocab_ids: str | None, positions: int | str) -> str:
+    """z [B, R, V'] plus BYTE_OFFSETS of each forbidden token: one lookup per byte of the bitmask, 5×
+    cheaper on ONNX Runtime than unpacking bits with integer division (measured: 113 against 560 µs
+    for 5 positions of 8192 tokens), and ops TensorRT parses (it has no bitwise ones)."""
+    forbidden = b.op("Cast", grammar_mask(b, vocab, positions), to=INT32)
+    offsets = b.op("Gather", b.const(BYTE_OFFSETS, np.float32), forbidden)  # [B, R, 4W, 8]
+    offsets = b.op("Slice", b.op("Reshape", offsets, b.const([0, 0, -1])), b.const([0]), b.const([vocab]),
+                   b.const([2]))
     if vocab_ids is not None:
-        bits = b.op("Gather", bits, vocab_ids, axis=2)
-    return b.op("Where", b.op("Greater", bits, b.const(0)), b.const(NEG_INF, np.float32), z)
+        offsets = b.op("Gather", offsets, vocab_ids, axis=2)
+    return b.op("Add", z, offsets)
 
 
 def _columns(b, vocab_ids: str | None):

@@ -27,6 +27,7 @@ from speccompile.errors import SpecCompileError
 OPSET = 24  # TensorScatter (in-place KV write) needs 24; TensorRT 10.15's parser reads opsets 9..24
 IR_VERSION = 10
 FLOAT, INT32, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64, TensorProto.BOOL
+UINT8 = TensorProto.UINT8
 WEIGHT_DTYPES = {np.dtype(np.float32): (TensorProto.FLOAT, "<f4"), np.dtype(np.int8): (TensorProto.INT8, "i1"),
                  np.dtype(np.int64): (TensorProto.INT64, "<i8"), np.dtype(np.float16): (TensorProto.FLOAT16, "<f2"),
                  BFLOAT16: (TensorProto.BFLOAT16, BFLOAT16), np.dtype(np.uint8): (TensorProto.UINT8, "u1"),

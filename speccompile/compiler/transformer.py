@@ -219,7 +219,7 @@ def accept_tree(b: GraphBuilder, logits: str, ids: str, past_len: str, typical: 
     nodes are verified: (accepted, next_token, new_len, best_node). A grammar's mask applies at each
     node (the state after the path to it); a tree takes no other processor."""
     draft_len = b.input("draft_len", INT64, ["batch"])
-    logits = constrained(b, logits, vocab_out, "tree_nodes")
+    logits = constrained(b, logits, vocab_out, "tree_nodes")  # the `constrain` switch
     topology = (b.input("tree_parents", INT64, ["tree_nodes"]), b.input("tree_depths", INT64, ["tree_nodes"]),
                 b.input("tree_mask", BOOL, ["tree_nodes", "tree_nodes"]))
     rule = None

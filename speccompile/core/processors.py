@@ -98,15 +98,17 @@ def processing_inputs(rows: list, vocab: int, offset: int = 0, drafted: list | N
     core/grammar.py) are for the call's scored positions: after each row's `drafted` tokens 1..r
     (a verification), or at its committed state (one position)."""
     states = [r.processing for r in rows]
-    if all(s is None for s in states) and all(r.grammar is None for r in rows):
+    processing, constrained = any(s is not None for s in states), any(r.grammar is not None for r in rows)
+    if not (processing or constrained):
         return None
     batch = len(rows)
     inputs = {"penalties": np.zeros((batch, 4), np.float32), "ban_until": np.zeros(batch, np.int64),
               **{name: np.zeros((batch, vocab), np.float32) for name in ("counts", "seen", "logit_bias", "banned")},
-              "forbidden": np.zeros((batch, positions, (vocab + 31) // 32), np.int32)}
+              "forbidden": grammar_masks(batch, positions, vocab),
+              "process": np.array(processing), "constrain": np.array(constrained)}  # each part switched apart
     for row, (request, state) in enumerate(zip(rows, states)):
         if request.grammar is not None:
-            request.grammar.masks(drafted[row] if drafted is not None else (), inputs["forbidden"][row])
+            request.grammar.masks(drafted[row] if drafted is not None else (), words(inputs["forbidden"][row]))
         if state is None:
             continue
         inputs["penalties"][row] = state.penalties()
@@ -114,6 +116,17 @@ def processing_inputs(rows: list, vocab: int, offset: int = 0, drafted: list | N
         inputs["logit_bias"][row], inputs["banned"][row] = state.bias, state.banned
         inputs["ban_until"][row] = state.processors.min_tokens - len(request.generated) - offset
     return inputs
+
+
+def grammar_masks(batch: int, positions: int, vocab: int) -> np.ndarray:
+    """Unconstrained grammar masks as the graphs take them: uint8 [B, positions, 4 ceil(V/32)], the
+    bytes of core/grammar.py's int32 bitmask words (see `words`)."""
+    return np.zeros((batch, positions, 4 * ((vocab + 31) // 32)), np.uint8)
+
+
+def words(masks: np.ndarray) -> np.ndarray:
+    """The int32 words a grammar writes its masks in, over the same memory as the graphs' bytes."""
+    return masks.view(np.int32)
 
 
 def add_drafted(inputs: dict | None, tokens: np.ndarray, drafting) -> None:
@@ -135,7 +148,7 @@ def constrain_next(inputs: dict | None, requests: list, proposed: np.ndarray, co
         if request.grammar is None:
             continue
         mask = request.grammar.mask_after(list(proposed[row, :count])) if count is not None else None
-        inputs["forbidden"][row, 0] = 0 if mask is None else mask
+        words(inputs["forbidden"][row])[0] = 0 if mask is None else mask
 
 
 def reference(logits: np.ndarray, state: ProcessorState, generated: int, drafts=()) -> np.ndarray:

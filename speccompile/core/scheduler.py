@@ -45,7 +45,7 @@ import numpy as np
 
 from speccompile.core.engine import DecoderEngine, VerifierEngine
 from speccompile.core.gamma_policy import GammaPolicy
-from speccompile.core.processors import processing_inputs
+from speccompile.core.processors import grammar_masks, processing_inputs, words
 from speccompile.core.proposers import Offer, Proposers
 from speccompile.core.proposers.draft_model import DraftRunner, sampling_params
 from speccompile.core.request import AUTO, Request
@@ -417,14 +417,14 @@ class Scheduler:
         it cannot be accepted, since a refused token is never the masked target's choice."""
         if all(r.grammar is None for r in rows):
             return None
-        forbidden = np.zeros((len(rows), tree.size, (self.target.vocab_size + 31) // 32), np.int32)
+        forbidden = grammar_masks(len(rows), tree.size, self.target.vocab_size)
         for row, request in enumerate(rows):
             if request.grammar is None:
                 continue
             for node in range(1 + int(draft_len[row])):
                 mask = request.grammar.mask_after(list(tokens[row, tree.path_to(node)]) if node else [])
                 if mask is not None:
-                    forbidden[row, node] = mask
+                    words(forbidden[row])[node] = mask
         return forbidden
 
     # -- decoding: update -----------------------------------------------------------------------

@@ -15,7 +15,7 @@ from speccompile.core.tree import TokenTree, compaction
 # what the logits processors read (compiler/logits.py): a call's `processing` gives each of them, [B, ...]
 PROCESSING = {"penalties": (4, np.float32), "counts": ("vocab", np.float32), "seen": ("vocab", np.float32),
               "logit_bias": ("vocab", np.float32), "banned": ("vocab", np.float32), "ban_until": (None, np.int64),
-              "forbidden": ("words", np.int32)}
+              "forbidden": ("mask bytes", np.uint8)}
 
 
 def _constant(value) -> np.ndarray:
@@ -38,7 +38,7 @@ class CachedModel:
         self.slots = 0
         self.cache_lengths = np.zeros(0, dtype=np.int64)
         self._zeros: dict[tuple, tuple] = {}  # shape of the noise -> (coupled, noise) that no row reads
-        self._processing_off: dict[int, dict] = {}  # batch -> processing inputs that no call reads
+        self._processing_off: dict[tuple, dict] = {}  # (batch, positions) -> processing inputs no call reads
         self.last_logprobs: Logprobs | None = None  # the last call's that asked for them (logprobs=True)
 
     # -- the engine interface -------------------------------------------------------------------
@@ -81,20 +81,20 @@ class CachedModel:
             self._zeros[shape] = np.zeros(batch, bool), np.zeros(shape, np.float32)
         return self._zeros[shape]
 
-    def _switches(self, batch: int, processing: dict | None, logprobs: bool) -> dict:
-        """The processors' inputs (read-only zeros, made once per batch size, when none applies) and
-        the switches of processing and log-probabilities."""
+    def _switches(self, batch: int, processing: dict | None, logprobs: bool, positions: int = 1) -> dict:
+        """The processors' inputs (read-only zeros, made once per batch size and number of scored
+        positions, when none applies) and the switches of processing and log-probabilities."""
         if processing is None:
-            if batch not in self._processing_off:
-                self._processing_off[batch] = {name: _constant(np.zeros(self._processing_shape(batch, width), dtype))
-                                               for name, (width, dtype) in PROCESSING.items()}
-            processing = self._processing_off[batch]
-        return {**processing, "process": OFF if processing is self._processing_off.get(batch) else ON,
-                "want_logprobs": ON if logprobs else OFF}
+            if (batch, positions) not in self._processing_off:
+                off = {name: _constant(np.zeros(self._processing_shape(batch, width, positions), dtype))
+                       for name, (width, dtype) in PROCESSING.items()}
+                self._processing_off[batch, positions] = off | {"process": OFF, "constrain": OFF}
+            processing = self._processing_off[batch, positions]
+        return {**processing, "want_logprobs": ON if logprobs else OFF}
 
-    def _processing_shape(self, batch: int, width) -> tuple:
-        if width == "words":  # a grammar's forbidden bits at one position (core/grammar.py)
-            return batch, 1, (self.vocab_size + 31) // 32
+    def _processing_shape(self, batch: int, width, positions: int) -> tuple:
+        if width == "mask bytes":  # a grammar's forbidden bits per scored position (core/grammar.py)
+            return batch, positions, 4 * ((self.vocab_size + 31) // 32)
         return (batch,) if width is None else (batch, self.vocab_size if width == "vocab" else width)
 
     def _keep_logprobs(self, out: dict, logprobs: bool) -> None:
@@ -107,7 +107,7 @@ class CachedModel:
         rows = self._rows(first, len(tokens))
         out = self._run(GraphId.verification(tokens.shape[1] - 1, sample=False), first, input_ids=tokens,
                         past_len=self.cache_lengths[rows], draft_len=draft_len,
-                        **self._switches(len(tokens), processing, logprobs))
+                        **self._switches(len(tokens), processing, logprobs, tokens.shape[1]))
         self.cache_lengths[rows] = out["new_len"]
         self._keep_logprobs(out, logprobs)
         return out["accepted"].copy(), out["next_token"].copy()
@@ -121,7 +121,7 @@ class CachedModel:
         out = self._run(GraphId.verification(tokens.shape[1] - 1, sample=True), first, input_ids=tokens,
                         past_len=self.cache_lengths[rows], draft_len=draft_len, draft_probs=draft_probs,
                         u_accept=u_accept, u_sample=u_sample, coupled=coupled, verify_noise=noise, **params,
-                        **self._switches(len(tokens), processing, logprobs))
+                        **self._switches(len(tokens), processing, logprobs, tokens.shape[1]))
         self.cache_lengths[rows] = out["new_len"]
         self._keep_logprobs(out, logprobs)
         return out["accepted"].copy(), out["next_token"].copy()
@@ -137,13 +137,15 @@ class CachedModel:
 
     def verify_tree(self, tokens: np.ndarray, draft_len: np.ndarray, tree: TokenTree, typical: tuple | None = None,
                     first: int = 0, forbidden: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """forbidden [B, N, W]: each node's grammar mask (core/grammar.py), None: no row is constrained."""
+        """forbidden [B, N, 4W] uint8: each node's grammar mask (core/processors.grammar_masks), None: no
+        row is constrained."""
         rows = self._rows(first, len(tokens))
         past_len = self.cache_lengths[rows].copy()
-        switches = self._switches(len(tokens), None if forbidden is None else {"forbidden": forbidden}, False)
+        off = self._switches(len(tokens), None, False, tree.size)
         feeds = {"input_ids": tokens, "past_len": past_len, "draft_len": draft_len, "tree_parents": tree.parents,
                  "tree_depths": tree.depths, "tree_ranks": tree.ranks, "tree_mask": tree.ancestors,
-                 "process": switches["process"], "forbidden": switches["forbidden"]}
+                 "constrain": OFF if forbidden is None else ON,
+                 "forbidden": off["forbidden"] if forbidden is None else forbidden}
         if typical is not None:
             feeds["typical_epsilon"], feeds["typical_delta"] = (np.full(len(tokens), v, np.float32) for v in typical)
         out = self._run(GraphId.tree_verification(typical is not None), first, **feeds)

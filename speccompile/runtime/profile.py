@@ -466,8 +466,7 @@ def graph_feeds(bundle, graph: str, batch: int = 1, context: int = 32):
         feeds = {}
         for spec in entry["inputs"]:
             shape = [batch if d == "batch" else (d if isinstance(d, int) else 1) for d in spec["shape"]]
-            dtype = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "bool": np.bool_}[spec["dtype"]]
-            feeds[spec["name"]] = np.zeros(shape, dtype=dtype)
+            feeds[spec["name"]] = np.zeros(shape, dtype=np.dtype(spec["dtype"]))  # the manifest's numpy names
         feeds["past_len"] = np.full(batch, context, dtype=np.int64)
         if "token_count" in feeds:
             feeds["token_count"] = np.ones(batch, dtype=np.int64)

@@ -24,13 +24,14 @@ def softmax_max(logits: np.ndarray) -> float:
     return float(z.max() / z.sum())
 
 
-SWITCHES = ("process", "penalties", "counts", "seen", "logit_bias", "banned", "ban_until", "forbidden", "want_logprobs")
+SWITCHES = ("process", "penalties", "counts", "seen", "logit_bias", "banned", "ban_until", "constrain", "forbidden",
+            "want_logprobs")
 
 
 def switched_off(session, feeds: dict) -> dict:
     """The feeds, with the logits processors and log-probabilities off (zeros) where not given."""
     batch = len(feeds["input_ids"])
-    types = {"tensor(bool)": bool, "tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32}
+    types = {"tensor(bool)": bool, "tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(uint8)": np.uint8}
     for value in session.get_inputs():
         if value.name in SWITCHES and value.name not in feeds:
             shape = [batch if dim == "batch" else dim if isinstance(dim, int) else 1 for dim in value.shape]
