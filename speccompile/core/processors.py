@@ -96,19 +96,24 @@ def processing_inputs(rows: list, vocab: int, offset: int = 0, drafted: list | N
     constrained): offset: the output position the call's first scored position predicts, after each
     row's generated tokens (a draft step k: k). A grammar's masks (`forbidden` [B, positions, W],
     core/grammar.py) are for the call's scored positions: after each row's `drafted` tokens 1..r
-    (a verification), or at its committed state (one position)."""
+    (a verification), or at its committed state (one position). Each part has its switch (`process`,
+    `constrain`); a part that is off is left out, and the engine feeds its inputs' zeros."""
     states = [r.processing for r in rows]
     processing, constrained = any(s is not None for s in states), any(r.grammar is not None for r in rows)
     if not (processing or constrained):
         return None
     batch = len(rows)
-    inputs = {"penalties": np.zeros((batch, 4), np.float32), "ban_until": np.zeros(batch, np.int64),
-              **{name: np.zeros((batch, vocab), np.float32) for name in ("counts", "seen", "logit_bias", "banned")},
-              "forbidden": grammar_masks(batch, positions, vocab),
-              "process": np.array(processing), "constrain": np.array(constrained)}  # each part switched apart
+    inputs = {"process": np.array(processing), "constrain": np.array(constrained)}
+    if constrained:
+        inputs["forbidden"] = grammar_masks(batch, positions, vocab)
+        for row, request in enumerate(rows):
+            if request.grammar is not None:
+                request.grammar.masks(drafted[row] if drafted is not None else (), words(inputs["forbidden"][row]))
+    if not processing:
+        return inputs
+    inputs |= {"penalties": np.zeros((batch, 4), np.float32), "ban_until": np.zeros(batch, np.int64),
+               **{name: np.zeros((batch, vocab), np.float32) for name in ("counts", "seen", "logit_bias", "banned")}}
     for row, (request, state) in enumerate(zip(rows, states)):
-        if request.grammar is not None:
-            request.grammar.masks(drafted[row] if drafted is not None else (), words(inputs["forbidden"][row]))
         if state is None:
             continue
         inputs["penalties"][row] = state.penalties()
@@ -131,7 +136,7 @@ def words(masks: np.ndarray) -> np.ndarray:
 
 def add_drafted(inputs: dict | None, tokens: np.ndarray, drafting) -> None:
     """A draft step fed `tokens` [B] (rows where `drafting`): the next step counts them."""
-    if inputs is None:
+    if inputs is None or not inputs["process"]:
         return
     rows = np.flatnonzero(drafting)
     inputs["counts"][rows, tokens[rows]] += 1.0
@@ -142,7 +147,7 @@ def add_drafted(inputs: dict | None, tokens: np.ndarray, drafting) -> None:
 def constrain_next(inputs: dict | None, requests: list, proposed: np.ndarray, counts) -> None:
     """The draft model's next step: each constrained row's mask after its first counts[row] proposals
     (proposed [B, ≥ count]); a row that proposes no more is left unconstrained (its token is not read)."""
-    if inputs is None:
+    if inputs is None or not inputs["constrain"]:
         return
     for row, (request, count) in enumerate(zip(requests, counts)):
         if request.grammar is None:

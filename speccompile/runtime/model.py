@@ -83,14 +83,13 @@ class CachedModel:
 
     def _switches(self, batch: int, processing: dict | None, logprobs: bool, positions: int = 1) -> dict:
         """The processors' inputs (read-only zeros, made once per batch size and number of scored
-        positions, when none applies) and the switches of processing and log-probabilities."""
-        if processing is None:
-            if (batch, positions) not in self._processing_off:
-                off = {name: _constant(np.zeros(self._processing_shape(batch, width, positions), dtype))
-                       for name, (width, dtype) in PROCESSING.items()}
-                self._processing_off[batch, positions] = off | {"process": OFF, "constrain": OFF}
-            processing = self._processing_off[batch, positions]
-        return {**processing, "want_logprobs": ON if logprobs else OFF}
+        positions, for what does not apply) and the switches of processing and log-probabilities."""
+        if (batch, positions) not in self._processing_off:
+            off = {name: _constant(np.zeros(self._processing_shape(batch, width, positions), dtype))
+                   for name, (width, dtype) in PROCESSING.items()}
+            self._processing_off[batch, positions] = off | {"process": OFF, "constrain": OFF}
+        off = self._processing_off[batch, positions]
+        return {**off, **(processing or {}), "want_logprobs": ON if logprobs else OFF}
 
     def _processing_shape(self, batch: int, width, positions: int) -> tuple:
         if width == "mask bytes":  # a grammar's forbidden bits per scored position (core/grammar.py)
