@@ -3,12 +3,15 @@ words, the sign bit in use), unpacked where the logits are by a table, equal to 
 the same bits, for a vocabulary that is not a multiple of 32 and for a cut draft head's subset of it;
 and switched off, they leave the logits as they are."""
 
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import onnxruntime as ort
 import pytest
 
 from speccompile.compiler.logits import NEG_INF, constrained
-from speccompile.compiler.onnx_graph import FLOAT, GraphBuilder
+from speccompile.compiler.onnx_graph import FLOAT, GraphBuilder, WeightFile
 
 
 def masked_by_graph(logits: np.ndarray, forbidden: np.ndarray, vocab: int, vocab_ids=None, on: bool = True):
@@ -16,7 +19,12 @@ def masked_by_graph(logits: np.ndarray, forbidden: np.ndarray, vocab: int, vocab
     z = g.input("logits", FLOAT, ["batch", "positions", logits.shape[2]])
     ids = g.const(vocab_ids) if vocab_ids is not None else None
     g.output(constrained(g, z, vocab, "positions", ids), "masked", FLOAT, ["batch", "positions", logits.shape[2]])
-    session = ort.InferenceSession(g.model({}).SerializeToString())
+    with tempfile.TemporaryDirectory() as directory:  # the byte table is a weight, in a weights file
+        weights = WeightFile("w.bin")
+        weights.add(g.weights)
+        weights.write(Path(directory) / "w.bin")
+        (Path(directory) / "m.onnx").write_bytes(g.model(weights.locations).SerializeToString())
+        session = ort.InferenceSession(str(Path(directory) / "m.onnx"))
     feeds = {"logits": logits, "forbidden": forbidden.view(np.uint8), "constrain": np.array(on)}
     return session.run(None, feeds)[0]
 
