@@ -163,12 +163,13 @@ def test_the_manifest_records_each_graph_as_its_id(bundles):
 
 
 def test_a_bundle_of_the_previous_format_asks_for_a_rebuild(bundle_copy):
-    """Format 4's graphs lack the logits processors, log-probabilities and the scoring graph (format
-    3's sampling graphs, the coupled rule's inputs; format 2's greedy steps, their confidence;
-    format 1's verifications, draft_len): one error that says to rebuild, before any graph loads."""
+    """Format 5's graphs lack the grammar masks (format 4's, the logits processors, log-probabilities
+    and the scoring graph; format 3's sampling graphs, the coupled rule's inputs; format 2's greedy
+    steps, their confidence; format 1's verifications, draft_len): one error that says to rebuild,
+    before any graph loads."""
     manifest = json.loads((bundle_copy / "manifest.json").read_text())
-    for old in (1, 2, 3, 4):
+    for old in (1, 2, 3, 4, 5):
         (bundle_copy / "manifest.json").write_text(json.dumps({**manifest, "format_version": old}))
-        refused = rf"format version {old} is not supported .*reads version 5\); rebuild"
+        refused = rf"format version {old} is not supported .*reads version 6\); rebuild"
         with pytest.raises(SpecCompileError, match=refused):
             open_bundle(bundle_copy)

@@ -93,7 +93,8 @@ def test_tree_node_limit_is_the_headers():
 # ---- the plugin's identity --------------------------------------------------------------------------
 
 
-ONNX_TO_TRT = {TensorProto.FLOAT: "kFLOAT", TensorProto.INT64: "kINT64", TensorProto.BOOL: "kBOOL"}
+ONNX_TO_TRT = {TensorProto.FLOAT: "kFLOAT", TensorProto.INT64: "kINT64", TensorProto.BOOL: "kBOOL",
+               TensorProto.UINT8: "kUINT8"}
 
 
 def test_plugin_answers_to_what_the_onnx_node_asks_for():
@@ -134,9 +135,10 @@ def tree_node_dtypes(typical: bool) -> list[tuple[str, str]]:
     g = GraphBuilder("tree")
     logits = g.input("logits", TensorProto.FLOAT, ["batch", "tree_nodes", "vocab"])
     ids = g.input("input_ids", TensorProto.INT64, ["batch", "tree_nodes"])
-    accept_tree(g, logits, ids, g.input("past_len", TensorProto.INT64, ["batch"]), typical)
+    accept_tree(g, logits, ids, g.input("past_len", TensorProto.INT64, ["batch"]), typical, vocab_out=64)
     [node] = [n for n in g.nodes if n.op_type == "SpecAccept"]
     declared = {v.name: ONNX_TO_TRT[v.type.tensor_type.elem_type] for v in g.inputs}
+    declared |= {out: "kFLOAT" for n in g.nodes if n.op_type == "If" for out in n.output}  # the grammar-masked logits
     function = spec_accept.FUNCTIONS["SpecAccept", "tree_typical" if typical else "tree"]()
     return [(declared[tensor], name) for tensor, name in zip(node.input, function.input, strict=True)]
 
