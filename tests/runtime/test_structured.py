@@ -173,3 +173,11 @@ def test_constrained_samples_follow_the_masked_target_distribution(letters, rule
     assert (joint[tuple(samples.T)] > 0).all()  # nothing the grammar forbids
     rejected, verdicts = check(samples, joint, later_pair=True)
     assert not rejected, verdicts
+
+
+def test_a_grammar_that_must_end_where_min_tokens_forbids_it_stops_cleanly(demo):
+    """The grammar allows only EOS after one digit; min_tokens bans EOS: no token is left, and the
+    request stops there (finish "stop") with what the grammar allowed, instead of writing past it."""
+    for mode in ("autoregressive", "speculative"):
+        [result] = demo.generate([PROMPTS[0]], max_new_tokens=20, regex="[0-9]", min_tokens=5, mode=mode)
+        assert result.finish_reason == "stop" and len(result.text) == 1 and result.text.isdigit(), (mode, result)
