@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="serve the suite's tiny llama pair")
     parser.add_argument("--every", type=int, default=1000, help="print progress every N requests")
+    parser.add_argument("--failures", default=None, help="also write each failing body, whole, to this file")
     args = parser.parse_args()
     workdir = tempfile.TemporaryDirectory()
     bundle = tiny_bundle(Path(workdir.name)) if args.tiny else args.bundle
@@ -74,6 +75,9 @@ def main() -> None:
             by_status[status] += 1
             if problem is not None:
                 failures.append((route, body[:400], problem))
+                if args.failures:
+                    with open(args.failures, "ab") as out:
+                        out.write(route.encode() + b" " + body + b"\n")
             done = sum(counts.values())
             if done % args.every == 0:
                 statuses = dict(sorted(by_status.items(), key=str))

@@ -71,7 +71,7 @@ class Constraint:
         if kind == "json_object":
             return cls(kind)
         if kind == "choice":
-            if isinstance(value, str) or not value or not all(isinstance(c, str) for c in value):
+            if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) for c in value):
                 raise SpecCompileError("choice must be a non-empty list of strings")
             return cls(kind, json.dumps(list(value)))
         if not isinstance(value, str) or not value.strip():

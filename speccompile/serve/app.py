@@ -159,9 +159,9 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
                    "continue_final_message": body.continue_final_message, "extra": body.chat_template_kwargs}
         try:
             text = chat_text(body.messages, options)
-        except SpecCompileError as e:
+            prompt = runtime.tokenizer.encode(text, special_tokens=False)  # the template writes its own
+        except SpecCompileError as e:  # a template that fails, or a rendered text no tokenizer takes
             return openai_error(400, str(e), "messages")
-        prompt = runtime.tokenizer.encode(text, special_tokens=False)  # the template writes its own
         return await serve_request(body, [prompt], body.max_completion_tokens or body.max_tokens, chat=True)
 
     def chat_text(messages, options: dict) -> str:

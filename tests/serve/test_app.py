@@ -767,3 +767,14 @@ def test_values_at_the_edges_of_their_types_never_reach_the_engine_as_failures(s
                              json.dumps({"prompt": "x y", "max_tokens": 4, **edge}).encode(), headers)
         assert status == 200 and reply["usage"]["completion_tokens"] == 4, (edge, reply)
     assert served[0].health()["failures_in_a_row"] == 0
+
+
+def test_a_chat_whose_rendered_text_no_tokenizer_takes_is_a_400(chat_served):
+    """A lone surrogate (JSON can carry one) in a message renders into the prompt's text: a 400 naming
+    it, not an error escaping the route (found by tools/fuzz_serve.py)."""
+    _, chat = chat_served
+    body = b'{"messages": [{"role": "user", "content": "x \\ud800 y"}], "max_tokens": 2}'
+    status, answer = http("POST", str(chat.base_url).rstrip("/") + "/chat/completions", body,
+                          {"Content-Type": "application/json"})
+    assert status == 400 and "not valid Unicode" in answer["error"]["message"], answer
+    assert answer["error"]["param"] == "messages"
