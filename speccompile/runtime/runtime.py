@@ -397,8 +397,9 @@ class Runtime:
     def compile_constraint(self, **constraint) -> None:
         """Compile a constraint (json_schema=, regex=, ...: as `submit` takes them) into the grammar
         cache, so that a request asking for it starts at once; SpecCompileError if it does not compile."""
-        if constraint:
-            self.grammars().start(Constraint.of(**constraint))
+        made = Constraint.of(**constraint)
+        if made is not None:  # e.g. json_object=False: none asked for
+            self.grammars().start(made)
 
     def grammars(self) -> GrammarEngine:
         """The grammar engine of this bundle's tokenizer (core/grammar.py), made on first use (~50 ms)."""

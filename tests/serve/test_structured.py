@@ -96,3 +96,12 @@ def test_a_constraint_that_cannot_be_used_is_a_400_naming_it(served, extra, mess
     with pytest.raises(openai.BadRequestError, match=message):
         client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=extra)
     assert client.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_structured_outputs_field_that_asks_for_nothing_constrains_nothing(served):
+    """{"json_object": false} and nulls (what a client fills in by default): plain output, not an error."""
+    _, client = served
+    nothing = {"structured_outputs": {"json_object": False, "regex": None, "json": None}}
+    asked = client.completions.create(model="tiny", prompt="x y x", max_tokens=8, temperature=0, extra_body=nothing)
+    plain = client.completions.create(model="tiny", prompt="x y x", max_tokens=8, temperature=0)
+    assert asked.choices[0].text == plain.choices[0].text
