@@ -14,7 +14,7 @@ def no_shared_thread_pool():
 
     assert not shared_thread_pool(create=True)
 
-FAMILIES = ["llama", "mistral", "qwen2", "gpt2"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "gpt2"]
 
 
 @pytest.fixture(scope="session")

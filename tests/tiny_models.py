@@ -45,19 +45,47 @@ def _config(family: str, vocab: int, size: str, **overrides):
         cfg.update(overrides)
         return transformers.GPT2Config(**cfg)
     configs = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-               "qwen2": transformers.Qwen2Config}
+               "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+               "gemma3": transformers.Gemma3TextConfig, "phi3": transformers.Phi3Config}
     cls = configs[family]
     cfg = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=(family == "qwen2"),
+        bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=family in ("qwen2", "qwen3", "gemma3"),
     )
-    if family == "mistral":
-        cfg["sliding_window"] = None
-    if family == "llama":
-        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000.0}
+    cfg.update(FAMILY_CONFIGS[family](hidden, layers) if family in FAMILY_CONFIGS else {})
     cfg.update(overrides)
     return cls(**cfg)
+
+
+# What each family's tiny models exercise beyond Llama's: odd head sizes (head_dim is not hidden /
+# heads), sliding windows shorter than a test's prompt plus output, each family's RoPE variant.
+WINDOW = 8
+FAMILY_CONFIGS = {
+    "llama": lambda hidden, layers: {"rope_parameters": {"rope_type": "default", "rope_theta": 5000.0}},
+    "mistral": lambda hidden, layers: {"sliding_window": WINDOW},
+    "qwen3": lambda hidden, layers: {"head_dim": 48 if hidden == 64 else 16},
+    "gemma3": lambda hidden, layers: {
+        "head_dim": 48 if hidden == 64 else 16, "query_pre_attn_scalar": 40, "sliding_window": WINDOW,
+        # sliding then global, each with its own RoPE: the global one scaled
+        "layer_types": ["sliding_attention", "full_attention"][:layers],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0}}},
+    "phi3": lambda hidden, layers: _phi3(2 * hidden if hidden == 64 else hidden),
+}
+
+
+def _phi3(hidden: int) -> dict:
+    """Phi-4-mini's partial rotary (3/4 of each head) and Phi-3's LongRoPE. The target's heads are of
+    64 (two of them, one KV head), so its 48 rotary dimensions fit ONNX Runtime's fused kernel. The
+    original length exceeds the tests' caches, so HF and the build both use the short factors."""
+    heads = 2 if hidden == 128 else 4
+    rotary_pairs = hidden // heads * 3 // 8
+    return {"hidden_size": hidden, "intermediate_size": hidden, "num_attention_heads": heads,
+            "num_key_value_heads": heads // 2, "sliding_window": None, "original_max_position_embeddings": 128,
+            "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                "short_factor": [1.0 + 0.1 * j for j in range(rotary_pairs)],
+                                "long_factor": [2.0 + j for j in range(rotary_pairs)]}}
 
 
 EMBEDDING_PADDING = 8  # rows beyond the tokenizer, as real checkpoints pad their embeddings

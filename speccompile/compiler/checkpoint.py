@@ -14,6 +14,8 @@ from speccompile.compiler.architectures import ACTIVATIONS, ARCHITECTURES, Archi
 from speccompile.compiler.rope import SCALINGS, Rope, trained_positions
 from speccompile.compiler.tensors import (
     LazyTensor,
+    plus_one,
+    rows,
     safetensors_tensors,
     split_part,
     transposed,
@@ -53,13 +55,8 @@ def load_checkpoint(path) -> ModelSpec:
 
 
 def check_max_seq(spec: ModelSpec, max_seq: int) -> None:
-    """Refuse a cache capacity this model cannot attend over exactly."""
-    window = spec.hp["sliding_window"]
-    if window is not None and max_seq > window:
-        raise SpecCompileError(
-            f"{spec.path}: sliding-window attention (window {window}) is not supported; "
-            f"build with --max-seq {window} or less, where full attention is identical"
-        )
+    """Refuse a cache capacity this model cannot attend over exactly. A sliding window is no limit:
+    windowed layers mask keys beyond it (transformer._attention_mask), as HF does."""
     limit, rule = _trained_positions(spec.hp)
     if max_seq > limit:
         raise SpecCompileError(
@@ -73,7 +70,7 @@ def _trained_positions(hp: dict) -> tuple[int, str]:
     a table of that size; RoPE's span depends on its scaling (see rope.SCALINGS)."""
     if hp["rope"] is None:
         return hp["max_positions"], "learned positions"
-    return trained_positions(hp["rope"])
+    return min(trained_positions(rope) for rope in hp["layer_ropes"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,10 +103,80 @@ def _hyper_parameters(path: Path, config: dict, arch: Architecture) -> dict:
                                f"{hp['num_kv_heads']} KV heads")
     if hp["activation"] not in ACTIVATIONS[arch.block]:
         raise SpecCompileError(f"{path}: activation {hp['activation']!r} is not supported for {config['model_type']}")
-    hp["rope"] = _rope(path, config, hp["max_positions"]) if arch.block == "llama" else None
-    hp["sliding_window"] = _sliding_window(config)
+    _refuse_unsupported(path, config)
+    hp["layer_windows"] = _layer_windows(path, config, hp["num_layers"])
+    hp["sliding_window"] = next((w for w in hp["layer_windows"] if w is not None), None)
+    hp["rope"], hp["layer_ropes"], hp["rotary_dim"] = None, None, None
+    if arch.block == "llama":
+        ropes = _ropes(path, config, hp["max_positions"])
+        hp["layer_ropes"] = [ropes[kind] for kind in _layer_types(config, hp["num_layers"])]
+        hp["rope"] = ropes["full_attention"]
+        hp["rotary_dim"] = _rotary_dim(path, config, hp["head_dim"])
     hp["attn_scale"] = _attention_scale(path, config, hp)
     return hp
+
+
+def _refuse_unsupported(path: Path, config: dict) -> None:
+    """Config switches that change the maths in ways the graphs do not implement."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if config.get(key) is not None:
+            raise SpecCompileError(f"{path}: {key} is not supported")
+    if config.get("use_bidirectional_attention"):
+        raise SpecCompileError(f"{path}: use_bidirectional_attention is not supported (decoders are causal here)")
+
+
+# ---------------------------------------------------------------------------------------------
+# attention layers: which see a sliding window, and with which rotary settings
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_types(config: dict, num_layers: int) -> list[str]:
+    """Each layer's kind, as transformers derives it for the family when the config does not list them."""
+    model_type = config["model_type"]
+    types = config.get("layer_types")
+    if types is None:
+        window = config.get("sliding_window")
+        if model_type == "gemma3_text":  # configs on the Hub give a pattern: every Nth layer is global
+            pattern = config.get("sliding_window_pattern") or 6
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        elif model_type in ("qwen2", "qwen3"):
+            first = config.get("max_window_layers", num_layers) if config.get("use_sliding_window") and window else None
+            types = ["sliding_attention" if first is not None and i >= first else "full_attention"
+                     for i in range(num_layers)]
+        elif model_type in ("mistral", "phi3") and window is not None:
+            types = ["sliding_attention"] * num_layers
+        else:
+            types = ["full_attention"] * num_layers
+    return list(types)
+
+
+def _layer_windows(path: Path, config: dict, num_layers: int) -> list:
+    """Per layer: the number of keys (the query's own included) a query sees, or None for all of them."""
+    types = _layer_types(config, num_layers)
+    if len(types) != num_layers or not set(types) <= set(LAYER_TYPES):
+        raise SpecCompileError(f"{path}: layer_types must list {num_layers} of {', '.join(LAYER_TYPES)}")
+    model_type, window = config["model_type"], config.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
+        window = None  # transformers ignores the stated window unless use_sliding_window is set
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise SpecCompileError(f"{path}: sliding_window must be a positive integer, got {window!r}")
+    return [window if kind == "sliding_attention" and window is not None else None for kind in types]
+
+
+def _ropes(path: Path, config: dict, max_positions: int) -> dict[str, Rope]:
+    """The rotary settings of each layer type. Gemma 3 gives its sliding layers their own base
+    (rope_local_base_freq) and no scaling; transformers 5 nests both under rope_parameters."""
+    nested = config.get("rope_parameters") or {}
+    if set(LAYER_TYPES) & set(nested):
+        return {kind: _rope(path, {**config, "rope_scaling": None, "rope_parameters": nested.get(kind)}, max_positions)
+                for kind in LAYER_TYPES}
+    full = _rope(path, config, max_positions)
+    if config["model_type"] != "gemma3_text":
+        return dict.fromkeys(LAYER_TYPES, full)
+    local = Rope("default", float(config.get("rope_local_base_freq") or 10000.0), max_positions)
+    return {"full_attention": full, "sliding_attention": local}
 
 
 def _rope(path: Path, config: dict, max_positions: int) -> Rope:
@@ -118,10 +185,8 @@ def _rope(path: Path, config: dict, max_positions: int) -> Rope:
     if rope_type not in SCALINGS:
         supported = ", ".join(SCALINGS)
         raise SpecCompileError(f"{path}: rope scaling {rope_type!r} is not supported (supported: {supported})")
-    partial = params.pop("partial_rotary_factor", None) or config.get("partial_rotary_factor") or 1.0
-    if partial != 1.0:
-        raise SpecCompileError(f"{path}: partial_rotary_factor {partial} is not supported (RoPE over whole heads only)")
-    if rope_type in ("llama3", "yarn"):
+    params.pop("partial_rotary_factor", None)  # read by _rotary_dim
+    if rope_type in ("llama3", "yarn", "longrope"):
         # HF: a top-level value wins (Phi-3 style), then the dict's, then max_position_embeddings
         original = config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
         params["original_max_position_embeddings"] = original or max_positions
@@ -129,6 +194,19 @@ def _rope(path: Path, config: dict, max_positions: int) -> Rope:
     if missing:
         raise SpecCompileError(f"{path}: rope scaling {rope_type!r} needs {', '.join(missing)} in its parameters")
     return Rope(rope_type, theta, max_positions, params)
+
+
+def _rotary_dim(path: Path, config: dict, head_dim: int) -> int:
+    """How many of each head's dimensions RoPE turns (the first ones): Phi-4-mini turns 3/4 of them."""
+    params = config.get("rope_parameters") or {}
+    if set(LAYER_TYPES) & set(params):
+        params = params.get("full_attention") or {}
+    factor = params.get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0
+    dim = int(head_dim * factor)  # as HF computes it
+    if not 0 < factor <= 1 or dim % 2:
+        raise SpecCompileError(f"{path}: partial_rotary_factor {factor} turns {dim} of {head_dim} dimensions; "
+                               f"it must turn an even number of them")
+    return dim
 
 
 def _rope_parameters(config: dict) -> tuple[str, float, dict]:
@@ -143,19 +221,13 @@ def _rope_parameters(config: dict) -> tuple[str, float, dict]:
     return rope_type, float(theta), params
 
 
-def _sliding_window(config: dict):
-    if config["model_type"] == "mistral":
-        return config.get("sliding_window")
-    if config["model_type"] == "qwen2" and config.get("use_sliding_window"):
-        return config.get("sliding_window")
-    return None
-
-
 def _attention_scale(path: Path, config: dict, hp: dict) -> float:
     if config.get("scale_attn_by_inverse_layer_idx"):
         raise SpecCompileError(f"{path}: scale_attn_by_inverse_layer_idx is not supported")
     if config["model_type"] == "gpt2" and config.get("scale_attn_weights") is False:
         return 1.0
+    if config["model_type"] == "gemma3_text":  # Gemma scales by a stated number, not the head size
+        return float(config.get("query_pre_attn_scalar") or hp["head_dim"]) ** -0.5
     return 1.0 / math.sqrt(hp["head_dim"])
 
 
@@ -191,11 +263,18 @@ def _read_safetensors(path: Path) -> dict[str, LazyTensor]:
     return tensors
 
 
-def _transform(tensor: LazyTensor, transform: str) -> LazyTensor:
+def _transform(tensor: LazyTensor, transform: str, hp: dict) -> LazyTensor:
     if transform == "same":
         return tensor
     if transform == "linear":
         return transposed(tensor)
+    if transform == "plus_one":
+        return plus_one(tensor)
+    if transform.startswith("rows/"):  # a fused nn.Linear: its output rows, then [in, out] as "linear"
+        q, kv = hp["num_heads"] * hp["head_dim"], hp["num_kv_heads"] * hp["head_dim"]
+        half = tensor.shape[0] // 2
+        spans = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), "gate": (0, half), "up": (half, 2 * half)}
+        return transposed(rows(tensor, *spans[transform[5:]]))
     assert transform.startswith("qkv/"), f"unknown weight transform {transform}"
     return split_part(tensor, 3, int(transform[4:]))
 
@@ -218,7 +297,7 @@ def _canonical_weights(path: Path, tensors: dict, arch: Architecture, hp: dict) 
                 if ours in arch.optional:
                     continue
                 raise SpecCompileError(f"{path}: weight {hf_name!r} missing from the safetensors files")
-            weights[name] = _transform(tensor, transform)
+            weights[name] = _transform(tensor, transform, hp)
     if hp["tie_embeddings"] or "lm_head" not in weights:
         if not hp["tie_embeddings"]:
             raise SpecCompileError(f"{path}: weight 'lm_head.weight' missing and embeddings are not tied")

@@ -30,15 +30,18 @@ class Rope:
 class Scaling:
     """One rope_type: its maths, and the --max-seq it allows (see the registry's notes)."""
 
-    frequencies: Callable[[Rope, int], tuple[np.ndarray, float]]  # (rope, head_dim) -> inv_freq [D/2], factor
+    # (rope, rotary dim, the build's cache capacity) -> inv_freq [D/2], factor
+    frequencies: Callable[[Rope, int, int], tuple[np.ndarray, float]]
     span: Callable[[Rope], int]  # positions a model with this scaling attends over
     span_rule: str  # how span is derived, for the --max-seq error
     required: tuple[str, ...] = ()  # parameters the config must give (as HF's validation requires)
 
 
-def inverse_frequencies(rope: Rope, head_dim: int) -> tuple[np.ndarray, float]:
-    """inv_freq [head_dim/2] (float32) and the factor HF multiplies cos and sin by."""
-    inv_freq, attention = SCALINGS[rope.rope_type].frequencies(rope, head_dim)
+def inverse_frequencies(rope: Rope, head_dim: int, max_seq: int = 0) -> tuple[np.ndarray, float]:
+    """inv_freq [head_dim/2] (float32) and the factor HF multiplies cos and sin by. `head_dim` is the
+    rotary dimension (all of a head but for partial rotary); `max_seq` the cache capacity the tables
+    are built for, which only LongRoPE reads (its factor set)."""
+    inv_freq, attention = SCALINGS[rope.rope_type].frequencies(rope, head_dim, max_seq)
     return inv_freq.astype(np.float32), float(attention)
 
 
@@ -57,16 +60,16 @@ def _plain(theta: float, head_dim: int) -> np.ndarray:
     return 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
 
 
-def _default(rope: Rope, head_dim: int) -> tuple[np.ndarray, float]:
+def _default(rope: Rope, head_dim: int, max_seq: int) -> tuple[np.ndarray, float]:
     return _plain(rope.theta, head_dim), 1.0
 
 
-def _linear(rope: Rope, head_dim: int) -> tuple[np.ndarray, float]:
+def _linear(rope: Rope, head_dim: int, max_seq: int) -> tuple[np.ndarray, float]:
     # Position interpolation: position / factor, applied to the frequencies instead.
     return _plain(rope.theta, head_dim) / rope.params["factor"], 1.0
 
 
-def _dynamic(rope: Rope, head_dim: int) -> tuple[np.ndarray, float]:
+def _dynamic(rope: Rope, head_dim: int, max_seq: int) -> tuple[np.ndarray, float]:
     # HF enlarges the base only once a call's last position reaches past max_position_embeddings
     # (seq_len > max_positions); below that seq_len is clamped to max_positions, where the
     # expression is the plain base. Static tables can hold just that, so the span stops there too.
@@ -75,7 +78,7 @@ def _dynamic(rope: Rope, head_dim: int) -> tuple[np.ndarray, float]:
     return _plain(base, head_dim), 1.0
 
 
-def _llama3(rope: Rope, head_dim: int) -> tuple[np.ndarray, float]:
+def _llama3(rope: Rope, head_dim: int, max_seq: int) -> tuple[np.ndarray, float]:
     # Wavelengths shorter than original/high_freq_factor are kept, longer than original/low_freq_factor
     # are divided by factor, and those in between are interpolated between the two.
     p = rope.params
@@ -120,7 +123,7 @@ def _yarn_factor(rope: Rope) -> float:
     return rope.params.get("factor") or rope.max_positions / rope.params["original_max_position_embeddings"]
 
 
-def _yarn(rope: Rope, head_dim: int) -> tuple[np.ndarray, float]:
+def _yarn(rope: Rope, head_dim: int, max_seq: int) -> tuple[np.ndarray, float]:
     factor = _yarn_factor(rope)
     low, high = _yarn_correction_range(rope.params, head_dim, rope.theta)
     high = high + 0.001 if low == high else high  # HF: prevents a division by zero
@@ -130,6 +133,24 @@ def _yarn(rope: Rope, head_dim: int) -> tuple[np.ndarray, float]:
     interpolated, extrapolated = 1.0 / (factor * pos_freqs), 1.0 / pos_freqs
     inv_freq = interpolated * (1 - extrapolation) + extrapolated * extrapolation
     return inv_freq, _yarn_attention_factor(rope.params, factor)
+
+
+def _longrope(rope: Rope, head_dim: int, max_seq: int) -> tuple[np.ndarray, float]:
+    # Phi-3's LongRoPE: per-dimension factors dividing the frequencies, a short set for contexts up
+    # to original_max_position_embeddings and a long set beyond. HF switches sets when a call's last
+    # position passes the original length (keys already cached keep their old rotation); static
+    # tables cannot follow that, so the set is chosen once per build by its capacity, as llama.cpp
+    # chooses it by its context size: a bundle within the original length is HF's short-context
+    # model exactly, a longer one is the long-context model from its first token.
+    p = rope.params
+    original = p["original_max_position_embeddings"]
+    factors = np.asarray(p["long_factor"] if max_seq > original else p["short_factor"], np.float32)
+    factor = p.get("factor") or rope.max_positions / original
+    attention = p.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    shape = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+    return 1.0 / (factors * rope.theta ** shape), attention
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,6 +164,7 @@ def _yarn(rope: Rope, head_dim: int) -> tuple[np.ndarray, float]:
 #                    the configured positions land on angles the model has seen
 #   yarn             original_max_position_embeddings × factor: Qwen2.5 enables YaRN (factor 4, original
 #                    32768) on a config whose max_position_embeddings stays 32768
+#   longrope         max_position_embeddings (Phi-3's long-context configs state the extended length there)
 #   dynamic          vLLM would allow × factor too, but HF's dynamic NTK recomputes the frequencies from
 #                    each call's length beyond max_position_embeddings (and the cache keeps keys rotated
 #                    with earlier ones), which no static table reproduces: up to there it is plain RoPE
@@ -158,5 +180,7 @@ SCALINGS: dict[str, Scaling] = {
                       ("factor", "low_freq_factor", "high_freq_factor")),
     "yarn": Scaling(_yarn, lambda r: int(r.params["original_max_position_embeddings"] * _yarn_factor(r)),
                     "original_max_position_embeddings × yarn factor"),
+    "longrope": Scaling(_longrope, lambda r: r.max_positions, "max_position_embeddings",
+                        ("long_factor", "short_factor")),
 }
 

@@ -34,12 +34,30 @@ MAX_HEADER = 100 << 20  # the format's own limit on the JSON header
 
 
 @dataclass(frozen=True, eq=False)
+class Blocks:
+    """A weight kept in the block-quantized form its source stored it in (GGUF's Q8_0 and Q4_0:
+    symmetric blocks of 32 along the input dimension, value = scale × q): q holds the integers
+    (int8, or INT4 for 4 bits) in the tensor's own shape, scale [..] the same shape with the blocked
+    axis divided by `block`. The LazyTensor that carries it loads the dequantized float32 values."""
+
+    q: "LazyTensor"
+    scale: "LazyTensor"
+    axis: int  # the axis cut into blocks (the input dimension)
+    block: int
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.q.dtype == INT4 else 8
+
+
+@dataclass(frozen=True, eq=False)
 class LazyTensor:
     """An array known by shape and dtype, produced by `load()` when its bytes are needed."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
     make: Callable[[], np.ndarray] = field(repr=False)
+    blocks: Blocks | None = field(default=None, repr=False)  # its source's own quantized form, where kept
 
     def load(self) -> np.ndarray:
         array = self.make()
@@ -137,7 +155,8 @@ def _read_tensor(file: Path, offset: int, stored: np.dtype, shape: tuple) -> np.
 
 def transposed(t: LazyTensor) -> LazyTensor:
     assert t.ndim == 2, f"transpose of a {t.ndim}-d tensor"
-    return LazyTensor(t.shape[::-1], t.dtype, lambda: np.ascontiguousarray(t.load().T))
+    blocks = t.blocks and Blocks(transposed(t.blocks.q), transposed(t.blocks.scale), 1 - t.blocks.axis, t.blocks.block)
+    return LazyTensor(t.shape[::-1], t.dtype, lambda: np.ascontiguousarray(t.load().T), blocks)
 
 
 def split_part(t: LazyTensor, parts: int, index: int) -> LazyTensor:
@@ -146,19 +165,46 @@ def split_part(t: LazyTensor, parts: int, index: int) -> LazyTensor:
     return LazyTensor(shape, t.dtype, lambda: np.ascontiguousarray(np.split(t.load(), parts, axis=-1)[index]))
 
 
+def rows(t: LazyTensor, begin: int, end: int) -> LazyTensor:
+    """Rows begin..end of a 2-d tensor (one projection of a fused nn.Linear, stored [out, in]);
+    kept blocks along the other axis stay whole."""
+    blocks = t.blocks
+    if blocks is not None:
+        assert blocks.axis == 1, "rows of a tensor blocked along its rows"
+        blocks = Blocks(rows(blocks.q, begin, end), rows(blocks.scale, begin, end), 1, blocks.block)
+    return LazyTensor((end - begin, *t.shape[1:]), t.dtype, lambda: np.ascontiguousarray(t.load()[begin:end]), blocks)
+
+
+def plus_one(t: LazyTensor) -> LazyTensor:
+    """1 + w, in float32 as Gemma's RMSNorm computes it: the scale an RMSNormalization multiplies by."""
+    return LazyTensor(t.shape, t.dtype, lambda: t.load() + np.float32(1.0))
+
+
 def concatenated(tensors: list, axis: int = -1) -> LazyTensor:
-    """Side by side along `axis` (fused QKV and gate/up projections, their biases)."""
+    """Side by side along `axis` (fused QKV and gate/up projections, their biases); kept blocks
+    stay kept when every part has them along another axis."""
     first = tensors[0]
     axis = axis % first.ndim
     shape = list(first.shape)
     shape[axis] = sum(t.shape[axis] for t in tensors)
-    return LazyTensor(tuple(shape), first.dtype, lambda: np.concatenate([materialize(t) for t in tensors], axis=axis))
+    blocks = None
+    parts = [getattr(t, "blocks", None) for t in tensors]
+    if all(parts) and len({(b.axis, b.block, b.bits) for b in parts}) == 1 and parts[0].axis != axis:
+        blocks = Blocks(concatenated([b.q for b in parts], axis), concatenated([b.scale for b in parts], axis),
+                        parts[0].axis, parts[0].block)
+    return LazyTensor(tuple(shape), first.dtype, lambda: np.concatenate([materialize(t) for t in tensors], axis=axis),
+                      blocks)
 
 
 def columns(t: LazyTensor, ids) -> LazyTensor:
     """The columns `ids` (an index array or a slice) of a 2-d tensor: an LM head cut to a vocabulary."""
     count = len(range(*ids.indices(t.shape[1]))) if isinstance(ids, slice) else len(ids)
-    return LazyTensor((t.shape[0], count), t.dtype, lambda: np.ascontiguousarray(t.load()[:, ids]))
+    blocks = t.blocks
+    if blocks is not None and blocks.axis == 0:
+        blocks = Blocks(columns(blocks.q, ids), columns(blocks.scale, ids), 0, blocks.block)
+    elif blocks is not None:
+        blocks = None  # columns cut through blocks: the float values go on alone
+    return LazyTensor((t.shape[0], count), t.dtype, lambda: np.ascontiguousarray(t.load()[:, ids]), blocks)
 
 
 def cast(t: LazyTensor, dtype) -> LazyTensor:

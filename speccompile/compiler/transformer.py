@@ -22,6 +22,8 @@ the same interface and cache, with each block's attention in ONNX Runtime's fuse
 GroupQueryAttention kernel, which reads the cache in place (see _fused_attention).
 """
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from speccompile.bundle import LOGPROBS, TOP_LOGPROBS, kv_cache_shape
@@ -286,23 +288,52 @@ def _decoder(g: GraphBuilder, spec: ModelSpec, ids: str, past_len: str, max_seq:
     if "pos_embed" in w or not single_sequence:
         positions = g.op("Add", g.op("Unsqueeze", past_len, g.const([1])), _offsets(g, num_tokens, tree, tree_flag))
     x = g.op("Gather", g.weight("embed", w["embed"]), ids)
+    if spec.arch.embed_scale:  # Gemma: sqrt(hidden) rounded to the embedding's dtype, as HF multiplies
+        x = g.op("Mul", x, g.const(np.float32(hp["hidden_size"] ** 0.5), np.float32))
     if "pos_embed" in w:
         x = g.op("Add", x, g.op("Gather", g.weight("pos_embed", w["pos_embed"]), positions))
-    rope = _rope_tables(g, spec, max_seq) if spec.arch.block == "llama" else None
+    layers = _attention_layers(g, spec, max_seq)
     if single_sequence:
         assert not tree_flag, "session graphs choose the attention kernel per call: trees take the standard ops"
-        tree_bias = _tree_bias(g, past_len, num_tokens) if tree else None
-        core = _fused_attention(g, spec, past_len, num_tokens, rope, max_seq, tree_bias)
+        tree_bias = _tree_bias(g, past_len, num_tokens, layers) if tree else None
+        core = _fused_attention(g, spec, past_len, num_tokens, layers, max_seq, tree_bias)
     else:
-        core = _onnx_attention(g, spec, past_len, num_tokens, positions, rope, max_seq, tree, tree_flag)
+        core = _onnx_attention(g, spec, past_len, num_tokens, positions, layers, max_seq, tree, tree_flag)
         if fused_flag is not None and fused_attention_supported(spec):
-            fused = _fused_attention(g, spec, past_len, num_tokens, rope, max_seq)
+            fused = _fused_attention(g, spec, past_len, num_tokens, layers, max_seq)
             core = _either_attention(g, spec, max_seq, fused_flag, fused, core)
     for i in range(hp["num_layers"]):
         g.scope = f"layer{i}/"
         x = _block(g, spec, i, x, core)
     g.scope = ""
     return x
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """What one layer's attention needs beyond its weights: its RoPE tables (cos, sin weight names;
+    None without RoPE) and its sliding window (keys a query sees, its own included; None: all)."""
+
+    rope: tuple[str, str] | None
+    window: int | None
+
+
+def _attention_layers(g, spec, max_seq) -> list[AttentionLayer]:
+    """Per layer; layers of one RoPE setting share one pair of tables (Gemma 3 has two settings)."""
+    hp = spec.hp
+    if hp["layer_ropes"] is None:
+        return [AttentionLayer(None, window) for window in hp["layer_windows"]]
+    distinct = []
+    for rope in hp["layer_ropes"]:
+        if rope not in distinct:
+            distinct.append(rope)
+    tables = []
+    for k, rope in enumerate(distinct):
+        cos, sin = rope_tables(rope, hp["rotary_dim"], max_seq)
+        suffix = "" if k == 0 else f"_{k}"
+        tables.append((g.weight("rope_cos" + suffix, cos), g.weight("rope_sin" + suffix, sin)))
+    return [AttentionLayer(tables[distinct.index(rope)], window)
+            for rope, window in zip(hp["layer_ropes"], hp["layer_windows"])]
 
 
 def _offsets(g, num_tokens, tree: bool, tree_flag: str | None) -> str:
@@ -326,10 +357,13 @@ def _either(g, flag: str, label: str, then, otherwise, elem_type) -> str:
     return g.op("If", flag, then_branch=branches[0], else_branch=branches[1])
 
 
-def _attention_mask(g, past_len, num_tokens, positions, tree: bool = False, tree_flag: str | None = None):
+def _attention_mask(g, past_len, num_tokens, positions, tree: bool = False, tree_flag: str | None = None,
+                    windows=()) -> tuple[str, dict]:
     """Keys read: positions [0, max(past_len)+T). Query at position p sees key j iff j <= p; a tree's
     node i sees the cached prefix and, of the tree (written at past_len..past_len+T-1 in node order),
-    its ancestors and itself."""
+    its ancestors and itself. Returns the keys' count and {window: mask} for each of `windows`
+    (None: no window): a sliding window of W also hides keys j <= p - W (HF's sliding overlay).
+    A tree's keys sit at cache slots past positions, never further back, so the rule holds there."""
     kv_len = g.op("Add", g.op("ReduceMax", past_len, keepdims=1), g.op("Unsqueeze", num_tokens, g.const([0])))
     key_pos = g.op("Range", g.const(0), g.op("Squeeze", kv_len, g.const([0])), g.const(1))  # [L]
 
@@ -352,21 +386,47 @@ def _attention_mask(g, past_len, num_tokens, positions, tree: bool = False, tree
         visible = _either(g, tree_flag, "mask", token_tree, sequence, BOOL)
     else:
         visible = sequence(g)
-    return kv_len, g.op("Unsqueeze", visible, g.const([1]))  # [B, 1, T, L]: the same for every head
+    masks = {}
+    for window in windows:
+        mask = visible
+        if window is not None:
+            oldest = g.op("Sub", g.op("Unsqueeze", positions, g.const([2])), g.const(window))  # [B, T, 1]
+            mask = g.op("And", visible, g.op("Greater", key_pos, oldest))
+        masks[window] = g.op("Unsqueeze", mask, g.const([1]))  # [B, 1, T, L]: the same for every head
+    return kv_len, masks
 
 
 def _block(g, spec, i, x, core):
     """One block. `core(b, i, qkv)` is attention after the fused QKV projection, emitted into builder
-    b; the projections stay in the caller's graph (a session graph's weights must not sit in a branch)."""
+    b; the projections stay in the caller's graph (a session graph's weights must not sit in a branch).
+    With sandwich norms (Gemma 3), the attention's and the MLP's outputs are normed before each add."""
     p = f"layers.{i}."
     h = _norm(g, spec, x, p + "attn_norm")
     qkv = _linear(g, spec, h, p + "qkv", parts=(p + "q", p + "k", p + "v"))  # [B, T, (Hq+2Hkv)*D]
-    x = g.op("Add", x, _linear(g, spec, core(g, i, qkv), p + "o"))
-    h = _norm(g, spec, x, p + "mlp_norm")
-    return g.op("Add", x, _mlp(g, spec, p, h))
+    if spec.arch.qk_norm:
+        qkv = _qk_normed(g, spec, i, qkv)
+    attention = _linear(g, spec, core(g, i, qkv), p + "o")
+    if spec.arch.sandwich_norms:
+        attention = _norm(g, spec, attention, p + "attn_out_norm")
+    x = g.op("Add", x, attention)
+    mlp = _mlp(g, spec, p, _norm(g, spec, x, p + "mlp_norm"))
+    if spec.arch.sandwich_norms:
+        mlp = _norm(g, spec, mlp, p + "mlp_out_norm")
+    return g.op("Add", x, mlp)
 
 
-def _onnx_attention(g, spec, past_len, num_tokens, positions, rope, max_seq, tree=False, tree_flag=None):
+def _qk_normed(g, spec, i, qkv):
+    """RMSNorm over each head of q and of k (Qwen3, Gemma 3), before RoPE; v untouched. On the packed
+    projection [B, T, (Hq+2Hkv)*D], so both attention kernels take it as before."""
+    hp = spec.hp
+    heads, kv_heads, head_dim = hp["num_heads"], hp["num_kv_heads"], hp["head_dim"]
+    split = g.op("Reshape", qkv, g.const([0, 0, heads + 2 * kv_heads, head_dim]))
+    q, k, v = g.op("Split", split, g.const([heads, kv_heads, kv_heads]), axis=2, outputs=3)
+    q, k = _norm(g, spec, q, f"layers.{i}.q_norm"), _norm(g, spec, k, f"layers.{i}.k_norm")
+    return g.op("Reshape", g.op("Concat", q, k, v, axis=2), g.const([0, 0, -1]))
+
+
+def _onnx_attention(g, spec, past_len, num_tokens, positions, layers, max_seq, tree=False, tree_flag=None):
     """Standard ONNX ops, any batch: RoPE, the cache write, and ONNX Attention (GQA from the shapes),
     after one fused QKV projection.
 
@@ -375,17 +435,20 @@ def _onnx_attention(g, spec, past_len, num_tokens, positions, rope, max_seq, tre
     """
     hp = spec.hp
     heads, kv_heads, head_dim = hp["num_heads"], hp["num_kv_heads"], hp["head_dim"]
-    kv_len, mask = _attention_mask(g, past_len, num_tokens, positions, tree, tree_flag)
+    windows = sorted({layer.window for layer in layers}, key=lambda w: w or 0)
+    kv_len, masks = _attention_mask(g, past_len, num_tokens, positions, tree, tree_flag, windows)
+    rotary = {} if hp["rotary_dim"] in (None, head_dim) else {"rotary_embedding_dim": hp["rotary_dim"]}
 
     def core(b, i, qkv):
+        layer = layers[i]
         qkv = b.op("Reshape", qkv, b.const([0, 0, heads + 2 * kv_heads, head_dim]))
         qkv = b.op("Transpose", qkv, perm=[0, 2, 1, 3])  # [B, Hq+2Hkv, T, D]
         q, k, v = b.op("Split", qkv, b.const([heads, kv_heads, kv_heads]), axis=1, outputs=3)
-        if rope is not None:
-            q, k = (b.op("RotaryEmbedding", t, *rope, positions) for t in (q, k))
+        if layer.rope is not None:
+            q, k = (b.op("RotaryEmbedding", t, *layer.rope, positions, **rotary) for t in (q, k))
         keys = _write_cache(b, f"key.{i}", k, past_len, spec, max_seq, kv_len)
         values = _write_cache(b, f"value.{i}", v, past_len, spec, max_seq, kv_len)
-        context = b.op("Attention", q, keys, values, mask, scale=float(hp["attn_scale"]))  # [B, Hq, T, D]
+        context = b.op("Attention", q, keys, values, masks[layer.window], scale=float(hp["attn_scale"]))
         context = b.op("Transpose", context, perm=[0, 2, 1, 3])
         return b.op("Reshape", context, b.const([0, 0, heads * head_dim]))
 
@@ -395,21 +458,26 @@ def _onnx_attention(g, spec, past_len, num_tokens, positions, rope, max_seq, tre
 def fused_attention_supported(spec: ModelSpec) -> bool:
     """What ONNX Runtime's GroupQueryAttention CPU kernel accepts (it checks at run time, not load)."""
     hp = spec.hp
-    return hp["head_dim"] % 16 == 0 and hp["num_heads"] % hp["num_kv_heads"] == 0
+    # partial rotary: the kernel turns the first 2 × (cos table width) dimensions, a width it takes in multiples of 8
+    partial = hp["rotary_dim"] not in (None, hp["head_dim"])
+    rotary_ok = not partial or (hp["rotary_dim"] // 2) % 8 == 0
+    return hp["head_dim"] % 16 == 0 and hp["num_heads"] % hp["num_kv_heads"] == 0 and rotary_ok
 
 
-def _tree_bias(g, past_len, num_tokens) -> tuple[str, str]:
-    """A tree for the fused kernel (one sequence): (position_ids [1, T]: past_len + depth, attention
-    bias [1, 1, T, past_len + T]: 0 where a node sees a key, the float minimum elsewhere). The kernel
-    stays causal; a node's ancestors precede it, so the bias only hides the other earlier nodes."""
+def _tree_bias(g, past_len, num_tokens, layers) -> tuple[str, dict]:
+    """A tree for the fused kernel (one sequence): (position_ids [1, T]: past_len + depth, {window:
+    attention bias [1, 1, T, past_len + T]}: 0 where a node sees a key, the float minimum elsewhere).
+    The kernel stays causal; a node's ancestors precede it, so the bias only hides the other earlier
+    nodes, and the keys beyond a layer's window."""
     depths = g.input("tree_depths", INT64, ["tree_nodes"])
     positions = g.op("Add", g.op("Unsqueeze", past_len, g.const([1])), depths)  # [1, T]
-    _, visible = _attention_mask(g, past_len, num_tokens, positions, tree=True)  # [1, 1, T, L]
-    bias = g.op("Where", visible, g.const(0.0, np.float32), g.const(float(np.finfo(np.float32).min), np.float32))
-    return positions, bias
+    windows = sorted({layer.window for layer in layers}, key=lambda w: w or 0)
+    _, masks = _attention_mask(g, past_len, num_tokens, positions, tree=True, windows=windows)  # [1, 1, T, L]
+    hidden = g.const(float(np.finfo(np.float32).min), np.float32)
+    return positions, {window: g.op("Where", mask, g.const(0.0, np.float32), hidden) for window, mask in masks.items()}
 
 
-def _fused_attention(g, spec, past_len, num_tokens, rope, max_seq, tree_bias: tuple[str, str] | None = None):
+def _fused_attention(g, spec, past_len, num_tokens, layers, max_seq, tree_bias: tuple[str, dict] | None = None):
     """ONNX Runtime's GroupQueryAttention (com.microsoft), one sequence: RoPE, the in-place cache
     write and attention in one kernel over the packed QKV projection.
 
@@ -418,6 +486,8 @@ def _fused_attention(g, spec, past_len, num_tokens, rope, max_seq, tree_bias: tu
     the cache where it lies, and the block shrinks from 14 nodes to 3. Why one sequence: with a
     past, ONNX Runtime's kernel takes several new tokens per call only at batch 1 (verification and
     draft catch-up need several). ONNX Runtime only: TensorRT builds from the standard graphs.
+    A sliding window is the kernel's local_window_size (keys a query sees, its own included, as HF counts),
+    or for a tree part of the bias.
     """
     hp = spec.hp
     total = g.op("Add", past_len, g.op("Unsqueeze", num_tokens, g.const([0])))  # [1]: every token is real at batch 1
@@ -427,13 +497,21 @@ def _fused_attention(g, spec, past_len, num_tokens, rope, max_seq, tree_bias: tu
     shape = cache_shape(spec, max_seq)
 
     def core(b, i, qkv):
+        layer = layers[i]
         past_key, past_value = b.input(f"past_key.{i}", FLOAT, shape), b.input(f"past_value.{i}", FLOAT, shape)
         outputs = [f"{b.scope}GroupQueryAttention/out", f"present_key.{i}", f"present_value.{i}"]
+        window = {}
+        if tree_bias is not None:
+            extra = (tree_bias[0], tree_bias[1][layer.window])
+        else:
+            extra = ()
+            if layer.window is not None:
+                window = {"local_window_size": layer.window}
         context, present_key, present_value = b.op(
-            "GroupQueryAttention", qkv, "", "", past_key, past_value, seqlens_k, total_len, *(rope or ("", "")),
-            *(tree_bias or ()),
+            "GroupQueryAttention", qkv, "", "", past_key, past_value, seqlens_k, total_len, *(layer.rope or ("", "")),
+            *extra,
             domain=ORT_DOMAIN, outputs=3, out=outputs, num_heads=hp["num_heads"], kv_num_heads=hp["num_kv_heads"],
-            scale=float(hp["attn_scale"]), do_rotary=int(rope is not None), rotary_interleaved=0)
+            scale=float(hp["attn_scale"]), do_rotary=int(layer.rope is not None), rotary_interleaved=0, **window)
         for present, name in ((present_key, f"present_key.{i}"), (present_value, f"present_value.{i}")):
             b.output(present, name, FLOAT, shape)
         return context  # [1, T, Hq*D] already
@@ -485,14 +563,9 @@ def rope_tables(rope: Rope, head_dim: int, max_seq: int) -> tuple[np.ndarray, np
     HF's x*cos + rotate_half(x)*sin with cos/sin repeated over both halves. Both are linear in cos and
     sin, so HF's scaling of cos and sin (YaRN's mscale) can live in the tables.
     """
-    inv_freq, attention = inverse_frequencies(rope, head_dim)
+    inv_freq, attention = inverse_frequencies(rope, head_dim, max_seq)
     freqs = np.arange(max_seq, dtype=np.float32)[:, None] * inv_freq[None, :]
     return (np.cos(freqs) * attention).astype(np.float32), (np.sin(freqs) * attention).astype(np.float32)
-
-
-def _rope_tables(g, spec, max_seq):
-    cos, sin = rope_tables(spec.hp["rope"], spec.hp["head_dim"], max_seq)
-    return g.weight("rope_cos", cos), g.weight("rope_sin", sin)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,10 +597,14 @@ def _norm(g, spec, x, prefix):
 
 
 def _mlp(g, spec, p, h):
-    if spec.arch.block == "llama":  # down(silu(gate(h)) * up(h))
+    if spec.arch.block == "llama":  # down(act(gate(h)) * up(h)), act SiLU or (Gemma) GELU-tanh
         gate_up = _linear(g, spec, h, p + "gate_up", parts=(p + "gate", p + "up"))
         gate, up = g.op("Split", gate_up, axis=-1, num_outputs=2, outputs=2)
-        return _linear(g, spec, g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up), p + "down")
+        if spec.hp["activation"] == "gelu_pytorch_tanh":
+            gate = _gelu_tanh(g, gate)
+        else:
+            gate = g.op("Mul", gate, g.op("Sigmoid", gate))
+        return _linear(g, spec, g.op("Mul", gate, up), p + "down")
     return _linear(g, spec, _gelu_tanh(g, _linear(g, spec, h, p + "up")), p + "down")
 
 

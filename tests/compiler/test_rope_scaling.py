@@ -63,6 +63,12 @@ VARIANTS = {
                               "attention_factor": 0.9},
     "llama3 long": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 2.0, "high_freq_factor": 16.0,
                     "original_max_position_embeddings": 64},
+    # Phi-3's: within the original context, the short factors (the tables' MAX_SEQ is the original's 64)
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": MAX_SEQ,
+                 "short_factor": [1.0, 1.0, 1.1, 1.2, 1.5, 2.0, 3.0, 4.0],
+                 "long_factor": [1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 21.0, 34.0]},
+    "longrope attention_factor": {"rope_type": "longrope", "original_max_position_embeddings": 256,
+                                  "attention_factor": 1.5, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8},
 }
 
 
@@ -117,6 +123,34 @@ def test_tables_are_transformers_rotary_embedding(variant, tmp_path):
     assert np.array_equal(cos, plain_cos) == (params["rope_type"] in ("default", "dynamic"))
 
 
+def test_longrope_takes_its_long_factors_when_the_cache_outgrows_the_original_context(tmp_path):
+    """A build longer than original_max_position_embeddings uses the long factors: HF's frequencies
+    for a call that reaches past the original length."""
+    params = VARIANTS["longrope"]
+    rope = our_rope(tmp_path, params)
+    long, attention = ROPE_INIT_FUNCTIONS["longrope"](hf_config(params), seq_len=MAX_SEQ + 1)
+    for max_seq, expected in ((MAX_SEQ, hf_frequencies(hf_config(params))[0]), (MAX_SEQ + 1, long.numpy())):
+        ours, our_attention = inverse_frequencies(rope, HEAD_DIM, max_seq)
+        np.testing.assert_array_max_ulp(ours, expected, maxulp=1)
+        assert our_attention == pytest.approx(attention, rel=1e-12) and attention > 1
+
+
+def test_phi3_long_context_generation_matches_hf_past_the_original_length(tmp_path, tokenizer):
+    """A Phi-3 whose original context (32) is shorter than the build's cache (64) and the prompt (40):
+    HF takes the long factors from the prefill on, and so do the bundle's tables (partial rotary too)."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0] * 24, "long_factor": [1.0 + j for j in range(24)]}
+    ckpt = make_checkpoint(tmp_path / "ckpt", "phi3", tokenizer=tokenizer, rope_parameters=rope,
+                           original_max_position_embeddings=32)
+    bundle = build_bundle(ckpt, ckpt, tmp_path / "bundle", gammas=[2], max_seq=MAX_SEQ, max_batch=2,
+                          draft_weights="float32")
+    assert load_checkpoint(ckpt).hp["rotary_dim"] == 48
+    expected = hf_greedy(ckpt, PROMPT, 16)
+    runtime = speccompile.load(bundle)
+    assert runtime.generate([PROMPT], max_new_tokens=16, gamma=2)[0].token_ids == expected
+    assert [r.token_ids for r in runtime.generate([PROMPT, PROMPT], max_new_tokens=16, gamma=2)] == [expected] * 2
+
+
 def test_dynamic_ntk_is_plain_rope_up_to_max_position_embeddings_and_not_beyond():
     """Why --max-seq stops at max_position_embeddings for dynamic NTK: HF switches to other frequencies
     as soon as a call reaches past it, and which ones depends on that call's length."""
@@ -139,8 +173,10 @@ def test_older_style_rope_scaling_with_legacy_type_and_top_level_theta(tmp_path)
 
 
 def test_unknown_rope_type_is_refused_naming_the_supported_ones(tmp_path):
-    with pytest.raises(SpecCompileError, match="rope scaling 'longrope' is not supported "
-                                               r"\(supported: default, linear, dynamic, llama3, yarn\)"):
+    with pytest.raises(SpecCompileError, match="rope scaling 'mrope' is not supported "
+                                               r"\(supported: default, linear, dynamic, llama3, yarn, longrope\)"):
+        rope_of_config(tmp_path, {"rope_scaling": {"rope_type": "mrope", "mrope_section": [2, 3, 3]}})
+    with pytest.raises(SpecCompileError, match="'longrope' needs long_factor"):
         rope_of_config(tmp_path, {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8}})
     with pytest.raises(SpecCompileError, match="'llama3' needs low_freq_factor, high_freq_factor"):
         rope_of_config(tmp_path, {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
