@@ -60,9 +60,11 @@ def main():
 
 
 @main.command()
-@click.option("--target", "target_dir", required=True, type=click.Path(), help="Target HF checkpoint directory.")
+@click.option("--target", "target_dir", required=True, type=click.Path(),
+              help="Target: an HF checkpoint directory or a .gguf file.")
 @click.option("--draft", "draft_dir", default=None, type=click.Path(),
-              help="Draft HF checkpoint directory (without one, a draft-free bundle: prompt lookup proposes).")
+              help="Draft: an HF checkpoint directory or a .gguf file (without one, a draft-free bundle: "
+                   "prompt lookup proposes).")
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="Bundle directory to write.")
 @click.option("--gamma", "gammas", type=int, multiple=True, default=(4,), show_default=True,
               help="Draft tokens per verification; repeat to compile several.")

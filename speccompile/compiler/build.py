@@ -69,7 +69,7 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
 
     progress.step("load target")
     target = load_checkpoint(target_dir)
-    target_tok = load_tokenizer(target.path)
+    target_tok = load_tokenizer(target.files)
     progress.step("load draft")
     if draft_dir is not None and medusa_dir is not None:
         raise SpecCompileError("--medusa heads propose instead of a draft model: pass --draft or --medusa, not both")
@@ -81,7 +81,7 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
                     + ("its Medusa heads" if medusa else "prompt lookup"))
         vocab_out = check_compatible(target, target, target_tok, None)
     else:
-        draft_tok = load_tokenizer(draft.path, required=False)
+        draft_tok = load_tokenizer(draft.files, required=False)
         if draft_tok is None:
             logger.warning(f"{draft.path} has no tokenizer; assuming the target's")
         vocab_out = check_compatible(target, draft, target_tok, draft_tok)
@@ -184,7 +184,7 @@ def _draft_vocab_ids(draft: ModelSpec, size: int, corpus, vocab_out: int, eos_id
         logger.info(f"  counting tokens of {corpus} for the draft vocabulary")
         counts = corpus_frequencies(corpus, tokenizer, vocab_out)
     else:
-        counts = read_frequencies(draft.path)
+        counts = read_frequencies(draft.files)
         if counts is None:
             raise SpecCompileError(f"--draft-vocab needs token frequencies: {draft.path} has no {FREQUENCIES_FILE} "
                                    f"(speccompile distill writes it); pass --draft-vocab-corpus PATH to count them")
@@ -342,6 +342,8 @@ def _model_entry(spec: ModelSpec, weight_file: WeightFile, matmul_weights: str, 
     hp = spec.hp
     return {
         "source": str(spec.path.resolve()),
+        # safetensors, or a GGUF's formats: which were kept as blocks and which dequantized
+        "source_format": {"format": spec.source.format, "kept": spec.source.kept, "converted": spec.source.converted},
         "model_type": spec.model_type,
         "num_params": spec.num_params,
         "num_layers": hp["num_layers"],

@@ -1,13 +1,19 @@
-"""Read a local Hugging Face checkpoint (config.json + safetensors) into the canonical layout.
+"""Read a local Hugging Face checkpoint (config.json + safetensors) or a GGUF file into the
+canonical layout.
 
-Only safetensors are read (never pickle), and nothing is fetched or executed from the checkpoint.
-Weights stay on disk as lazy tensors (see tensors.py) until the bundle writer needs their bytes:
-loading a checkpoint reads its config and the shards' headers only.
+Only safetensors and GGUF are read (never pickle), and nothing is fetched or executed from the
+checkpoint. Weights stay on disk as lazy tensors (see tensors.py) until the bundle writer needs
+their bytes: loading a checkpoint reads its config and the shards' headers only. A GGUF file is
+read as the Hugging Face checkpoint it was converted from (gguf.py): the same config keys, tensor
+names and values, with its Q8_0 and Q4_0 blocks kept beside the values.
 """
 
+import collections
 import json
+import logging
 import math
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from speccompile.compiler.architectures import ACTIVATIONS, ARCHITECTURES, Architecture
@@ -23,6 +29,28 @@ from speccompile.compiler.tensors import (
 from speccompile.errors import SpecCompileError, read_json_object
 
 
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Source:
+    """What a model was read from: "safetensors" or "gguf", and for a GGUF the tensors' formats, by
+    what the build does with them (kept: Q8_0/Q4_0 blocks compiled as they are; converted: the rest,
+    dequantized to float32 and stored at the build's --*-weights)."""
+
+    format: str
+    kept: dict[str, int] = field(default_factory=dict)  # GGUF type name -> tensors
+    converted: dict[str, int] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        if self.format != "gguf":
+            return self.format
+        parts = [f"{n} {t}" for t, n in sorted(self.kept.items())]
+        kept = f"kept {', '.join(parts)}" if parts else "nothing kept"
+        moved = ", ".join(f"{n} {t}" for t, n in sorted(self.converted.items()))
+        return f"gguf: {kept}; dequantized {moved or 'nothing'}"
+
+
 @dataclass
 class ModelSpec:
     """A checkpoint reduced to what the graph builder needs."""
@@ -33,6 +61,14 @@ class ModelSpec:
     hp: dict  # canonical hyper-parameters (see _hyper_parameters)
     config: dict  # the checkpoint's config.json, kept verbatim for the manifest
     weights: dict[str, LazyTensor]  # canonical name -> fp32 tensor, read from the checkpoint when loaded
+    # where the tokenizer, generation_config.json and token frequencies are: the checkpoint directory,
+    # or for a GGUF a temporary one written from the file's metadata (held open by `_keep`)
+    files: Path = None
+    source: Source = field(default_factory=lambda: Source("safetensors"))
+    _keep: object = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self.files = self.files or self.path
 
     @property
     def num_params(self) -> int:
@@ -41,17 +77,57 @@ class ModelSpec:
 
 
 def load_checkpoint(path) -> ModelSpec:
+    """A checkpoint directory, or a .gguf file."""
     path = Path(path)
+    if path.is_file() and is_gguf(path):
+        return _load_gguf(path)
     config = _read_config(path)
+    arch = _architecture(path, config)
+    hp = _hyper_parameters(path, config, arch)
+    tensors = _read_safetensors(path)
+    weights = _canonical_weights(path, tensors, arch, hp)
+    return ModelSpec(path, config["model_type"], arch, hp, config, weights)
+
+
+def _architecture(path: Path, config: dict) -> Architecture:
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
         supported = ", ".join(sorted(ARCHITECTURES))
         raise SpecCompileError(f"{path}: unsupported model_type {model_type!r} (supported: {supported})")
-    arch = ARCHITECTURES[model_type]
+    return ARCHITECTURES[model_type]
+
+
+def _load_gguf(path: Path) -> ModelSpec:
+    """A GGUF file as the Hugging Face checkpoint it holds; its tokenizer, chat template and EOS ids
+    are written as Hugging Face files into a temporary directory the spec keeps."""
+    from speccompile.compiler.gguf import gguf_checkpoint
+
+    checkpoint = gguf_checkpoint(path)
+    config = checkpoint.config
+    arch = _architecture(path, config)
     hp = _hyper_parameters(path, config, arch)
-    tensors = _read_safetensors(path)
-    weights = _canonical_weights(path, tensors, arch, hp)
-    return ModelSpec(path, model_type, arch, hp, config, weights)
+    weights = _canonical_weights(path, checkpoint.tensors, arch, hp)
+    files = tempfile.TemporaryDirectory(prefix="speccompile-gguf-")
+    checkpoint.save_tokenizer(Path(files.name))
+    generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": checkpoint.eos_token_ids}
+    (Path(files.name) / "generation_config.json").write_text(json.dumps(generation))
+    source = _gguf_source(checkpoint.formats, checkpoint.tensors)
+    logger.info(f"  {path.name}: {config['model_type']}, {source.describe()}")
+    return ModelSpec(path, config["model_type"], arch, hp, config, weights, Path(files.name), source, files)
+
+
+def _gguf_source(formats: dict[str, str], tensors: dict[str, LazyTensor]) -> Source:
+    kept, converted = collections.Counter(), collections.Counter()
+    for name, kind in formats.items():
+        if kind in ("F32",):
+            continue
+        (kept if tensors[name].blocks is not None else converted)[kind] += 1
+    return Source("gguf", dict(kept), dict(converted))
+
+
+def is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def check_max_seq(spec: ModelSpec, max_seq: int) -> None:

@@ -11,6 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from speccompile.compiler.tensors import (
     BFLOAT16,
+    Blocks,
     INT4,
     LazyTensor,
     cast,
@@ -64,6 +65,7 @@ class GraphBuilder:
         self.scope = ""
         self._count = 0
         self._renames: dict[str, str] = {}  # node output -> graph output name (see output())
+        self.kept: list[str] = []  # matmul weights kept in their source's blocks (_kept_blocks)
 
     # -- tensors ------------------------------------------------------------------------------
     def input(self, name: str, elem_type: int, shape: list) -> str:
@@ -105,6 +107,9 @@ class GraphBuilder:
         A graph built with quantized_kernel="MatMulNBits" (session graphs) runs both on MatMulNBits
         directly, with the same numbers (_matmul_nbits).
         """
+        blocks = getattr(weight, "blocks", None)
+        if blocks is not None and blocks.axis == 0:
+            return self._kept_blocks(x, name, blocks)
         stored = self.matmul_weights
         if stored == "float32":
             return self.op("MatMul", x, self.weight(name, weight))
@@ -128,6 +133,18 @@ class GraphBuilder:
             return self._matmul_nbits(x, name, quantized, scale, block)
         dequantized = self.op("DequantizeLinear", self.weight(name + "_q", quantized),
                               self.weight(name + "_scale", scale), axis=axis, **attrs)
+        return self.op("MatMul", x, dequantized)
+
+    def _kept_blocks(self, x: str, name: str, blocks: Blocks) -> str:
+        """A weight kept in its source's own blocks (GGUF Q8_0 / Q4_0: symmetric, 32 along K): the
+        same integers and scales whatever `matmul_weights` says, so the graph computes with the
+        file's numbers. Blocked DequantizeLinear feeding the MatMul (ONNX Runtime fuses it), or
+        MatMulNBits directly where the graph runs it."""
+        self.kept.append(name)
+        if self.quantized_kernel == "MatMulNBits":
+            return self._matmul_nbits(x, name, blocks.q, blocks.scale, blocks.block)
+        dequantized = self.op("DequantizeLinear", self.weight(name + "_q", blocks.q),
+                              self.weight(name + "_scale", blocks.scale), axis=0, block_size=blocks.block)
         return self.op("MatMul", x, dequantized)
 
     def _matmul_nbits(self, x: str, name: str, quantized: LazyTensor, scale: LazyTensor, block: int) -> str:

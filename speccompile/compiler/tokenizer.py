@@ -38,7 +38,7 @@ def check_compatible(target: ModelSpec, draft: ModelSpec, target_tok, draft_tok)
     as both cover every id the tokenizer can produce: logits are cut to the smaller matrix.
     """
     if draft_tok is not None:
-        _compare_identity(_identity(target.path, target_tok), _identity(draft.path, draft_tok))
+        _compare_identity(_identity(target.files, target_tok), _identity(draft.files, draft_tok))
         _compare_special_tokens(target_tok, draft_tok)
     vocab_out = min(target.hp["vocab_size"], draft.hp["vocab_size"])
     if len(target_tok) > vocab_out:
@@ -96,7 +96,7 @@ def _compare_special_tokens(target_tok, draft_tok) -> None:
 
 def eos_token_ids(spec: ModelSpec, tokenizer) -> list[int]:
     """EOS ids as HF generate would use them: generation_config.json, then config.json, then tokenizer."""
-    for source in (spec.path / "generation_config.json",):
+    for source in (spec.files / "generation_config.json",):
         if source.is_file():
             value = json.loads(source.read_text()).get("eos_token_id")
             if value is not None:

@@ -18,7 +18,8 @@ def describe(bundle: Bundle) -> dict:
         "max_seq": m["max_seq"],
         "max_batch": m["max_batch"],
         "vocab_size": m["vocab_size"],
-        "models": {role: {k: info[k] for k in MODEL_KEYS} for role, info in m["models"].items()},
+        "models": {role: {**{k: info[k] for k in MODEL_KEYS}, "source_format": info.get("source_format")}
+                   for role, info in m["models"].items()},
         "graphs": {name: _graph(g) for name, g in m["graphs"].items()},
         "engines": m.get("engines", {}),
         "memory": memory(bundle),
@@ -56,6 +57,15 @@ def memory(bundle: Bundle) -> dict:
     return out
 
 
+def _source(source: dict | None) -> str:
+    """", from GGUF: kept 12 Q8_0; dequantized 30 Q4_K" for a GGUF source; nothing for safetensors."""
+    if not source or source["format"] != "gguf":
+        return ""
+    kept = ", ".join(f"{n} {kind}" for kind, n in sorted(source["kept"].items())) or "nothing"
+    converted = ", ".join(f"{n} {kind}" for kind, n in sorted(source["converted"].items())) or "nothing"
+    return f"; from GGUF: kept {kept} as blocks, dequantized {converted}"
+
+
 def render(info: dict) -> str:
     lines = [f"bundle {info['path']}  ({info['size_mb']} MB, format {info['format_version']})",
              f"γ {info['gammas']}  max_seq {info['max_seq']}  max_batch {info['max_batch']}  "
@@ -63,7 +73,7 @@ def render(info: dict) -> str:
     for role, model in info["models"].items():
         lines.append(f"{role}: {model['model_type']}, {model['num_params'] / 1e6:.2f}M params, "
                      f"{model['num_layers']} layers, hidden {model['hidden_size']}, {model['num_heads']} heads / "
-                     f"{model['num_kv_heads']} KV heads")
+                     f"{model['num_kv_heads']} KV heads{_source(model['source_format'])}")
     for role, mem in info["memory"].items():
         folded = ", float32 in memory" if mem["matmul_weights"] in ("float16", "bfloat16") else ""
         lines.append(f"{role} memory: weights {mem['weights_bytes'] / 1e6:.1f} MB "

@@ -126,6 +126,9 @@ def draft_config(target_config, model_type: str, o: DistillOptions):
     for ours, value in sizes.items():
         if ours in fields:
             setattr(config, fields[ours], value)
+    types = getattr(config, "layer_types", None)
+    if types:  # one per layer (Gemma 3's sliding and global ones): the target's pattern, cut or repeated
+        config.layer_types = [types[i % len(types)] for i in range(o.layers)]
     return config
 
 

@@ -85,3 +85,40 @@ def test_unsupported_rope_scaling_is_refused_clearly(tmp_path, checkpoints):
     (dst / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpecCompileError, match=r"rope scaling 'mrope' is not supported \(supported: default, "):
         load_checkpoint(dst)
+
+
+def test_gemma3_config_as_the_hub_stores_it_reads_as_transformers_5_writes_it(tmp_path, checkpoints):
+    """The Hub's Gemma 3 configs give rope_theta, rope_local_base_freq, rope_scaling and a
+    sliding_window_pattern; transformers 5 writes rope_parameters per layer type and layer_types.
+    Both read to the same layers, and transformers itself reads the older one to the same model."""
+    import shutil
+
+    src = checkpoints("gemma3")
+    dst = shutil.copytree(src, tmp_path / "hub")
+    config = json.loads((dst / "config.json").read_text())
+    ropes = config.pop("rope_parameters")
+    config.pop("layer_types")
+    config.update(rope_theta=ropes["full_attention"]["rope_theta"],
+                  rope_local_base_freq=ropes["sliding_attention"]["rope_theta"],
+                  rope_scaling={"rope_type": "linear", "factor": ropes["full_attention"]["factor"]},
+                  sliding_window_pattern=2)  # layer 0 sliding, layer 1 global
+    (dst / "config.json").write_text(json.dumps(config))
+    ours, theirs = load_checkpoint(dst).hp, load_checkpoint(src).hp
+    for key in ("layer_ropes", "layer_windows", "rope", "rotary_dim", "attn_scale"):
+        assert ours[key] == theirs[key], key
+    assert ours["layer_windows"] == [8, None]
+    assert ours["layer_ropes"][0].theta == 10000.0 and ours["layer_ropes"][1].rope_type == "linear"
+    assert transformers.AutoConfig.from_pretrained(dst).layer_types == ["sliding_attention", "full_attention"]
+
+
+@pytest.mark.parametrize("key, value", [("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
+                                        ("use_bidirectional_attention", True)])
+def test_gemma_switches_the_graphs_do_not_implement_are_refused(key, value, tmp_path, checkpoints):
+    import shutil
+
+    dst = shutil.copytree(checkpoints("gemma3"), tmp_path / "c")
+    config = json.loads((dst / "config.json").read_text())
+    config[key] = value
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecCompileError, match=f"{key} is not supported"):
+        load_checkpoint(dst)

@@ -144,3 +144,41 @@ def test_int4_needs_whole_blocks_along_k():
 
     with pytest.raises(SpecCompileError, match="blocks of 16 or more"):
         GraphBuilder("m", "int4").matmul("x", "w", np.ones((40, 8), np.float32))
+
+
+def kept_weight(bits: int, k: int = 64, n: int = 24, seed: int = 5):
+    """A [K, N] weight as a GGUF Q8_0 / Q4_0 tensor holds it (after transposition): integers and one
+    float16-exact scale per 32 values along K."""
+    from speccompile.compiler.tensors import INT4, Blocks, LazyTensor
+
+    rng = np.random.default_rng(seed)
+    low, high = (-127, 128) if bits == 8 else (-8, 8)
+    q = rng.integers(low, high, (k, n)).astype(np.int8)
+    scale = rng.uniform(0.001, 0.05, (k // 32, n)).astype(np.float16).astype(np.float32)
+    values = (q.astype(np.float32) * np.repeat(scale, 32, axis=0)).astype(np.float32)
+    q_lazy = LazyTensor(q.shape, INT4 if bits == 4 else np.dtype(np.int8), lambda: q.astype(INT4) if bits == 4 else q)
+    blocks = Blocks(q_lazy, LazyTensor(scale.shape, np.dtype(np.float32), lambda: scale), axis=0, block=32)
+    return LazyTensor(values.shape, np.dtype(np.float32), lambda: values, blocks), q, scale, values
+
+
+@pytest.mark.parametrize("kernel", ["DequantizeLinear", "MatMulNBits"])
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("matmul_weights", ["float32", "int8"])
+def test_kept_blocks_are_stored_as_given_whatever_the_graph_precision(tmp_path, bits, kernel, matmul_weights):
+    """A weight with its source's blocks (GGUF Q8_0 / Q4_0) keeps its integers and scales: the graph
+    stores them (not a requantization at `matmul_weights`) and computes x @ (scale × q)."""
+    weight, q, scale, values = kept_weight(bits)
+    x = np.random.default_rng(6).standard_normal((3, 64)).astype(np.float32)
+    g = GraphBuilder("m", matmul_weights, kernel)
+    g.matmul("x", "w", weight)
+    assert g.kept == ["w"]
+    stored = {name: np.asarray(w) for name, w in g.weights.items()}
+    if kernel == "DequantizeLinear":
+        np.testing.assert_array_equal(stored["w_q"].astype(np.int8), q)
+        np.testing.assert_array_equal(stored["w_scale"], scale)
+    else:
+        np.testing.assert_array_equal(stored["w_nbits_scale"], scale.T.ravel())
+    y = run_matmul(weight, x, matmul_weights, tmp_path, kernel)
+    exact = x @ values
+    # MatMulNBits rounds activations to int8 per block (accuracy level 4), as llama.cpp's CPU dot products do
+    assert np.abs(y - exact).max() < 0.02 * np.abs(exact).max()
