@@ -28,7 +28,6 @@ from speccompile.compiler.tensors import (
 )
 from speccompile.errors import SpecCompileError, read_json_object
 
-
 logger = logging.getLogger(__name__)
 
 

@@ -11,8 +11,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from speccompile.compiler.tensors import (
     BFLOAT16,
-    Blocks,
     INT4,
+    Blocks,
     LazyTensor,
     cast,
     materialize,
