@@ -1,0 +1,151 @@
+"""`build --target model.gguf`: a GGUF file compiles to the bundle its Hugging Face checkpoint would,
+and its Q8_0 / Q4_0 blocks are compiled as they are (golden: HF generate on the same weights)."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+
+import speccompile
+from speccompile.bundle import open_bundle
+from speccompile.cli import main
+from speccompile.compiler.build import build_bundle
+from speccompile.compiler.gguf import gguf_checkpoint
+from tests.gguf_files import CHAT_TEMPLATE, FAMILIES, make_hf_checkpoint, write_gguf
+
+PROMPTS = [[5, 17, 33, 2, 9, 100, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
+MAX_NEW = 20  # past the tiny Gemma's window of 8
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """files(family, qtype) -> (HF checkpoint, GGUF written from it as llama.cpp's converter does)."""
+    made, checkpoints = {}, {}
+
+    def get(family: str, qtype: str = "F32"):
+        if family not in checkpoints:
+            checkpoints[family] = make_hf_checkpoint(tmp_path_factory.mktemp(family) / "hf", family)
+        if (family, qtype) not in made:
+            out = tmp_path_factory.mktemp(f"{family}-{qtype}") / f"model-{qtype}.gguf"
+            made[family, qtype] = write_gguf(checkpoints[family], out, qtype, chat_template=CHAT_TEMPLATE)
+        return checkpoints[family], made[family, qtype]
+
+    return get
+
+
+def greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                             pad_token_id=2)
+    return out[0, len(prompt):].tolist()
+
+
+def model_of_gguf(path):
+    """transformers' model of exactly the GGUF's numbers: its config, and its tensors as the file's
+    dequantized values (transformers' own GGUF loading drops rope scalings and Gemma's layer types)."""
+    checkpoint = gguf_checkpoint(path)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**checkpoint.config))
+    model.load_state_dict({name: torch.from_numpy(t.load()) for name, t in checkpoint.tensors.items()}, strict=False)
+    return model.eval()
+
+
+def generated(bundle, **options) -> tuple[list, list]:
+    runtime = speccompile.load(bundle)
+    alone = [runtime.generate([p], max_new_tokens=MAX_NEW, **options)[0].token_ids for p in PROMPTS]
+    batched = [r.token_ids for r in runtime.generate(PROMPTS, max_new_tokens=MAX_NEW, **options)]
+    return alone, batched
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float_gguf_generates_what_its_checkpoint_generates_in_hf(family, files, tmp_path):
+    """Target and draft both from GGUF files: speculative greedy output, alone and batched, equals HF
+    generate on the checkpoint the file was converted from."""
+    hf, gguf = files(family)
+    bundle = build_bundle(gguf, gguf, tmp_path / "b", gammas=[3], max_seq=64, max_batch=2, draft_weights="float32")
+    expected = [greedy(transformers.AutoModelForCausalLM.from_pretrained(hf).eval(), p, MAX_NEW) for p in PROMPTS]
+    alone, batched = generated(bundle, gamma=3)
+    assert alone == batched == expected
+    model = open_bundle(bundle).manifest["models"]["target"]
+    assert model["model_type"] == family and model["source_format"]["format"] == "gguf"
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_q8_0_and_q4_0_blocks_are_compiled_as_the_file_holds_them(family, qtype, files, tmp_path):
+    """Every projection and the LM head keep the file's blocks (MatMulNBits, 8 or 4 bits, blocks of
+    32, the file's integers and scales), whatever --target-weights says. The logits are HF's on the
+    file's dequantized weights but for the int8 rounding of activations that MatMulNBits does (as
+    llama.cpp's CPU kernels do), and speculative output equals plain decoding's."""
+    from tests.compiler.test_transformer_parity import empty_cache, run_file
+
+    _, gguf = files(family, qtype)
+    bundle = open_bundle(build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=2,
+                                      target_weights="float32"))
+    source = bundle.manifest["models"]["target"]["source_format"]
+    matrices = [name for name, kind in gguf_checkpoint(gguf).formats.items() if kind == qtype]
+    assert source["kept"] == {qtype: len(matrices)} and source["converted"] == {}
+    session = onnx.load(str(bundle.path / "target_session.onnx"), load_external_data=False)
+    nbits = [{a.name: a.i for a in n.attribute} for n in session.graph.node if n.op_type == "MatMulNBits"]
+    assert {(a["bits"], a["block_size"]) for a in nbits} == {(8 if qtype == "Q8_0" else 4, 32)}
+    assert len(nbits) == 4 * bundle.model("target")["num_layers"] + 1  # qkv, o, gate_up and down; the LM head
+    prompt = PROMPTS[0]
+    with torch.no_grad():
+        expected = model_of_gguf(gguf)(torch.tensor([prompt])).logits[0, -1].numpy()
+    feeds = {"input_ids": np.array([prompt]), "past_len": np.zeros(1, np.int64), "token_count": np.array([len(prompt)])}
+    out, _ = run_file(bundle, bundle.graph("target_forward")["single_sequence"]["file"], feeds,
+                      empty_cache(bundle.manifest, "target", 1))
+    error = np.abs(out["logits"][0] - expected[:len(out["logits"][0])]).max() / np.abs(expected).max()
+    assert error < 0.04, f"logits off by {error:.1%} of their range"
+    alone, batched = generated(bundle.path)
+    plain, _ = generated(bundle.path, mode="autoregressive")
+    assert alone == batched == plain
+
+
+def test_a_k_quant_gguf_is_dequantized_and_compiled_at_the_requested_precision(files, tmp_path):
+    _, gguf = files("qwen2", "Q5_0")
+    bundle = build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=1, target_weights="int8")
+    model = open_bundle(bundle).manifest["models"]["target"]
+    assert model["source_format"]["kept"] == {} and set(model["source_format"]["converted"]) == {"Q5_0"}
+    assert model["matmul_weights"] == "int8"
+    assert len(speccompile.load(bundle).generate([PROMPTS[0]], max_new_tokens=4)[0].token_ids) == 4
+
+
+def test_the_gguf_tokenizer_chat_template_and_eos_reach_the_bundle(files, tmp_path):
+    _, gguf = files("gemma3_text")
+    bundle = build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=1)
+    runtime = speccompile.load(bundle)
+    end_of_turn = runtime.tokenizer.encode("<end_of_turn>", special_tokens=False)
+    assert len(end_of_turn) == 1 and end_of_turn[0] in open_bundle(bundle).manifest["tokenizer"]["eos_token_ids"]
+    assert runtime.tokenizer.chat_template() == CHAT_TEMPLATE
+
+
+def test_cli_builds_from_a_gguf_and_inspect_names_family_and_formats(files, tmp_path):
+    _, gguf = files("llama", "Q8_0")
+    out = tmp_path / "b"
+    result = CliRunner().invoke(main, ["build", "--target", str(gguf), "--out", str(out), "--max-seq", "64",
+                                       "--max-batch", "1", "--gamma", "2"])
+    assert result.exit_code == 0, result.output
+    shown = CliRunner().invoke(main, ["inspect", str(out)])
+    assert "target: llama" in shown.output and "from GGUF: kept 16 Q8_0 as blocks, dequantized nothing" in shown.output
+    described = json.loads(CliRunner().invoke(main, ["inspect", str(out), "--json"]).output)
+    assert described["models"]["target"]["source_format"]["kept"] == {"Q8_0": 16}
+
+
+def test_a_gguf_of_an_unsupported_architecture_is_one_line(tmp_path):
+    import gguf
+
+    writer = gguf.GGUFWriter(tmp_path / "m.gguf", "mamba")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    result = CliRunner().invoke(main, ["build", "--target", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "b")])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1].startswith("Error: ")
+    assert "GGUF architecture 'mamba' is not supported" in result.output

