@@ -90,9 +90,12 @@ def _config(family: str, vocab: int):
 # conversion
 
 
-def write_gguf(hf_dir, out_path, qtype: str = "F32", chat_template: str | None = None, split_qkv: bool = False) -> Path:
+def write_gguf(hf_dir, out_path, qtype: str = "F32", chat_template: str | None = None, split_qkv: bool = False,
+               mixed: dict[str, str] | None = None) -> Path:
     """Convert a tiny checkpoint of FAMILIES to GGUF. qtype "F32" keeps every tensor as is; "Q8_0",
     "Q4_0" (or another type gguf-py can quantize to) applies to the 2-d weights, norms and biases stay F32.
+    `mixed`: another type for the tensors whose GGUF name contains a key (llama.cpp's Q4_K_M, say, keeps
+    attn_v at Q8_0 in some layers beside Q5_0 q and k).
     split_qkv writes Phi-3's fused qkv_proj as attn_q, attn_k and attn_v, which llama.cpp also reads."""
     import gguf
     from safetensors.numpy import load_file
@@ -115,7 +118,8 @@ def write_gguf(hf_dir, out_path, qtype: str = "F32", chat_template: str | None =
             for part, rows in zip("qkv", np.split(array, [q_rows, q_rows + kv_rows])):
                 _add_tensor(writer, gguf_name.replace(".attn_qkv.", f".attn_{part}."), rows, qtype)
             continue
-        _add_tensor(writer, gguf_name, _converted(family, config, name, array, real_vocab), qtype)
+        kind = next((k for part, k in (mixed or {}).items() if part in gguf_name), qtype)
+        _add_tensor(writer, gguf_name, _converted(family, config, name, array, real_vocab), kind)
     for name, array in _extra_tensors(family, config):
         writer.add_tensor(name, array)
     writer.write_header_to_file()

@@ -22,6 +22,7 @@ the same interface and cache, with each block's attention in ONNX Runtime's fuse
 GroupQueryAttention kernel, which reads the cache in place (see _fused_attention).
 """
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -574,17 +575,30 @@ def rope_tables(rope: Rope, head_dim: int, max_seq: int) -> tuple[np.ndarray, np
 
 def _linear(g, spec, x, prefix, parts=None):
     """x @ W (+ b). With `parts`, W is those projections side by side: one MatMul instead of several
-    (their outputs are split or reshaped by the caller)."""
+    (their outputs are split or reshaped by the caller). Parts kept in different source blocks (a
+    GGUF's Q8_0 v beside Q5_0 q and k) multiply in one MatMul per run of alike parts, so that each
+    keeps its own numbers."""
     w = spec.weights
     names = parts or (prefix,)
-    weight = w[names[0] + "_w"] if parts is None else concatenated([w[n + "_w"] for n in names], axis=1)
-    y = g.matmul(x, prefix + "_w", weight)
+    runs = [list(run) for _, run in itertools.groupby(names, key=lambda n: _blocks_kind(w[n + "_w"]))]
+    if len(runs) == 1:
+        weight = w[names[0] + "_w"] if parts is None else concatenated([w[n + "_w"] for n in names], axis=1)
+        y = g.matmul(x, prefix + "_w", weight)
+    else:
+        products = [g.matmul(x, f"{prefix}{k}_w", concatenated([w[n + "_w"] for n in run], axis=1))
+                    for k, run in enumerate(runs)]
+        y = g.op("Concat", *products, axis=-1)
     has_bias = [n + "_b" in w for n in names]
     assert all(has_bias) or not any(has_bias), f"{prefix}: bias on some of {names} only"
     if all(has_bias):
         bias = concatenated([w[n + "_b"] for n in names])
         y = g.op("Add", y, g.weight(prefix + "_b", bias))
     return y
+
+
+def _blocks_kind(weight) -> tuple | None:
+    blocks = getattr(weight, "blocks", None)
+    return None if blocks is None else (blocks.bits, blocks.block, blocks.axis)
 
 
 def _norm(g, spec, x, prefix):

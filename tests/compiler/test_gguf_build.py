@@ -106,6 +106,21 @@ def test_q8_0_and_q4_0_blocks_are_compiled_as_the_file_holds_them(family, qtype,
     assert alone == batched == plain
 
 
+def test_fused_projections_of_mixed_formats_keep_the_parts_they_can(files, tmp_path):
+    """q and k in Q5_0, v in Q8_0 (as llama.cpp's Q4_K_M mixes them): v keeps its blocks in a MatMul of
+    its own, q and k are dequantized and compiled at --target-weights; the output is the plain run's."""
+    hf, _ = files("llama")
+    gguf = write_gguf(hf, tmp_path / "mixed.gguf", "Q5_0", mixed={".attn_v.": "Q8_0"})
+    bundle = open_bundle(build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=1))
+    source = bundle.manifest["models"]["target"]["source_format"]
+    assert source["kept"] == {"Q8_0": 2} and source["converted"] == {"Q5_0": 14}  # 6 a layer, embedding, head
+    session = onnx.load(str(bundle.path / "target_session.onnx"), load_external_data=False)
+    assert sum(n.op_type == "MatMulNBits" for n in session.graph.node) == 2  # each layer's v
+    alone, _ = generated(bundle.path)
+    plain, _ = generated(bundle.path, mode="autoregressive")
+    assert alone == plain
+
+
 def test_a_k_quant_gguf_is_dequantized_and_compiled_at_the_requested_precision(files, tmp_path):
     _, gguf = files("qwen2", "Q5_0")
     bundle = build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=1, target_weights="int8")
