@@ -72,9 +72,10 @@ def main():
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Largest batch the bundle serves.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle directory.")
 @click.option("--target-weights", type=click.Choice(["float32", "float16", "bfloat16", "int8", "int4"]),
-              default="float32", show_default=True, help="Target matmul weights: the compiled target's precision, "
+              default=None, help="Target matmul weights: the compiled target's precision, "
               "which the output follows (int8: weight-only, per output column, a quarter of the bytes per decode "
-              "step; int4: weight-only in blocks of 128 along the input, about an eighth).")
+              "step; int4: weight-only in blocks of 128 along the input, about an eighth). Default: float32; for a "
+              "GGUF int8, its Q8_0/Q4_0 blocks kept as they are (a float precision takes their exact values).")
 @click.option("--draft-weights", type=click.Choice(["int8", "int4", "float32", "float16", "bfloat16"]), default="int8",
               show_default=True,
               help="Draft matmul weights: int8 or int4 weight-only (faster draft steps), float32, or float16/bfloat16 "

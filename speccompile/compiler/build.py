@@ -44,13 +44,15 @@ logger = logging.getLogger(__name__)
 
 def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 1024, max_batch: int = 8,
                  force: bool = False, draft_weights: str = "int8", draft_vocab: int | None = None,
-                 draft_vocab_corpus=None, single_sequence: bool = True, target_weights: str = "float32",
+                 draft_vocab_corpus=None, single_sequence: bool = True, target_weights: str | None = None,
                  medusa_dir=None) -> Path:
     """`target_weights` / `draft_weights`: how each model's projection and LM-head weights are stored:
     "float32", "float16", "bfloat16" (both computed in fp32), "int8" (weight-only, per output
     column) or "int4" (weight-only, blocks of 128 along the input; see GraphBuilder.matmul). The
     target's precision is the compiled target's numerics: speculative output equals autoregressive
-    decoding of the target *as compiled*.
+    decoding of the target *as compiled*. A GGUF's Q8_0 and Q4_0 tensors keep their own blocks at
+    int8 and int4 (and their values, exactly, at a float precision); the default target precision is
+    float32 for a checkpoint directory and int8 for a GGUF (its blocks kept, other formats at int8).
     `draft_vocab`: score only the K most frequent tokens in the draft's LM head (see draft_vocab.py),
     by the counts in the draft checkpoint's token_frequencies.json or of `draft_vocab_corpus`.
     `single_sequence`: also write each graph's batch-1 ONNX Runtime variant (fused attention; see
@@ -63,7 +65,7 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     out_dir = Path(out_dir)
     gammas = _check_options(out_dir, list(gammas), max_seq, max_batch, force, draft_vocab, draft_vocab_corpus)
     for option, value in (("--target-weights", target_weights), ("--draft-weights", draft_weights)):
-        if value not in MATMUL_WEIGHTS:
+        if value not in MATMUL_WEIGHTS and not (option == "--target-weights" and value is None):
             raise SpecCompileError(f"{option} must be one of {', '.join(MATMUL_WEIGHTS)}, got {value!r}")
     progress = Progress(len(PHASES), logger)
 
@@ -88,6 +90,10 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         _warn_draft_size(target, draft)
     for spec in [target] + ([draft] if draft else []):
         check_max_seq(spec, max_seq)
+    target_weights = target_weights or ("int8" if target.source.format == "gguf" else "float32")
+    for spec, stored in ((target, target_weights), (draft, draft_weights)):
+        if spec is not None and spec.source.format == "gguf":
+            spec.compile_at(stored)
     vocab_ids = None
     if draft_vocab is not None:
         if draft is None:

@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from speccompile.compiler.architectures import ACTIVATIONS, ARCHITECTURES, Architecture
@@ -47,7 +47,7 @@ class Source:
         parts = [f"{n} {t}" for t, n in sorted(self.kept.items())]
         kept = f"kept {', '.join(parts)}" if parts else "nothing kept"
         moved = ", ".join(f"{n} {t}" for t, n in sorted(self.converted.items()))
-        return f"gguf: {kept}; dequantized {moved or 'nothing'}"
+        return f"GGUF: {kept} as blocks; dequantized {moved or 'nothing'}"
 
 
 @dataclass
@@ -68,6 +68,16 @@ class ModelSpec:
 
     def __post_init__(self):
         self.files = self.files or self.path
+
+    def compile_at(self, matmul_weights: str) -> None:
+        """A GGUF's kept blocks stay for a quantized build (int8, int4: the file's own integers beat a
+        requantization); a float build multiplies by their exact values instead, as transformers'
+        model of the file does. Says in one line what the build does with each format."""
+        if matmul_weights not in ("int8", "int4") and self.source.kept:
+            self.weights = {name: replace(w, blocks=None) for name, w in self.weights.items()}
+            converted = collections.Counter(self.source.converted) + collections.Counter(self.source.kept)
+            self.source = Source(self.source.format, {}, dict(converted))
+        logger.info(f"  {self.path.name}: {self.source.describe()}; at {matmul_weights}")
 
     @property
     def num_params(self) -> int:
@@ -111,7 +121,6 @@ def _load_gguf(path: Path) -> ModelSpec:
     generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": checkpoint.eos_token_ids}
     (Path(files.name) / "generation_config.json").write_text(json.dumps(generation))
     source = _gguf_source(checkpoint.formats, checkpoint.tensors)
-    logger.info(f"  {path.name}: {config['model_type']}, {source.describe()}")
     return ModelSpec(path, config["model_type"], arch, hp, config, weights, Path(files.name), source, files)
 
 

@@ -66,7 +66,8 @@ def test_float_gguf_generates_what_its_checkpoint_generates_in_hf(family, files,
     """Target and draft both from GGUF files: speculative greedy output, alone and batched, equals HF
     generate on the checkpoint the file was converted from."""
     hf, gguf = files(family)
-    bundle = build_bundle(gguf, gguf, tmp_path / "b", gammas=[3], max_seq=64, max_batch=2, draft_weights="float32")
+    bundle = build_bundle(gguf, gguf, tmp_path / "b", gammas=[3], max_seq=64, max_batch=2, target_weights="float32",
+                          draft_weights="float32")
     expected = [greedy(transformers.AutoModelForCausalLM.from_pretrained(hf).eval(), p, MAX_NEW) for p in PROMPTS]
     alone, batched = generated(bundle, gamma=3)
     assert alone == batched == expected
@@ -77,15 +78,14 @@ def test_float_gguf_generates_what_its_checkpoint_generates_in_hf(family, files,
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_q8_0_and_q4_0_blocks_are_compiled_as_the_file_holds_them(family, qtype, files, tmp_path):
-    """Every projection and the LM head keep the file's blocks (MatMulNBits, 8 or 4 bits, blocks of
-    32, the file's integers and scales), whatever --target-weights says. The logits are HF's on the
+    """By default (int8 for a GGUF) every projection and the LM head keep the file's blocks
+    (MatMulNBits, 8 or 4 bits, blocks of 32, the file's integers and scales). The logits are HF's on the
     file's dequantized weights but for the int8 rounding of activations that MatMulNBits does (as
     llama.cpp's CPU kernels do), and speculative output equals plain decoding's."""
     from tests.compiler.test_transformer_parity import empty_cache, run_file
 
     _, gguf = files(family, qtype)
-    bundle = open_bundle(build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=2,
-                                      target_weights="float32"))
+    bundle = open_bundle(build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=2))
     source = bundle.manifest["models"]["target"]["source_format"]
     matrices = [name for name, kind in gguf_checkpoint(gguf).formats.items() if kind == qtype]
     assert source["kept"] == {qtype: len(matrices)} and source["converted"] == {}
@@ -107,18 +107,32 @@ def test_q8_0_and_q4_0_blocks_are_compiled_as_the_file_holds_them(family, qtype,
 
 
 def test_fused_projections_of_mixed_formats_keep_the_parts_they_can(files, tmp_path):
-    """q and k in Q5_0, v in Q8_0 (as llama.cpp's Q4_K_M mixes them): v keeps its blocks in a MatMul of
-    its own, q and k are dequantized and compiled at --target-weights; the output is the plain run's."""
+    """q and k in Q5_0, v in Q8_0 (as llama.cpp's Q4_K_M mixes them): v keeps its 8-bit blocks in a
+    MatMul of its own, q and k are dequantized and compiled at --target-weights (int4 here); the output
+    is the plain run's."""
     hf, _ = files("llama")
     gguf = write_gguf(hf, tmp_path / "mixed.gguf", "Q5_0", mixed={".attn_v.": "Q8_0"})
-    bundle = open_bundle(build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=1))
+    bundle = open_bundle(build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=1,
+                                      target_weights="int4"))
     source = bundle.manifest["models"]["target"]["source_format"]
     assert source["kept"] == {"Q8_0": 2} and source["converted"] == {"Q5_0": 14}  # 6 a layer, embedding, head
     session = onnx.load(str(bundle.path / "target_session.onnx"), load_external_data=False)
-    assert sum(n.op_type == "MatMulNBits" for n in session.graph.node) == 2  # each layer's v
+    bits = [a.i for n in session.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"]
+    assert bits.count(8) == 2 and bits.count(4) == 4 * 2 + 1  # each layer's v; qk, o, gate_up, down, the head
     alone, _ = generated(bundle.path)
     plain, _ = generated(bundle.path, mode="autoregressive")
     assert alone == plain
+
+
+def test_a_float_build_of_a_quantized_gguf_takes_the_exact_values_of_its_blocks(files, tmp_path):
+    """--target-weights float32: the file's Q8_0 values, dequantized exactly: greedy output is HF's on
+    them (the parity build), with nothing kept as blocks."""
+    _, gguf = files("gemma3_text", "Q8_0")
+    bundle = build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=2, target_weights="float32")
+    source = open_bundle(bundle).manifest["models"]["target"]["source_format"]
+    assert source["kept"] == {} and source["converted"] == {"Q8_0": 43}
+    alone, batched = generated(bundle)
+    assert alone == batched == [greedy(model_of_gguf(gguf), p, MAX_NEW) for p in PROMPTS]
 
 
 def test_a_k_quant_gguf_is_dequantized_and_compiled_at_the_requested_precision(files, tmp_path):
@@ -147,6 +161,7 @@ def test_cli_builds_from_a_gguf_and_inspect_names_family_and_formats(files, tmp_
     assert result.exit_code == 0, result.output
     shown = CliRunner().invoke(main, ["inspect", str(out)])
     assert "target: llama" in shown.output and "from GGUF: kept 16 Q8_0 as blocks, dequantized nothing" in shown.output
+    assert "(int8 matmuls" in shown.output  # a GGUF's default precision
     described = json.loads(CliRunner().invoke(main, ["inspect", str(out), "--json"]).output)
     assert described["models"]["target"]["source_format"]["kept"] == {"Q8_0": 16}
 
