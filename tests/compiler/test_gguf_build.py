@@ -179,3 +179,25 @@ def test_a_gguf_of_an_unsupported_architecture_is_one_line(tmp_path):
     assert result.exit_code == 1
     assert result.output.strip().splitlines()[-1].startswith("Error: ")
     assert "GGUF architecture 'mamba' is not supported" in result.output
+
+
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}{% set role = 'model' %}"
+                  "{% else %}{% set role = m['role'] %}{% endif %}<start_of_turn>{{ role }}\n{{ m['content'] | trim }}"
+                  "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def test_a_gguf_chat_template_renders_as_transformers_renders_it(files, tmp_path):
+    """The file's tokenizer.chat_template, with the special tokens the file names, gives the text
+    transformers' apply_chat_template gives for the tokenizer transformers loads from the file."""
+    from speccompile.serve.chat import render_chat
+
+    hf, _ = files("gemma3_text")
+    gguf = write_gguf(hf, tmp_path / "chat.gguf", "Q8_0", chat_template=GEMMA_TEMPLATE)
+    bundle = build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=1)
+    tokenizer = speccompile.load(bundle).tokenizer
+    messages = [{"role": "user", "content": "Hi there "}, {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "What is 2 + 2?"}]
+    theirs = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    expected = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert render_chat(tokenizer.chat_template(), tokenizer.special_tokens(), messages) == expected
+    assert expected.startswith("<s><start_of_turn>user\nHi there<end_of_turn>")
