@@ -122,3 +122,22 @@ def test_gemma_switches_the_graphs_do_not_implement_are_refused(key, value, tmp_
     (dst / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpecCompileError, match=f"{key} is not supported"):
         load_checkpoint(dst)
+
+
+def test_phi3_config_as_the_hub_stores_it_reads_as_transformers_5_writes_it(tmp_path, checkpoints):
+    """Phi-3/Phi-4-mini on the Hub: rope_scaling {"type": "longrope", ...}, and rope_theta,
+    partial_rotary_factor and original_max_position_embeddings at the top level."""
+    import shutil
+
+    src = checkpoints("phi3")
+    dst = shutil.copytree(src, tmp_path / "hub")
+    config = json.loads((dst / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.update(rope_theta=rope.pop("rope_theta"), partial_rotary_factor=rope.pop("partial_rotary_factor"),
+                  rope_scaling={"type": rope.pop("rope_type"), "long_factor": rope["long_factor"],
+                                "short_factor": rope["short_factor"]})
+    (dst / "config.json").write_text(json.dumps(config))
+    ours, theirs = load_checkpoint(dst).hp, load_checkpoint(src).hp
+    for key in ("layer_ropes", "rope", "rotary_dim", "layer_windows"):
+        assert ours[key] == theirs[key], key
+    assert ours["rotary_dim"] == 48 and ours["rope"].rope_type == "longrope"
