@@ -386,8 +386,7 @@ class GGUFCheckpoint:
             # bare Exceptions: "Token `x` out of vocabulary")
             problem = " ".join(str(e).split())
             raise SpecCompileError(f"{self.path}: cannot build a tokenizer from its vocabulary ({problem})") from None
-        rows = self.config["vocab_size"]
-        backend, dropped = _only_file_tokens(backend, vocabulary["tokens"], rows, self.file.metadata)
+        backend, dropped = _only_file_tokens(backend, vocabulary["tokens"], self.file.metadata)
         special = {k: v for k, v in {**settings, **extra}.items() if not (isinstance(v, str) and v in dropped)}
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **special)
         directory = Path(directory)
@@ -398,18 +397,22 @@ class GGUFCheckpoint:
 UNUSED_TOKEN = 5  # llama.cpp's LLAMA_TOKEN_TYPE_UNUSED: a placeholder ("[PAD123]") no text encodes to
 
 
-def _only_file_tokens(backend, tokens: list[str], rows: int, metadata: dict):
+def _only_file_tokens(backend, tokens: list[str], metadata: dict):
     """The converted tokenizer without the special tokens transformers' converters add that the file
-    does not have (its GPT-2 converter adds '<|endoftext|>' past the vocabulary), and without unused
-    placeholders past the embedding's rows (llama.cpp's Gemma 3 converter cuts the embedding to the
-    real tokens but pads the token list): ids the model cannot score. Returns (tokenizer, dropped)."""
+    does not have (its GPT-2 converter adds '<|endoftext|>' past the vocabulary), and without the
+    converter's placeholders for unused ids (which can lie past the embedding's rows: llama.cpp's
+    Gemma 3 converter cuts the embedding to the real tokens but pads the token list). Returns
+    (tokenizer, dropped token contents)."""
     import json
 
     from tokenizers import Tokenizer
 
+    # llama.cpp's converter fills ids its tokenizer lacks (embedding padding) with "[PAD<id>]"
+    # placeholders; the Hugging Face tokenizer of the same model has none of them, so they would also
+    # set a GGUF draft's vocabulary apart from its HF target's
     types = metadata.get("tokenizer.ggml.token_type") or []
-    placeholders = {token for i, token in enumerate(tokens[rows:], rows)
-                    if i < len(types) and types[i] == UNUSED_TOKEN}
+    placeholders = {token for i, token in enumerate(tokens)
+                    if token == f"[PAD{i}]" and i < len(types) and types[i] == UNUSED_TOKEN}
     known = set(tokens) - placeholders
     data = json.loads(backend.to_str())
     dropped = {t["content"] for t in data.get("added_tokens", []) if t["content"] not in known}

@@ -201,3 +201,14 @@ def test_a_gguf_chat_template_renders_as_transformers_renders_it(files, tmp_path
     expected = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert render_chat(tokenizer.chat_template(), tokenizer.special_tokens(), messages) == expected
     assert expected.startswith("<s><start_of_turn>user\nHi there<end_of_turn>")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_gguf_draft_pairs_with_the_hf_checkpoint_it_came_from(family, files, tmp_path):
+    """The tokenizer gate sees the GGUF's converted tokenizer as the checkpoint's own (the converter's
+    [PAD] placeholders and its empty subword affixes change no id), and a float32 draft that is the
+    target's own file agrees on every token."""
+    hf, gguf = files(family)
+    bundle = build_bundle(hf, gguf, tmp_path / "b", gammas=[3], max_seq=64, max_batch=1, draft_weights="float32")
+    [result] = speccompile.load(bundle).generate([PROMPTS[0]], max_new_tokens=MAX_NEW, gamma=3)
+    assert result.stats.acceptance_rate == 1.0
