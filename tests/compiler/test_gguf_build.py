@@ -207,8 +207,10 @@ def test_a_gguf_chat_template_renders_as_transformers_renders_it(files, tmp_path
 def test_a_gguf_draft_pairs_with_the_hf_checkpoint_it_came_from(family, files, tmp_path):
     """The tokenizer gate sees the GGUF's converted tokenizer as the checkpoint's own (the converter's
     [PAD] placeholders and its empty subword affixes change no id), and a float32 draft that is the
-    target's own file agrees on every token."""
+    target's own file agrees with it but at near ties (these random models' top logits lie close, and
+    one token at a time rounds differently from a verification's γ + 1); a wrong mapping of any
+    tensor would agree on almost none."""
     hf, gguf = files(family)
     bundle = build_bundle(hf, gguf, tmp_path / "b", gammas=[3], max_seq=64, max_batch=1, draft_weights="float32")
     [result] = speccompile.load(bundle).generate([PROMPTS[0]], max_new_tokens=MAX_NEW, gamma=3)
-    assert result.stats.acceptance_rate == 1.0
+    assert result.stats.acceptance_rate >= 0.8
