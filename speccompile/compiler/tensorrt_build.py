@@ -14,6 +14,7 @@ from pathlib import Path
 
 from speccompile.bundle import MANIFEST, open_bundle, sha256_file, write_stamp
 from speccompile.core.tree import MAX_TREE_NODES
+from speccompile.errors import SpecCompileError
 from speccompile.progress import Progress
 from speccompile.tensorrt_setup import gpu as gpu_info
 from speccompile.tensorrt_setup import plugin_library, require_tensorrt
@@ -70,13 +71,23 @@ def build_engine(trt, onnx_path: Path, profiles, plugin: Path, timing_cache: Pat
     return EngineBytesFromNetwork(network, config=config, save_timing_cache=save_timing_cache)()
 
 
+def check_tensorrt_weights(manifest: dict) -> None:
+    """TensorRT block-dequantizes INT4 (and FP8/FP4) only, so a GGUF's Q8_0 blocks, kept as int8 in
+    blocks of 32, do not parse; its Q4_0 blocks are INT4 blocks it reads."""
+    for role, model in manifest["models"].items():
+        if "Q8_0" in ((model.get("source_format") or {}).get("kept") or {}):
+            raise SpecCompileError(f"the {role}'s GGUF Q8_0 blocks are int8 in blocks of 32, which TensorRT does not "
+                                   f"dequantize; build it for TensorRT with --{role}-weights int4 or float32")
+
+
 def build_tensorrt_engines(bundle_dir, plugin=None, timing_cache=None, hardware_compat: bool = False,
                            version_compat: bool = False) -> dict:
     """Build one engine per graph of the bundle and record them in its manifest."""
+    bundle = open_bundle(bundle_dir)
+    check_tensorrt_weights(bundle.manifest)
     trt = require_tensorrt()
     plugin = plugin_library(plugin)
     timing_cache = Path(timing_cache) if timing_cache else None
-    bundle = open_bundle(bundle_dir)
     manifest = bundle.manifest
     staging = bundle.path / f".{ENGINES_DIR}.partial"
     shutil.rmtree(staging, ignore_errors=True)

@@ -214,3 +214,18 @@ def test_a_gguf_draft_pairs_with_the_hf_checkpoint_it_came_from(family, files, t
     bundle = build_bundle(hf, gguf, tmp_path / "b", gammas=[3], max_seq=64, max_batch=1, draft_weights="float32")
     [result] = speccompile.load(bundle).generate([PROMPTS[0]], max_new_tokens=MAX_NEW, gamma=3)
     assert result.stats.acceptance_rate >= 0.8
+
+
+def test_tensorrt_is_told_it_cannot_take_q8_0_blocks_before_any_engine_is_built(files, tmp_path):
+    from speccompile.compiler.tensorrt_build import check_tensorrt_weights
+    from speccompile.errors import SpecCompileError
+
+    for qtype in ("Q8_0", "Q4_0"):
+        _, gguf = files("llama", qtype)
+        bundle = build_bundle(gguf, None, tmp_path / qtype, gammas=[2], max_seq=64, max_batch=1)
+        manifest = open_bundle(bundle).manifest
+        if qtype == "Q4_0":  # INT4 blocks, which TensorRT reads
+            check_tensorrt_weights(manifest)
+            continue
+        with pytest.raises(SpecCompileError, match="Q8_0 blocks .* --target-weights int4 or float32"):
+            check_tensorrt_weights(manifest)
