@@ -288,7 +288,7 @@ def _decoder(g: GraphBuilder, spec: ModelSpec, ids: str, past_len: str, max_seq:
     positions = None
     if "pos_embed" in w or not single_sequence:
         positions = g.op("Add", g.op("Unsqueeze", past_len, g.const([1])), _offsets(g, num_tokens, tree, tree_flag))
-    x = g.op("Gather", g.weight("embed", w["embed"]), ids)
+    x = _embedding(g, w["embed"], ids)
     if spec.arch.embed_scale:  # Gemma: sqrt(hidden) rounded to the embedding's dtype, as HF multiplies
         x = g.op("Mul", x, g.const(np.float32(hp["hidden_size"] ** 0.5), np.float32))
     if "pos_embed" in w:
@@ -308,6 +308,21 @@ def _decoder(g: GraphBuilder, spec: ModelSpec, ids: str, past_len: str, max_seq:
         x = _block(g, spec, i, x, core)
     g.scope = ""
     return x
+
+
+def _embedding(g, embed, ids) -> str:
+    """The rows of `ids` [B, T] -> [B, T, H]. A table kept in its source's 8-bit blocks (a GGUF's Q8_0
+    token_embd) is gathered as integers and scaled per block after the gather: the same float32 values
+    as the dequantized table (q × d is exact in float32) at a quarter of its bytes. A 4-bit table
+    stays float32: gathering int4 rows needs a widening Cast to int8, which TensorRT cannot do."""
+    blocks = getattr(embed, "blocks", None)
+    if blocks is None or blocks.axis != 1 or blocks.bits != 8:
+        return g.op("Gather", g.weight("embed", embed), ids)
+    rows = g.op("Cast", g.op("Gather", g.weight("embed_q", blocks.q), ids), to=FLOAT)  # [B, T, H]
+    scales = g.op("Gather", g.weight("embed_scale", blocks.scale), ids)  # [B, T, H / block]
+    per_block = g.op("Reshape", rows, g.const([0, 0, -1, blocks.block]))  # [B, T, H / block, block]
+    scaled = g.op("Mul", per_block, g.op("Unsqueeze", scales, g.const([3])))
+    return g.op("Reshape", scaled, g.const([0, 0, -1]))
 
 
 @dataclass(frozen=True)
