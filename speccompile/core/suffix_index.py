@@ -217,6 +217,12 @@ class SuffixCache:
         while len(self._finished) > self.max_sequences:
             self.global_tree.remove(self._finished.popleft())
 
+    def forget_outputs(self) -> None:
+        """Drop every finished request's output (open requests keep their own trees): what a fresh
+        process knows. Benchmarks call it so that no measured run drafts from answers it saw before."""
+        self.global_tree = SuffixTree(self.max_depth)
+        self._finished.clear()
+
     def speculate(self, request_key, context: list[int], max_tokens: int, **options) -> tuple[list[int], float, int]:
         """The better proposal of the request's tree and the global tree, by expected accepted tokens (ties: the
         request's own). Returns as `SuffixTree.speculate`; `options` are its min_match, max_match, min_probability."""

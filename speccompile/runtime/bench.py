@@ -143,7 +143,12 @@ def bench_proposers(runtime, prompts: list[str], proposers: list[str], max_new_t
                     gamma: int | str | None = None, sampling: dict | None = None) -> list[tuple[dict, dict]]:
     """bench for each proposer, all against the same autoregressive runs: each repeat runs plain
     decoding and then every proposer through all prompts, so that a slow stretch of the machine hits
-    them alike. One (summary, details) per proposer, in order."""
+    them alike. One (summary, details) per proposer, in order.
+
+    Every speculative run starts cold: what finished requests answered (suffix decoding's
+    cross-request tree) is forgotten before it, so no measured run drafts from the outputs of the
+    same prompts in the plain runs, the warm-ups, other proposers' runs or earlier repeats. Within a
+    run, a prompt may draft from the answers to the prompts before it, as in any stream of requests."""
     if repeats < 1:
         raise SpecCompileError(f"--repeats must be positive, got {repeats}")
     if gamma is None:  # a Medusa bundle's requests verify the whole tree, sized at first use
@@ -159,6 +164,7 @@ def bench_proposers(runtime, prompts: list[str], proposers: list[str], max_new_t
         ar_rates.append(rate)
         ar_stats += stats
         for proposer in proposers:
+            runtime.proposers.forget_outputs()
             rate, stats = _run_all(runtime, prompts, "speculative", gamma, max_new_tokens, sampling, proposer)
             spec_rates[proposer].append(rate)
             spec_stats[proposer] += stats
@@ -314,6 +320,7 @@ def _runs_at(runtime, stream: list[LoadRequest], concurrency: int, repeats: int,
     runs = {mode: [] for mode in LOAD_MODES}
     for repeat in range(repeats):
         for mode in LOAD_MODES:
+            runtime.proposers.forget_outputs()  # cold: no run drafts from answers an earlier one gave
             wall, served = _serve(runtime, stream, concurrency, options[mode])
             runs[mode].append((wall, served))
             log.info(f"concurrency {concurrency}, {mode} run {repeat + 1}/{repeats}: {_tokens(served)} tokens "

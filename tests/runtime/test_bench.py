@@ -25,6 +25,7 @@ class ScriptedRuntime:
 
     default_gamma = 2
     bundle = SimpleNamespace(medusa=None)  # a bundle with a draft model
+    proposers = SimpleNamespace(forget_outputs=lambda: None)
 
     def __init__(self):
         self.timed_ar_calls = 0
@@ -59,6 +60,23 @@ def test_bench_reports_medians_of_the_timed_runs_and_the_costs_behind_them():
     assert details["draft_to_target_step_ratio"] == pytest.approx(0.2)
     assert summary["predicted_speedup"] == pytest.approx(2.5)  # 2.5 tokens x 5 ms / (2 x 1 + 3) ms: no overhead
     assert summary["efficiency"] == pytest.approx(0.96)
+
+
+def test_suffix_bench_is_cold_whatever_the_repeats(bundles):
+    """Every measured speculative run drafts only from what a fresh process would have: its figures
+    are a fresh runtime's first pass over the prompts, not those of a cache that saw the plain runs'
+    (identical) answers, the warm-ups' or an earlier repeat's."""
+    prompts, gamma, tokens = ["import os", "def f(x):", "class A:"], 4, 24
+    fresh = speccompile.load(bundles("llama", "none"))
+    first = [fresh.generate([p], max_new_tokens=tokens, gamma=gamma, proposer="suffix")[0].stats for p in prompts]
+    drafted = sum(s.draft_tokens for s in first)
+    cold = sum(s.accepted_tokens for s in first) / drafted if drafted else 0.0
+    again = [fresh.generate([p], max_new_tokens=tokens, gamma=gamma, proposer="suffix")[0].stats for p in prompts]
+    warm = sum(s.accepted_tokens for s in again) / sum(s.draft_tokens for s in again)
+    assert warm > cold + 0.3  # the answers seen before make a flattering figure (what bench must not report)
+    summary, _ = bench(speccompile.load(bundles("llama", "none")), prompts, max_new_tokens=tokens, repeats=2,
+                       gamma=gamma, proposer="suffix")
+    assert summary["acceptance_rate"] == pytest.approx(cold)
 
 
 def test_copy_draft_bench_accepts_every_draft(bundles):
@@ -119,6 +137,8 @@ class PacedRuntime:
     """Serves every request on a thread of its own (nothing shared, so N clients get N times the
     tokens): its first token 20 ms after submission, then two deliveries of 4 tokens, 40 ms apart:
     9 tokens in 100 ms. A speculative request's stats: 2 iterations keeping 3 of their 4 drafts."""
+
+    proposers = SimpleNamespace(forget_outputs=lambda: None)
 
     def __init__(self):
         self.sent = []  # (perf_counter, max_new_tokens, mode) per submission
@@ -215,6 +235,7 @@ class Recording:
 
     def __init__(self, runtime):
         self.runtime, self.requests = runtime, []
+        self.proposers = runtime.proposers
 
     def submit(self, prompt, on_tokens, **kwargs):
         record = {"mode": kwargs["mode"], "max_new_tokens": kwargs["max_new_tokens"], "sent": time.perf_counter()}

@@ -60,6 +60,10 @@ class Proposers:
         self.draft, self.tree, self.lookup_priors = draft, tree, lookup_priors
         self.suffix = SuffixCache(max_depth=SUFFIX_DEPTH)
 
+    def forget_outputs(self) -> None:
+        """Forget what finished requests answered (suffix decoding's cross-request tree)."""
+        self.suffix.forget_outputs()
+
     @property
     def runners(self) -> list[Runner]:
         return [self.draft] if self.draft is not None else []
