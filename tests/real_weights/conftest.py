@@ -17,3 +17,33 @@ def real_model(name: str) -> Path:
     if not path.is_file():
         pytest.skip(f"{name} is not in the cache: run python tools/fetch_real_models.py")
     return path
+
+
+def float32_bundle(model_file: Path, directory: Path, max_seq: int) -> Path:
+    """The float32 build: the file's numbers, dequantized exactly (transformers' model of the file)."""
+    from speccompile.compiler.build import build_bundle
+
+    return build_bundle(model_file, None, directory / "bundle", gammas=[4], max_seq=max_seq, max_batch=8,
+                        target_weights="float32")
+
+
+class TransformersModel:
+    """transformers' tokenizer and float32 model loaded from the same GGUF file; greedy decoding."""
+
+    def __init__(self, model_file: Path):
+        import torch
+        import transformers
+
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_file.parent, gguf_file=model_file.name)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_file.parent, gguf_file=model_file.name,
+                                                                       dtype=torch.float32).eval()
+
+    def greedy(self, ids: list[int], max_new: int, eos: list[int]) -> list[int]:
+        """Stopping at the tokens the bundle stops at (its EOS ids, end-of-turn tokens included)."""
+        import torch
+
+        with torch.no_grad():
+            prompt = torch.tensor([ids])
+            out = self.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new,
+                                      do_sample=False, eos_token_id=eos, pad_token_id=0)
+        return out[0, len(ids):].tolist()

@@ -9,7 +9,7 @@ import pytest
 import speccompile
 from speccompile.bundle import open_bundle
 from speccompile.compiler.build import build_bundle
-from tests.real_weights.conftest import real_model
+from tests.real_weights.conftest import TransformersModel, float32_bundle, real_model
 
 pytestmark = pytest.mark.real_weights
 
@@ -34,30 +34,12 @@ def model_file():
 
 @pytest.fixture(scope="module")
 def bundle(model_file, tmp_path_factory):
-    """The float32 build: the file's numbers, dequantized exactly (transformers' model of the file)."""
-    return build_bundle(model_file, None, tmp_path_factory.mktemp("gemma") / "bundle", gammas=[4], max_seq=256,
-                        max_batch=8, target_weights="float32")
+    return float32_bundle(model_file, tmp_path_factory.mktemp("gemma"), max_seq=256)
 
 
 @pytest.fixture(scope="module")
-def transformers_greedy(model_file):
-    """transformers' model and tokenizer from the same GGUF, float32; greedy, stopping at the tokens
-    the bundle stops at (Gemma's <eos> and <end_of_turn>)."""
-    import torch
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_file.parent, gguf_file=model_file.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_file.parent, gguf_file=model_file.name,
-                                                              dtype=torch.float32).eval()
-
-    def run(prompt: str, eos: list[int]) -> tuple[list[int], list[int]]:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
-                                 eos_token_id=eos, pad_token_id=0)
-        return ids[0].tolist(), out[0, ids.shape[1]:].tolist()
-
-    return run
+def reference(model_file):
+    return TransformersModel(model_file)
 
 
 def test_the_default_build_says_what_it_kept_and_converted(model_file, tmp_path):
@@ -70,14 +52,15 @@ def test_the_default_build_says_what_it_kept_and_converted(model_file, tmp_path)
     assert source["converted"] == {"Q4_K": 27, "Q5_0": 81, "Q6_K": 9}
 
 
-def test_greedy_output_is_transformers_own_and_speculation_changes_nothing(bundle, transformers_greedy):
+def test_greedy_output_is_transformers_own_and_speculation_changes_nothing(bundle, reference):
     runtime = speccompile.load(bundle)
     eos = open_bundle(bundle).manifest["tokenizer"]["eos_token_ids"]
     assert runtime.tokenizer.encode("<end_of_turn>", special_tokens=False)[0] in eos
     plain = runtime.generate(PROMPTS, max_new_tokens=MAX_NEW, mode="autoregressive")
     speculative = runtime.generate(PROMPTS, max_new_tokens=MAX_NEW)
     for prompt, ours, spec in zip(PROMPTS, plain, speculative):
-        prompt_ids, expected = transformers_greedy(prompt, eos)
+        prompt_ids = reference.tokenizer(prompt).input_ids
+        expected = reference.greedy(prompt_ids, MAX_NEW, eos)
         assert runtime.tokenizer.encode(prompt) == prompt_ids
         assert ours.token_ids == expected, prompt
         assert spec.token_ids == expected, prompt

@@ -7,9 +7,8 @@ import pytest
 
 import speccompile
 from speccompile.bundle import open_bundle
-from speccompile.compiler.build import build_bundle
 from speccompile.serve.chat import render_chat
-from tests.real_weights.conftest import real_model
+from tests.real_weights.conftest import TransformersModel, float32_bundle, real_model
 from tests.real_weights.test_gemma3_270m import PROMPTS
 
 pytestmark = pytest.mark.real_weights
@@ -29,53 +28,33 @@ def model_file():
 
 @pytest.fixture(scope="module")
 def bundle(model_file, tmp_path_factory):
-    return build_bundle(model_file, None, tmp_path_factory.mktemp("smollm2") / "bundle", gammas=[4], max_seq=512,
-                        max_batch=8, target_weights="float32")
+    return float32_bundle(model_file, tmp_path_factory.mktemp("smollm2"), max_seq=512)
 
 
 @pytest.fixture(scope="module")
 def reference(model_file):
-    import torch
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_file.parent, gguf_file=model_file.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_file.parent, gguf_file=model_file.name,
-                                                              dtype=torch.float32).eval()
-    return tokenizer, model
-
-
-def greedy(reference, ids: list[int], eos: list[int]) -> list[int]:
-    import torch
-
-    _, model = reference
-    with torch.no_grad():
-        prompt = torch.tensor([ids])
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=MAX_NEW, do_sample=False,
-                             eos_token_id=eos, pad_token_id=2)
-    return out[0, len(ids):].tolist()
+    return TransformersModel(model_file)
 
 
 def test_greedy_output_is_transformers_own_and_speculation_changes_nothing(bundle, reference):
-    tokenizer, _ = reference
     runtime = speccompile.load(bundle)
     eos = open_bundle(bundle).manifest["tokenizer"]["eos_token_ids"]
     assert runtime.tokenizer.encode("<|im_end|>", special_tokens=False)[0] in eos
     plain = runtime.generate(PROMPTS, max_new_tokens=MAX_NEW, mode="autoregressive")
     speculative = runtime.generate(PROMPTS, max_new_tokens=MAX_NEW)
     for prompt, ours, spec in zip(PROMPTS, plain, speculative):
-        ids = tokenizer(prompt).input_ids
+        ids = reference.tokenizer(prompt).input_ids
         assert runtime.tokenizer.encode(prompt) == ids
-        assert ours.token_ids == spec.token_ids == greedy(reference, ids, eos), prompt
+        assert ours.token_ids == spec.token_ids == reference.greedy(ids, MAX_NEW, eos), prompt
 
 
 def test_the_files_chat_template_renders_and_answers_as_transformers(bundle, reference):
-    tokenizer, _ = reference
     runtime = speccompile.load(bundle)
     eos = open_bundle(bundle).manifest["tokenizer"]["eos_token_ids"]
     for messages in CHATS:
-        expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        expected = reference.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         text = render_chat(runtime.tokenizer.chat_template(), runtime.tokenizer.special_tokens(), messages)
         assert text == expected
         ids = runtime.tokenizer.encode(text)
         [answer] = runtime.generate([ids], max_new_tokens=MAX_NEW)
-        assert answer.token_ids == greedy(reference, ids, eos)
+        assert answer.token_ids == reference.greedy(ids, MAX_NEW, eos)
