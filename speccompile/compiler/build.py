@@ -64,8 +64,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     and proposes the next one."""
     out_dir = Path(out_dir)
     gammas = _check_options(out_dir, list(gammas), max_seq, max_batch, force, draft_vocab, draft_vocab_corpus)
-    for option, value in (("--target-weights", target_weights), ("--draft-weights", draft_weights)):
-        if value not in MATMUL_WEIGHTS and not (option == "--target-weights" and value is None):
+    for option, value in (("--target-weights", target_weights or "float32"), ("--draft-weights", draft_weights)):
+        if value not in MATMUL_WEIGHTS:
             raise SpecCompileError(f"{option} must be one of {', '.join(MATMUL_WEIGHTS)}, got {value!r}")
     progress = Progress(len(PHASES), logger)
 

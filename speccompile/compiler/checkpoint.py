@@ -17,12 +17,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from speccompile.compiler.architectures import ACTIVATIONS, ARCHITECTURES, Architecture
+from speccompile.compiler.gguf import gguf_checkpoint, is_gguf
 from speccompile.compiler.rope import SCALINGS, Rope, trained_positions
 from speccompile.compiler.tensors import (
     LazyTensor,
-    plus_one,
     rows,
     safetensors_tensors,
+    shifted,
     split_part,
     transposed,
 )
@@ -109,8 +110,6 @@ def _architecture(path: Path, config: dict) -> Architecture:
 def _load_gguf(path: Path) -> ModelSpec:
     """A GGUF file as the Hugging Face checkpoint it holds; its tokenizer, chat template and EOS ids
     are written as Hugging Face files into a temporary directory the spec keeps."""
-    from speccompile.compiler.gguf import gguf_checkpoint
-
     checkpoint = gguf_checkpoint(path)
     config = checkpoint.config
     arch = _architecture(path, config)
@@ -127,15 +126,10 @@ def _load_gguf(path: Path) -> ModelSpec:
 def _gguf_source(formats: dict[str, str], tensors: dict[str, LazyTensor]) -> Source:
     kept, converted = collections.Counter(), collections.Counter()
     for name, kind in formats.items():
-        if kind in ("F32",):
+        if kind == "F32":
             continue
         (kept if tensors[name].blocks is not None else converted)[kind] += 1
     return Source("gguf", dict(kept), dict(converted))
-
-
-def is_gguf(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
 
 
 def check_max_seq(spec: ModelSpec, max_seq: int) -> None:
@@ -188,12 +182,13 @@ def _hyper_parameters(path: Path, config: dict, arch: Architecture) -> dict:
     if hp["activation"] not in ACTIVATIONS[arch.block]:
         raise SpecCompileError(f"{path}: activation {hp['activation']!r} is not supported for {config['model_type']}")
     _refuse_unsupported(path, config)
-    hp["layer_windows"] = _layer_windows(path, config, hp["num_layers"])
+    types = _layer_types(path, config, hp["num_layers"])
+    hp["layer_windows"] = _layer_windows(path, config, types)
     hp["sliding_window"] = next((w for w in hp["layer_windows"] if w is not None), None)
     hp["rope"], hp["layer_ropes"], hp["rotary_dim"] = None, None, None
     if arch.block == "llama":
         ropes = _ropes(path, config, hp["max_positions"])
-        hp["layer_ropes"] = [ropes[kind] for kind in _layer_types(config, hp["num_layers"])]
+        hp["layer_ropes"] = [ropes[kind] for kind in types]
         hp["rope"] = ropes["full_attention"]
         hp["rotary_dim"] = _rotary_dim(path, config, hp["head_dim"])
     hp["attn_scale"] = _attention_scale(path, config, hp)
@@ -216,7 +211,7 @@ def _refuse_unsupported(path: Path, config: dict) -> None:
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def _layer_types(config: dict, num_layers: int) -> list[str]:
+def _layer_types(path: Path, config: dict, num_layers: int) -> list[str]:
     """Each layer's kind, as transformers derives it for the family when the config does not list them."""
     model_type = config["model_type"]
     types = config.get("layer_types")
@@ -233,14 +228,13 @@ def _layer_types(config: dict, num_layers: int) -> list[str]:
             types = ["sliding_attention"] * num_layers
         else:
             types = ["full_attention"] * num_layers
-    return list(types)
-
-
-def _layer_windows(path: Path, config: dict, num_layers: int) -> list:
-    """Per layer: the number of keys (the query's own included) a query sees, or None for all of them."""
-    types = _layer_types(config, num_layers)
-    if len(types) != num_layers or not set(types) <= set(LAYER_TYPES):
+    if not isinstance(types, list) or len(types) != num_layers or not set(types) <= set(LAYER_TYPES):
         raise SpecCompileError(f"{path}: layer_types must list {num_layers} of {', '.join(LAYER_TYPES)}")
+    return types
+
+
+def _layer_windows(path: Path, config: dict, types: list[str]) -> list:
+    """Per layer: the number of keys (the query's own included) a query sees, or None for all of them."""
     model_type, window = config["model_type"], config.get("sliding_window")
     if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
         window = None  # transformers ignores the stated window unless use_sliding_window is set
@@ -353,7 +347,7 @@ def _transform(tensor: LazyTensor, transform: str, hp: dict) -> LazyTensor:
     if transform == "linear":
         return transposed(tensor)
     if transform == "plus_one":
-        return plus_one(tensor)
+        return shifted(tensor, 1.0)
     if transform.startswith("rows/"):  # a fused nn.Linear: its output rows, then [in, out] as "linear"
         q, kv = hp["num_heads"] * hp["head_dim"], hp["num_kv_heads"] * hp["head_dim"]
         half = tensor.shape[0] // 2

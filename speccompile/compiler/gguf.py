@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from speccompile.compiler.tensors import BFLOAT16, INT4, Blocks, LazyTensor, concatenated
+from speccompile.compiler.tensors import BFLOAT16, INT4, Blocks, LazyTensor, concatenated, rows_permuted, shifted
 from speccompile.errors import SpecCompileError
 
 MAGIC = b"GGUF"
@@ -52,6 +52,12 @@ _QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q
               "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")
 READABLE = (*_FLOATS, *_QUANTIZED)
 KEPT_BLOCKS = {"Q8_0": np.dtype(np.int8), "Q4_0": INT4}  # symmetric blocks of 32 a graph can use as they are
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether a file starts as a GGUF does (what `build --target` tells a GGUF from a directory by)."""
+    with open(path, "rb") as f:
+        return f.read(len(MAGIC)) == MAGIC
 
 
 def _gguf():
@@ -300,19 +306,6 @@ def _block_values(path: Path, info: GGUFTensor) -> np.ndarray:
     return nibbles.reshape(info.shape).astype(INT4)
 
 
-def _rows_permuted(t: LazyTensor, order: np.ndarray) -> LazyTensor:
-    """Row i of the result is row order[i] of t; kept blocks (along the other axis) move whole."""
-    blocks = t.blocks
-    if blocks is not None:
-        assert blocks.axis == 1, "row permutation of a tensor blocked along its rows"
-        blocks = Blocks(_rows_permuted(blocks.q, order), _rows_permuted(blocks.scale, order), 1, blocks.block)
-    return LazyTensor(t.shape, t.dtype, lambda: np.ascontiguousarray(t.load()[order]), blocks)
-
-
-def _minus_one(t: LazyTensor) -> LazyTensor:
-    return LazyTensor(t.shape, t.dtype, lambda: t.load() - np.float32(1.0))
-
-
 # ---------------------------------------------------------------------------------------------
 # families: how llama.cpp names and stores each one
 
@@ -477,9 +470,9 @@ def _hf_tensors(file: GGUFFile, family: Family, config: dict) -> tuple[dict, dic
 def _undo_conversion(file: GGUFFile, family: Family, config: dict, name: str, tensor: LazyTensor) -> LazyTensor:
     if family.permuted_qk and (".attn_q." in name or ".attn_k." in name):
         heads = config["num_attention_heads"] if ".attn_q." in name else config["num_key_value_heads"]
-        return _rows_permuted(tensor, _unpermute_order(file, name, tensor.shape[0], heads))
+        return rows_permuted(tensor, _unpermute_order(file, name, tensor.shape[0], heads))
     if family.norms_plus_one and name.endswith("norm.weight"):
-        return _minus_one(tensor)
+        return shifted(tensor, -1.0)
     return tensor
 
 

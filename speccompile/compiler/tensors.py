@@ -175,9 +175,20 @@ def rows(t: LazyTensor, begin: int, end: int) -> LazyTensor:
     return LazyTensor((end - begin, *t.shape[1:]), t.dtype, lambda: np.ascontiguousarray(t.load()[begin:end]), blocks)
 
 
-def plus_one(t: LazyTensor) -> LazyTensor:
-    """1 + w, in float32 as Gemma's RMSNorm computes it: the scale an RMSNormalization multiplies by."""
-    return LazyTensor(t.shape, t.dtype, lambda: t.load() + np.float32(1.0))
+def rows_permuted(t: LazyTensor, order: np.ndarray) -> LazyTensor:
+    """Row i of the result is row order[i] of t (llama.cpp's q/k row order undone); kept blocks,
+    along the other axis, move whole."""
+    blocks = t.blocks
+    if blocks is not None:
+        assert blocks.axis == 1, "row permutation of a tensor blocked along its rows"
+        blocks = Blocks(rows_permuted(blocks.q, order), rows_permuted(blocks.scale, order), 1, blocks.block)
+    return LazyTensor(t.shape, t.dtype, lambda: np.ascontiguousarray(t.load()[order]), blocks)
+
+
+def shifted(t: LazyTensor, by: float) -> LazyTensor:
+    """t + by in float32: Gemma's RMSNorm scales by 1 + w (by=1), which llama.cpp's converter stores
+    as such (read back with by=-1)."""
+    return LazyTensor(t.shape, t.dtype, lambda: t.load() + np.float32(by))
 
 
 def concatenated(tensors: list, axis: int = -1) -> LazyTensor:

@@ -352,6 +352,11 @@ def _attention_layers(g, spec, max_seq) -> list[AttentionLayer]:
             for rope, window in zip(hp["layer_ropes"], hp["layer_windows"])]
 
 
+def _windows(layers: list[AttentionLayer]) -> list:
+    """The distinct sliding windows of the layers (None: full attention), each needing its own mask."""
+    return sorted({layer.window for layer in layers}, key=lambda w: w or 0)
+
+
 def _offsets(g, num_tokens, tree: bool, tree_flag: str | None) -> str:
     """[T]: each token's position after past_len: 0..T-1 in a sequence, its depth in a tree."""
     if tree:
@@ -451,8 +456,7 @@ def _onnx_attention(g, spec, past_len, num_tokens, positions, layers, max_seq, t
     """
     hp = spec.hp
     heads, kv_heads, head_dim = hp["num_heads"], hp["num_kv_heads"], hp["head_dim"]
-    windows = sorted({layer.window for layer in layers}, key=lambda w: w or 0)
-    kv_len, masks = _attention_mask(g, past_len, num_tokens, positions, tree, tree_flag, windows)
+    kv_len, masks = _attention_mask(g, past_len, num_tokens, positions, tree, tree_flag, _windows(layers))
     rotary = {} if hp["rotary_dim"] in (None, head_dim) else {"rotary_embedding_dim": hp["rotary_dim"]}
 
     def core(b, i, qkv):
@@ -487,8 +491,7 @@ def _tree_bias(g, past_len, num_tokens, layers) -> tuple[str, dict]:
     nodes, and the keys beyond a layer's window."""
     depths = g.input("tree_depths", INT64, ["tree_nodes"])
     positions = g.op("Add", g.op("Unsqueeze", past_len, g.const([1])), depths)  # [1, T]
-    windows = sorted({layer.window for layer in layers}, key=lambda w: w or 0)
-    _, masks = _attention_mask(g, past_len, num_tokens, positions, tree=True, windows=windows)  # [1, 1, T, L]
+    _, masks = _attention_mask(g, past_len, num_tokens, positions, tree=True, windows=_windows(layers))
     hidden = g.const(float(np.finfo(np.float32).min), np.float32)
     return positions, {window: g.op("Where", mask, g.const(0.0, np.float32), hidden) for window, mask in masks.items()}
 
