@@ -19,6 +19,25 @@ def real_model(name: str) -> Path:
     return path
 
 
+# A model's test module names its file (FILE) and its build's cache capacity (MAX_SEQ); these
+# fixtures give it the file, its float32 build and transformers' model of it, once per module.
+
+
+@pytest.fixture(scope="module")
+def model_file(request) -> Path:
+    return real_model(request.module.FILE)
+
+
+@pytest.fixture(scope="module")
+def bundle(model_file, tmp_path_factory, request) -> Path:
+    return float32_bundle(model_file, tmp_path_factory.mktemp("real"), request.module.MAX_SEQ)
+
+
+@pytest.fixture(scope="module")
+def reference(model_file) -> "TransformersModel":
+    return TransformersModel(model_file)
+
+
 def float32_bundle(model_file: Path, directory: Path, max_seq: int) -> Path:
     """The float32 build: the file's numbers, dequantized exactly (transformers' model of the file)."""
     from speccompile.compiler.build import build_bundle
@@ -47,3 +66,23 @@ class TransformersModel:
             out = self.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new,
                                       do_sample=False, eos_token_id=eos, pad_token_id=0)
         return out[0, len(ids):].tolist()
+
+
+def assert_greedy_is_transformers(bundle: Path, reference: TransformersModel, prompts: list[str], max_new: int,
+                                  end_of_turn: str) -> list:
+    """Plain and speculative greedy output of the bundle over `prompts` (one batch) equal transformers'
+    for each prompt, the prompt tokenized alike, and `end_of_turn` among the EOS ids both stop at.
+    Returns the plain results."""
+    import speccompile
+    from speccompile.bundle import open_bundle
+
+    runtime = speccompile.load(bundle)
+    eos = open_bundle(bundle).manifest["tokenizer"]["eos_token_ids"]
+    assert runtime.tokenizer.encode(end_of_turn, special_tokens=False)[0] in eos
+    plain = runtime.generate(prompts, max_new_tokens=max_new, mode="autoregressive")
+    speculative = runtime.generate(prompts, max_new_tokens=max_new)
+    for prompt, ours, spec in zip(prompts, plain, speculative):
+        ids = reference.tokenizer(prompt).input_ids
+        assert runtime.tokenizer.encode(prompt) == ids
+        assert ours.token_ids == spec.token_ids == reference.greedy(ids, max_new, eos), prompt
+    return plain

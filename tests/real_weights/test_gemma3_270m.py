@@ -9,7 +9,7 @@ import pytest
 import speccompile
 from speccompile.bundle import open_bundle
 from speccompile.compiler.build import build_bundle
-from tests.real_weights.conftest import TransformersModel, float32_bundle, real_model
+from tests.real_weights.conftest import assert_greedy_is_transformers
 
 pytestmark = pytest.mark.real_weights
 
@@ -24,22 +24,8 @@ PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
 ]
 MAX_NEW = 48
+MAX_SEQ = 256
 FILE = "gemma-3-270m-q4_k_m.gguf"
-
-
-@pytest.fixture(scope="module")
-def model_file():
-    return real_model(FILE)
-
-
-@pytest.fixture(scope="module")
-def bundle(model_file, tmp_path_factory):
-    return float32_bundle(model_file, tmp_path_factory.mktemp("gemma"), max_seq=256)
-
-
-@pytest.fixture(scope="module")
-def reference(model_file):
-    return TransformersModel(model_file)
 
 
 def test_the_default_build_says_what_it_kept_and_converted(model_file, tmp_path):
@@ -53,17 +39,8 @@ def test_the_default_build_says_what_it_kept_and_converted(model_file, tmp_path)
 
 
 def test_greedy_output_is_transformers_own_and_speculation_changes_nothing(bundle, reference):
+    plain = assert_greedy_is_transformers(bundle, reference, PROMPTS, MAX_NEW, "<end_of_turn>")
     runtime = speccompile.load(bundle)
-    eos = open_bundle(bundle).manifest["tokenizer"]["eos_token_ids"]
-    assert runtime.tokenizer.encode("<end_of_turn>", special_tokens=False)[0] in eos
-    plain = runtime.generate(PROMPTS, max_new_tokens=MAX_NEW, mode="autoregressive")
-    speculative = runtime.generate(PROMPTS, max_new_tokens=MAX_NEW)
-    for prompt, ours, spec in zip(PROMPTS, plain, speculative):
-        prompt_ids = reference.tokenizer(prompt).input_ids
-        expected = reference.greedy(prompt_ids, MAX_NEW, eos)
-        assert runtime.tokenizer.encode(prompt) == prompt_ids
-        assert ours.token_ids == expected, prompt
-        assert spec.token_ids == expected, prompt
     alone = [runtime.generate([p], max_new_tokens=MAX_NEW)[0].token_ids for p in PROMPTS[:2]]
     assert alone == [r.token_ids for r in plain[:2]]
 

@@ -8,12 +8,13 @@ import pytest
 import speccompile
 from speccompile.bundle import open_bundle
 from speccompile.serve.chat import render_chat
-from tests.real_weights.conftest import TransformersModel, float32_bundle, real_model
+from tests.real_weights.conftest import assert_greedy_is_transformers
 from tests.real_weights.test_gemma3_270m import PROMPTS
 
 pytestmark = pytest.mark.real_weights
 
 MAX_NEW = 48
+MAX_SEQ = 512
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
          [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Name a color."}],
@@ -21,31 +22,8 @@ CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
           {"role": "user", "content": "Tell me a fact about the sea."}]]
 
 
-@pytest.fixture(scope="module")
-def model_file():
-    return real_model(FILE)
-
-
-@pytest.fixture(scope="module")
-def bundle(model_file, tmp_path_factory):
-    return float32_bundle(model_file, tmp_path_factory.mktemp("smollm2"), max_seq=512)
-
-
-@pytest.fixture(scope="module")
-def reference(model_file):
-    return TransformersModel(model_file)
-
-
 def test_greedy_output_is_transformers_own_and_speculation_changes_nothing(bundle, reference):
-    runtime = speccompile.load(bundle)
-    eos = open_bundle(bundle).manifest["tokenizer"]["eos_token_ids"]
-    assert runtime.tokenizer.encode("<|im_end|>", special_tokens=False)[0] in eos
-    plain = runtime.generate(PROMPTS, max_new_tokens=MAX_NEW, mode="autoregressive")
-    speculative = runtime.generate(PROMPTS, max_new_tokens=MAX_NEW)
-    for prompt, ours, spec in zip(PROMPTS, plain, speculative):
-        ids = reference.tokenizer(prompt).input_ids
-        assert runtime.tokenizer.encode(prompt) == ids
-        assert ours.token_ids == spec.token_ids == reference.greedy(ids, MAX_NEW, eos), prompt
+    assert_greedy_is_transformers(bundle, reference, PROMPTS, MAX_NEW, "<|im_end|>")
 
 
 def test_the_files_chat_template_renders_and_answers_as_transformers(bundle, reference):
