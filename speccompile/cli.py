@@ -278,7 +278,8 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
               help="With --concurrency: Poisson arrivals at this many requests/s, at most CONCURRENCY in flight "
               "(default: closed-loop clients, each sending its next request when the last one finished).")
 @click.option("--always-speculate", is_flag=True,
-              help="With --concurrency and γ auto: never let the policy choose plain decoding.")
+              help="With γ auto: never let the policy decode plainly where speculation does not pay (the "
+              "default lets it, as a default request does).")
 @click.option("--plot", "plot_path", type=click.Path(), default=None,
               help="With --concurrency: PNG of tokens/s and p99 latency vs concurrency "
               "(default: BUNDLE/profiles/load.png; with --json, only when given).")
@@ -326,10 +327,11 @@ def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, con
         | _p_min_option(p_min) | constrained
     if len(proposers) > 1:
         _bench_proposers(runtime, read_prompts(prompts_file), list(proposers), max_new_tokens, repeats,
-                         _gamma_option(gamma), sampling, as_json)
+                         _gamma_option(gamma), sampling, as_json, always_speculate)
         return
     summary, details = run_bench(runtime, read_prompts(prompts_file), max_new_tokens, repeats, _gamma_option(gamma),
-                                 sampling, proposer=proposers[0] if proposers else DEFAULT_PROPOSER)
+                                 sampling, proposer=proposers[0] if proposers else DEFAULT_PROPOSER,
+                                 always_speculate=always_speculate)
     if as_json:
         click.echo(json.dumps(summary))
         return
@@ -375,11 +377,12 @@ def _p_min_option(p_min: float | None) -> dict:
     return {} if p_min is None else {"p_min": p_min}
 
 
-def _bench_proposers(runtime, prompts, proposers, max_new_tokens, repeats, gamma, sampling, as_json) -> None:
+def _bench_proposers(runtime, prompts, proposers, max_new_tokens, repeats, gamma, sampling, as_json,
+                     always_speculate) -> None:
     """bench with several --proposer: a JSON list of their summaries, or a table."""
     from speccompile.runtime.bench import bench_proposers
 
-    results = bench_proposers(runtime, prompts, proposers, max_new_tokens, repeats, gamma, sampling)
+    results = bench_proposers(runtime, prompts, proposers, max_new_tokens, repeats, gamma, sampling, always_speculate)
     if as_json:
         click.echo(json.dumps([summary for summary, _ in results]))
         return

@@ -34,10 +34,9 @@ def tokens_per_ms(costs: "LoopCosts | None", acceptance_by_position: list[float]
     if costs is None:
         return tokens
     if drafts == 0:
-        return 1.0 / costs.target_step
+        return 1.0 / costs.plain_ms
     gamma = costs.graph_for(drafts)
-    draft = costs.draft[gamma] * drafts / gamma if draft_steps else 0.0
-    return rate(tokens, draft + costs.verify[gamma] + costs.overhead)
+    return rate(tokens, costs.iteration_ms(gamma, drafts if draft_steps else 0))
 
 
 def rate(tokens: float, ms: float) -> float:
@@ -67,8 +66,9 @@ def predicted_speedup(acceptance_by_position: list[float], t_target: float, t_dr
 def predicted_speedup_mixed(acceptance_by_position: list[float], gammas_used: dict[int, int], t_target: float,
                             t_draft: float, t_verify: float, t_overhead: float = 0.0) -> float:
     """The speedup of iterations run at several γ (gammas_used: γ -> iterations, as γ = auto runs),
-    with t_verify their mean verification time: expected tokens and time per iteration, each
-    averaged over the mix. One γ gives predicted_speedup.
+    with t_verify the mean verification time of those that drafted: expected tokens and time per
+    iteration, each averaged over the mix; γ 0 (plain decoding chosen) costs a plain step, t_target.
+    One γ gives predicted_speedup.
 
     With P_k measured over the iterations that proposed draft k (GenerationStats.acceptance_by_position),
     the mix's expected tokens per iteration equal the measured mean acceptance length:
@@ -79,7 +79,8 @@ def predicted_speedup_mixed(acceptance_by_position: list[float], gammas_used: di
         return 1.0
     tokens = sum(n * expected_tokens(acceptance_by_position[:g]) for g, n in gammas_used.items()) / iterations
     mean_gamma = sum(g * n for g, n in gammas_used.items()) / iterations
-    iteration = mean_gamma * t_draft + t_verify + t_overhead
+    drafting = sum(n for g, n in gammas_used.items() if g) / iterations
+    iteration = mean_gamma * t_draft + drafting * (t_verify + t_overhead) + (1 - drafting) * t_target
     assert iteration > 0, "iteration time must be positive"
     return tokens * t_target / iteration
 
@@ -92,14 +93,21 @@ def predicted_speedup_mixed(acceptance_by_position: list[float], gammas_used: di
 class LoopCosts:
     """Milliseconds per iteration at one batch size (runtime/profile.py measures them).
 
-    target_step: one plain-decoding iteration. draft[γ]: an iteration's γ draft steps. verify[γ]:
-    its verification. overhead: the rest of a speculative iteration (emitting, rollback, choosing γ).
+    target_step: one plain-decoding iteration's target call. draft[γ]: an iteration's γ draft
+    steps. verify[γ]: its verification. overhead: the rest of a speculative iteration (proposing,
+    emitting, rollback, choosing γ); plain_overhead: the rest of a plain one.
     """
 
     target_step: float
     draft: dict[int, float]
     verify: dict[int, float]
     overhead: float = 0.0
+    plain_overhead: float = 0.0
+
+    @property
+    def plain_ms(self) -> float:
+        """One iteration of plain decoding, what every speedup is measured against."""
+        return self.target_step + self.plain_overhead
 
     @classmethod
     def from_timings(cls, timings: dict) -> "LoopCosts":
@@ -134,16 +142,50 @@ class LoopCosts:
         return LoopCosts(between(self.target_step, other.target_step, w),
                          {g: between(self.draft[g], other.draft[g], w) for g in self.draft},
                          {g: between(self.verify[g], other.verify[g], w) for g in self.verify},
-                         between(self.overhead, other.overhead, w))
+                         between(self.overhead, other.overhead, w),
+                         between(self.plain_overhead, other.plain_overhead, w))
 
-    def iteration_ms(self, gamma: int, draft_scale: float = 1.0, verify_scale: float = 1.0) -> float:
-        """One speculative iteration at γ, its draft and verification times scaled (see GammaPolicy)."""
-        return self.draft[gamma] * draft_scale + self.verify[gamma] * verify_scale + self.overhead
+    def at_batch(self, batch: int) -> "LoopCosts":
+        """These batch-1 costs carried to `batch` rows, as a prior for the loop to correct: a target
+        call's time as a line in the tokens it scores, fitted to the plain step (1 token) and each
+        verification (γ + 1); the draft's steps grown as the target's plain step grows. On the demo
+        pair (2 cores) it put batch 8's verifications at 2.4x its plain step, as measured, but every
+        call at about 0.7x its measured time: the loop's own measurements set the level (GammaPolicy)."""
+        if batch == 1:
+            return self
+        points = [(1, self.target_step)] + [(g + 1, ms) for g, ms in self.verify.items()]
+        slope, intercept = _line(points)
+        call = lambda tokens: intercept + slope * tokens  # noqa: E731
+        growth = call(batch) / call(1)
+        return LoopCosts(call(batch), {g: ms * growth for g, ms in self.draft.items()},
+                         {g: call(batch * (g + 1)) for g in self.verify}, self.overhead, self.plain_overhead)
 
-    def speedup(self, acceptance_by_position: list[float], gamma: int, draft_scale: float = 1.0,
-                verify_scale: float = 1.0) -> float:
+    def scaled(self, target: float, draft: float, overhead: float, plain_overhead: float) -> "LoopCosts":
+        """Every target call's time times `target`, every draft step's times `draft`, and the loop's
+        own work per iteration replaced (what GammaPolicy has measured)."""
+        return LoopCosts(self.target_step * target, {g: ms * draft for g, ms in self.draft.items()},
+                         {g: ms * target for g, ms in self.verify.items()}, overhead, plain_overhead)
+
+    def iteration_ms(self, gamma: int, drafts: int | None = None) -> float:
+        """One speculative iteration verified at γ, with `drafts` draft-model steps (default γ; 0: a
+        lookup's proposal, which costs no model time)."""
+        drafts = gamma if drafts is None else drafts
+        return self.draft[gamma] * drafts / gamma + self.verify[gamma] + self.overhead
+
+    def speedup(self, acceptance_by_position: list[float], gamma: int) -> float:
         """Predicted speedup of γ over plain decoding (γ = 0 is plain decoding: 1)."""
         if gamma == 0:
             return 1.0
         tokens = expected_tokens(acceptance_by_position[:gamma])
-        return rate(tokens, self.iteration_ms(gamma, draft_scale, verify_scale)) * self.target_step
+        return rate(tokens, self.iteration_ms(gamma)) * self.plain_ms
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through (x, y) points; the slope at least 0 and
+    the intercept at least half the smallest y (a call's fixed cost), so extrapolations stay sane."""
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in points) / spread) if spread else 0.0
+    intercept = max(mean_y - slope * mean_x, 0.5 * min(ys))
+    return slope, intercept

@@ -1,32 +1,60 @@
-"""Choosing γ: from a measured profile, then online as the acceptance estimate moves.
+"""Choosing γ, and whether speculating pays at all: from a measured profile or a quick
+calibration, then online, from what the loop measures.
 
-The policy keeps, per draft position k, counts of "reached k" and "accepted k". Their ratio is the
-conditional acceptance c_k = P(d_k accepted | d_1..d_{k-1} accepted), and P_k = c_1 ... c_k is what
-the cost model needs. The profile's calibration enters as pseudo-counts (a prior worth
-`prior_weight` iterations), so the first iterations follow the profile and later ones the text at
-hand. Positions beyond the γ in use are not observed and keep their prior.
+Acceptance. The policy keeps, per draft position k, counts of "reached k" and "accepted k" of the
+draft model's rows. Their ratio is the conditional acceptance c_k = P(d_k accepted | d_1..d_{k-1}
+accepted), and P_k = c_1 ... c_k is what the cost model needs. The profile's calibration enters as
+pseudo-counts (a prior worth `prior_weight` iterations), so the first iterations follow the profile
+and later ones the text at hand; observations older than `ACCEPTANCE_HORIZON` iterations fade, so a
+load whose text changes is followed. Positions beyond the γ in use are not observed and keep their
+prior. Other proposers' acceptance is each request's own (core/proposers).
 
-Costs come from the profile: draft, verification and the loop's own work per iteration, measured
-in loop runs at this batch size (runtime/profile.py), so the profile's table prints this policy's
-own predictions and its γ* is this policy's first choice. They are learned too: the machine may be
-busier than when it was profiled, and a quick calibration without a profile times steps outside the
-loop. So every iteration's measured draft and verification times update one correction factor
-each (the mean ratio of measured to profiled, with a prior of `COST_PRIOR_WEIGHT` iterations at 1),
-applied to every γ's costs alike: the γ in use teaches the policy about the others.
+Costs. The prior's (a profile's loop runs, or a quick calibration's calls timed outside the loop)
+are corrected by every iteration the loop runs, whoever proposed: each target call (a
+verification, or a plain step) updates one correction factor for every target call, each draft
+step one for every draft step (the mean ratio of measured to prior, with a prior of
+`COST_PRIOR_WEIGHT` iterations at 1), and the loop's own work per iteration, speculative and plain,
+is its measured mean. The γ in use teaches the policy about the others, and plain decoding's cost
+stays comparable with speculation's.
 
-Once a γ is in use, another must promise `SWITCH_MARGIN` more speedup to replace it. Each compiled γ
-is its own verification graph, and on a CPU each ONNX Runtime session holds its own packed copy of
-the target's weights: a verification right after another γ's finds its weights evicted from cache
-(demo pair, 2 cores: a γ=4 verification after γ=2 and γ=6 ones took 4.6 ms instead of 2.3). Without
-the margin, estimates hovering near a tie flip γ every few iterations and pay that each time.
+Against plain decoding (`worth_running`). Under γ = auto, an offer runs only if it promises more
+tokens per ms than a plain step; otherwise the row decodes plainly. A proposer whose offers were
+declined is still run now and then (a probe), so a text that turns predictable is noticed: once
+per interval of plain iterations, sized so that a probe that keeps nothing costs at most
+`PROBE_BUDGET` of plain decoding's time.
+
+Once a γ is in use, another must promise `SWITCH_MARGIN` more speedup to replace it; so must
+speculation to replace plain decoding, and the reverse. Each compiled γ is its own verification
+graph, and on a CPU each ONNX Runtime session holds its own packed copy of the target's weights: a
+verification right after another γ's finds its weights evicted from cache (demo pair, 2 cores: a
+γ=4 verification after γ=2 and γ=6 ones took 4.6 ms instead of 2.3). Without the margin, estimates
+hovering near a tie flip γ every few iterations and pay that each time.
 """
 
+import math
 from dataclasses import dataclass, field
 
 from speccompile.core.cost_model import LoopCosts
 
 SWITCH_MARGIN = 0.05
 COST_PRIOR_WEIGHT = 4.0
+ACCEPTANCE_HORIZON = 64  # iterations: older observations of the load's acceptance fade with this time constant
+PROBE_BUDGET = 0.03  # a declined proposer's probes cost at most this share of plain decoding's time
+
+
+@dataclass
+class Timing:
+    """One decoding iteration as the loop measured it, in ms: its target call (a verification at γ,
+    or a plain step at γ 0), its draft model's steps and everything (both without catching up: a
+    draft model fed the tokens it missed while rows decoded plainly, a cost of switching, not of
+    an iteration)."""
+
+    gamma: int
+    target_ms: float
+    total_ms: float
+    draft_ms: float = 0.0
+    draft_steps: int = 0
+    catch_up_ms: float = 0.0
 
 
 @dataclass
@@ -37,6 +65,7 @@ class Acceptance:
 
     prior: list[float]
     weight: float
+    horizon: float | None = None  # iterations after which an observation's weight has fallen to 1/e (None: never)
     reached: list[float] = field(default_factory=list)
     kept: list[float] = field(default_factory=list)
     observed: list[int] = field(default_factory=list)  # iterations (not the prior's) that reached k
@@ -49,6 +78,11 @@ class Acceptance:
 
     def observe(self, drafts: int, accepted: int) -> None:
         """One iteration: `drafts` proposed, the first `accepted` kept (positions 1..accepted+1 reached)."""
+        if self.horizon is not None:
+            fade = math.exp(-1.0 / self.horizon)
+            for k in range(len(self.reached)):  # the observed part fades toward the prior
+                self.reached[k] = self.weight + fade * (self.reached[k] - self.weight)
+                self.kept[k] = self.weight * self.prior_at(k) + fade * (self.kept[k] - self.weight * self.prior_at(k))
         for k in range(min(accepted + 1, drafts)):
             self._cover(k)
             self.reached[k] += 1
@@ -60,10 +94,22 @@ class Acceptance:
         return self.kept[k] / self.reached[k] if k < len(self.reached) else self.prior_at(k)
 
     def by_position(self, drafts: int) -> list[float]:
-        """P_1..P_drafts (unconditional): the products of the conditional rates."""
-        out, running = [], 1.0
+        """P_1..P_drafts (unconditional): the products of the conditional rates. A position not
+        reached so far keeps the prior's conditional rate, scaled by how the deepest reached
+        position compares with its own prior: the text at hand sets the level, the prior the
+        decline. Without that, a policy running at a short γ under a pessimistic prior would never
+        see that a longer one pays, and a lookup whose first drafts are never kept would still
+        expect the prior's rates of the drafts behind them."""
+        out, running, level = [], 1.0, 1.0
         for k in range(drafts):
-            running *= self.conditional(k)
+            self._cover(k)
+            prior = self.prior_at(k)
+            if self.observed[k]:
+                conditional = self.conditional(k)
+                level = conditional / prior if prior > 0 else 1.0
+            else:
+                conditional = min(1.0, prior * level)
+            running *= conditional
             out.append(running)
         return out
 
@@ -80,10 +126,14 @@ class GammaPolicy:
         self.costs = costs
         self.gammas = self.costs.gammas
         self.prior = _conditional(prior_by_position, max(self.gammas))
-        self.counts = Acceptance(self.prior, prior_weight)
+        self.counts = Acceptance(self.prior, prior_weight, ACCEPTANCE_HORIZON)
         self.iterations = 0  # observed so far
         self.current: int | None = None  # the γ chosen last
-        self._ratios = {kind: [COST_PRIOR_WEIGHT, COST_PRIOR_WEIGHT] for kind in ("draft", "verify")}  # [sum, count]
+        self.declined: dict[str, int] = {}  # proposer -> plain iterations in a row since its offers last ran
+        self._ratios = {kind: [COST_PRIOR_WEIGHT, COST_PRIOR_WEIGHT] for kind in ("draft", "target")}  # [sum, count]
+        # the loop's own work per speculative and per plain iteration: [sum, count], from the prior's
+        self._work = {0: [COST_PRIOR_WEIGHT * costs.plain_overhead, COST_PRIOR_WEIGHT],
+                      1: [COST_PRIOR_WEIGHT * costs.overhead, COST_PRIOR_WEIGHT]}
 
     @property
     def reached(self) -> list[float]:
@@ -94,32 +144,25 @@ class GammaPolicy:
         return self.counts.kept
 
     def cost_scale(self, kind: str) -> float:
-        """Measured over profiled cost, for "draft" or "verify" (1 before any observation)."""
+        """Measured over prior cost, for "draft" (a draft step) or "target" (a target call; 1 before
+        any observation)."""
         total, count = self._ratios[kind]
         return total / count
 
+    def costs_now(self) -> LoopCosts:
+        """The prior's costs as the loop has measured them so far (see the module's docstring)."""
+        work = {kind: total / count for kind, (total, count) in self._work.items()}
+        return self.costs.scaled(self.cost_scale("target"), self.cost_scale("draft"), work[1], work[0])
+
     def acceptance_by_position(self, gamma: int) -> list[float]:
-        """P_k for k = 1..γ. A position not reached so far keeps the prior's conditional rate,
-        scaled by how the deepest reached position compares with its own prior: the text at hand
-        sets the level, the prior the decline. Without that, a policy running at a short γ under
-        a pessimistic prior would never see that a longer one pays."""
-        by_position, running, level = [], 1.0, 1.0
-        for k in range(gamma):
-            if self.counts.observed[k]:
-                conditional = self.counts.conditional(k)
-                level = conditional / self.prior[k] if self.prior[k] > 0 else 1.0
-            else:
-                conditional = min(1.0, self.prior[k] * level)
-            running *= conditional
-            by_position.append(running)
-        return by_position
+        """P_k for k = 1..γ, as learned so far (Acceptance.by_position)."""
+        return self.counts.by_position(gamma)
 
     def speedup(self, gamma: int) -> float:
         """Predicted speedup of γ over plain decoding, with acceptance and costs as learned so far."""
         if gamma == 0:
             return 1.0
-        return self.costs.speedup(self.acceptance_by_position(gamma), gamma, self.cost_scale("draft"),
-                                  self.cost_scale("verify"))
+        return self.costs_now().speedup(self.acceptance_by_position(gamma), gamma)
 
     def choose(self, allow_zero: bool = True) -> int:
         """The γ with the best predicted speedup (0: plain decoding, when speculation does not pay),
@@ -131,18 +174,51 @@ class GammaPolicy:
         self.current = best
         return best
 
-    def observe_costs(self, gamma: int, draft_ms: float, verify_ms: float) -> None:
-        """One iteration's measured time in its γ draft steps and in its verification."""
-        profiled = {"draft": self.costs.draft[gamma], "verify": self.costs.verify[gamma]}
-        for kind, measured in (("draft", draft_ms), ("verify", verify_ms)):
-            if profiled[kind] > 0:
-                self._ratios[kind][0] += measured / profiled[kind]
-                self._ratios[kind][1] += 1
+    def worth_running(self, offers: list[tuple[str, float, float]]) -> list[bool]:
+        """offers: one per row that may decode plainly, (its proposer's name, the offer's expected
+        tokens per ms, the ms of an iteration that carries it), all at costs_now(). Whether each
+        runs this iteration (False: the row decodes plainly): where it beats a plain step (by
+        SWITCH_MARGIN to change from what its proposer did last), or where its proposer's probe is
+        due. Rows of the same proposer are decided together: one probe serves them all."""
+        costs = self.costs_now()
+        plain = 1.0 / costs.plain_ms
+        verdicts = []
+        for kind, rate, _ in offers:
+            margin = 1 - SWITCH_MARGIN if self.declined.get(kind, 0) == 0 else 1 + SWITCH_MARGIN
+            verdicts.append(rate >= plain * margin)
+        probing = {kind for (kind, _, ms), runs in zip(offers, verdicts)
+                   if not runs and self.declined.get(kind, 0) >= probe_interval(ms, costs.plain_ms)}
+        verdicts = [runs or kind in probing for (kind, _, _), runs in zip(offers, verdicts)]
+        for kind in {kind for kind, _, _ in offers}:
+            ran = any(runs for (other, _, _), runs in zip(offers, verdicts) if other == kind)
+            self.declined[kind] = 0 if ran else self.declined.get(kind, 0) + 1
+        return verdicts
+
+    def observe_timing(self, timing: Timing) -> None:
+        """One iteration's measured times: they correct the costs of every γ and of plain decoding."""
+        prior = self.costs.verify[timing.gamma] if timing.gamma else self.costs.target_step
+        self._add("target", timing.target_ms / prior)
+        if timing.draft_steps and self.costs.draft.get(timing.gamma, 0) > 0:
+            self._add("draft", timing.draft_ms / (self.costs.draft[timing.gamma] * timing.draft_steps / timing.gamma))
+        work = self._work[min(timing.gamma, 1)]
+        work[0] += max(0.0, timing.total_ms - timing.target_ms - timing.draft_ms)
+        work[1] += 1
 
     def observe(self, gamma: int, accepted: int) -> None:
         """One iteration at `gamma` accepted `accepted` drafts: positions 1..min(accepted+1, γ) were reached."""
         self.iterations += 1
         self.counts.observe(gamma, accepted)
+
+    def _add(self, kind: str, ratio: float) -> None:
+        self._ratios[kind][0] += ratio
+        self._ratios[kind][1] += 1
+
+
+def probe_interval(iteration_ms: float, plain_ms: float) -> int:
+    """Plain iterations between probes of a declined proposer, so that a probe keeping nothing
+    (an iteration of `iteration_ms` that yields one token, as a plain step of `plain_ms` would)
+    costs at most PROBE_BUDGET of the plain decoding around it."""
+    return max(1, math.ceil(max(0.0, iteration_ms - plain_ms) / (PROBE_BUDGET * plain_ms)))
 
 
 def best_gamma(speedups: dict[int, float]) -> int:

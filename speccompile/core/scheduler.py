@@ -8,7 +8,9 @@ Requests arrive at any time (`add`) and wait in a queue. Each `step` is one iter
      plan     γ for this iteration: the policy's choice for the current number of decoding requests
               and their mean context (its profile measured each batch size and context), capped per
               request by its own γ and by the tokens it still needs; each row's proposer makes its
-              offer (a lookup's tokens at once, the draft model's count); the verification graph is
+              offer (a lookup's tokens at once, the draft model's count); under γ auto, an offer
+              that promises fewer tokens per ms than a plain step is declined (the row decodes
+              plainly), but for a rare probe (core/gamma_policy.py); the verification graph is
               the smallest compiled γ that holds the longest offer. Rows may carry different numbers
               of drafts: the verification takes each row's draft length. A Medusa plan verifies
               token trees instead. All of it is one `Plan`.
@@ -18,7 +20,7 @@ Requests arrive at any time (`add`) and wait in a queue. Each `step` is one iter
               prefix (n drafts), returns the target's own next token and rolls the target cache back
               (a length update); or, when no row carries drafts, one plain decoding step;
      update   d_1..d_n and the target's token are emitted; each row's proposer and the γ policy learn
-              from the outcome; the runners roll their caches back to match;
+              from the outcome, the policy from its times too; the runners roll their caches back;
   4. finished requests leave at once; their slots are refilled by moving the last decoding row.
 
 Slots. The caches have `max_batch` slots, allocated once. Decoding requests occupy slots
@@ -44,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from speccompile.core.engine import DecoderEngine, VerifierEngine
-from speccompile.core.gamma_policy import GammaPolicy
+from speccompile.core.gamma_policy import GammaPolicy, Timing
 from speccompile.core.processors import grammar_masks, processing_inputs, words
 from speccompile.core.proposers import Offer, Proposers
 from speccompile.core.proposers.draft_model import DraftRunner, sampling_params
@@ -74,17 +76,13 @@ class Plan:
 class Scheduler:
     def __init__(self, target: VerifierEngine, draft: DecoderEngine | None, max_batch: int, max_seq: int,
                  gammas: list[int], eos_ids: set[int], policy_for: PolicyFor | None = None,
-                 profiled: bool = False, prefill_chunk: int = 64, fallback_gamma: int | None = None,
-                 proposers: Proposers | None = None):
-        """profiled: the policies' costs were measured by a profile of this hardware, so the policy may
-        choose plain decoding from the start; otherwise only once it has observed acceptance.
-        fallback_gamma: what AUTO requests run while there is no policy (default: the largest γ).
+                 prefill_chunk: int = 64, fallback_gamma: int | None = None, proposers: Proposers | None = None):
+        """fallback_gamma: what AUTO requests run while there is no policy (default: the largest γ).
         proposers: what the requests' proposers share (default: the draft model's runner over
         `draft`, None for a bundle without a draft model)."""
         self.target = target
         self.max_batch, self.max_seq, self.gammas = max_batch, max_seq, sorted(gammas)
         self.eos_ids, self.policy_for, self.prefill_chunk = eos_ids, policy_for, prefill_chunk
-        self.profiled = profiled
         self.fallback_gamma = max(self.gammas) if fallback_gamma is None else fallback_gamma
         self.proposers = proposers or Proposers(DraftRunner(draft, max_seq) if draft is not None else None)
         self.runners = self.proposers.runners
@@ -141,7 +139,12 @@ class Scheduler:
         self._retire_cancelled()
         self._prefill()
         if self.decoding:
-            self.execute(self.plan(self.decoding))
+            began = time.perf_counter()
+            plan = self.plan(self.decoding)
+            timing = self.execute(plan)
+            if plan.policy is not None and timing is not None:  # what the iteration cost teaches the policy
+                timing.total_ms = (time.perf_counter() - began) * 1e3 - timing.catch_up_ms
+                plan.policy.observe_timing(timing)
         self._retire_finished()
 
     def cancel_all(self) -> None:
@@ -250,6 +253,8 @@ class Scheduler:
         needed = np.array([r.remaining - 1 for r in rows], dtype=np.int64)  # the target adds one token of its own
         offers = [r.proposer.offer(r, int(w), min(r.gamma_cap, r.remaining - 1), policy) if r.gamma
                   else Offer(0, r.proposer) for r, w in zip(rows, np.minimum(wanted, needed))]
+        if policy is not None:
+            offers = self._against_plain(rows, offers, policy)
         # A request near its end drafts only what it still needs, but a model drafter's row keeps the
         # graph of the γ it wanted: switching graphs costs more than the padded slots.
         counts = np.array([w if o.source.runs_model and o.count else o.count for o, w in zip(offers, wanted)],
@@ -262,13 +267,27 @@ class Scheduler:
                 drafts[row] = request.grammar.valid_prefix(offer.tokens[: drafts[row]])
         return Plan(rows, offers, drafts, gamma if drafts.max() > 0 else 0, policy)
 
+    def _against_plain(self, rows: list[Request], offers: list[Offer], policy: GammaPolicy) -> list[Offer]:
+        """Under γ auto, a row whose offer promises fewer tokens per ms than a plain step decodes
+        plainly this iteration (its offer becomes none), unless its proposer's probe is due
+        (GammaPolicy.worth_running). A row that may not decode plainly (mode "speculative") keeps it."""
+        free = [row for row, (r, o) in enumerate(zip(rows, offers)) if o.count and r.gamma == AUTO and r.allow_plain]
+        if not free:
+            return offers
+        costs = policy.costs_now()
+        verdicts = policy.worth_running([(offers[row].source.name, offers[row].rate(costs),
+                                          offers[row].iteration_ms(costs)) for row in free])
+        offers = list(offers)
+        for row, runs in zip(free, verdicts):
+            if not runs:
+                offers[row] = Offer(0, offers[row].source)
+        return offers
+
     def _wanted_gamma(self, rows: list[Request], policy: GammaPolicy | None) -> np.ndarray:
         """The drafts each row asks of a model drafter this iteration: its own γ, or under AUTO the
-        policy's choice for the current load, capped by the room its length leaves."""
-        chosen = self.fallback_gamma
-        if policy is not None:
-            allow_plain = all(r.allow_plain for r in rows if r.gamma == AUTO)
-            chosen = policy.choose(allow_zero=allow_plain and (self.profiled or policy.iterations > 0))
+        policy's best γ for the current load (whether drafting pays at all is each offer's to show:
+        `_against_plain`), capped by the room its length leaves."""
+        chosen = self.fallback_gamma if policy is None else policy.choose(allow_zero=False)
         return np.array([min(chosen, r.gamma_cap) if r.gamma == AUTO else r.gamma for r in rows], dtype=np.int64)
 
     def _graph_gamma(self, rows: list[Request], wanted: np.ndarray) -> int:
@@ -283,14 +302,14 @@ class Scheduler:
         return min(covering) if covering else max(fitting, default=0)
 
     # -- decoding: execute ----------------------------------------------------------------------
-    def execute(self, plan: Plan) -> None:
+    def execute(self, plan: Plan) -> Timing | None:
+        """Run the plan; its times (None for a token tree, whose sizing measured its own)."""
         if plan.tree:
             self._tree_iteration(plan.rows)
-            return
+            return None
         began = time.perf_counter()
         if plan.gamma == 0:
-            self._plain_iteration(plan.rows, began)
-            return
+            return Timing(0, self._plain_iteration(plan.rows, began), 0.0)
         rows, offers, drafts = plan.rows, plan.offers, plan.drafts.copy()
         proposed = np.zeros((len(rows), int(drafts.max())), dtype=np.int64)
         for row, offer in enumerate(offers):
@@ -300,18 +319,21 @@ class Scheduler:
         q = {}  # runner -> the distributions [B, steps, V] its rows drew from (sampling)
         for runner in {id(o.source.runner): o.source.runner for o in offers if o.source.runner}.values():
             q[runner] = runner.draft(rows, offers, drafts, proposed, sampling)
+        drafted = time.perf_counter()
+        draft_ms = (drafted - began) * 1e3
+        catch_up_ms = sum(runner.catch_up_ms for runner in q)
+        timing = Timing(0, 0.0, 0.0, draft_ms - catch_up_ms, max((runner.steps for runner in q), default=0),
+                        catch_up_ms)
         if drafts.max() == 0:  # every row stopped before its first draft: a plain step is cheaper
             self.last_gamma = 0
-            self._plain_iteration(rows, began)
-            return
+            timing.target_ms = self._plain_iteration(rows, began)
+            return timing
         gamma = self.last_gamma = min(g for g in self.gammas if g >= drafts.max())  # fewer drafts: a shorter one
-        drafted = time.perf_counter()
         accepted, next_token = self._verify(rows, offers, drafts, gamma, proposed, q)
-        verified = time.perf_counter()
-        draft_ms, verify_ms = (drafted - began) * 1e3, (verified - drafted) * 1e3
-        if plan.policy is not None and drafts.max() == gamma and all(o.source.runs_model for o in offers):
-            plan.policy.observe_costs(gamma, draft_ms, verify_ms)
+        verify_ms = (time.perf_counter() - drafted) * 1e3
         self.update(plan, drafts, proposed, accepted, next_token, (draft_ms, verify_ms))
+        timing.gamma, timing.target_ms = gamma, verify_ms
+        return timing
 
     def _options(self, rows: list[Request], drafted: list | None = None, positions: int = 1) -> dict:
         """What a target call of these rows applies and reports: their processors' inputs (and
@@ -360,20 +382,23 @@ class Scheduler:
         return self.target.verify_sample(candidates, drafts, draft_probs, sampling_params(rows), u_accept, u_sample,
                                          coupled if noise is not None else None, noise, **options)
 
-    def _plain_iteration(self, rows: list[Request], began: float) -> None:
-        """One plain decoding step of every row, its time (since `began`) counted as decoding."""
+    def _plain_iteration(self, rows: list[Request], began: float) -> float:
+        """One plain decoding step of every row, its time (since `began`) counted as decoding.
+        Returns the target call's ms."""
         last = np.array([[r.tokens[-1]] for r in rows], dtype=np.int64)
         one = np.ones(len(rows), dtype=np.int64)
+        called = time.perf_counter()
         if all(r.params.greedy for r in rows):
             next_token = self.target.forward(last, one, **self._options(rows))
         else:
             next_token, _ = self.target.forward_sample(last, one, sampling_params(rows),
                                                        *draws(rows, self.target.vocab_size), **self._options(rows))
-        elapsed = (time.perf_counter() - began) * 1e3
+        done = time.perf_counter()
         for row, request in enumerate(rows):
             request.emit([next_token[row]], self.eos_ids, self._scores(rows, row, 1))
-            request.stats.decode_ms += elapsed
+            request.stats.decode_ms += (done - began) * 1e3
             request.stats.record_iteration(0, 0)
+        return (done - called) * 1e3
 
     def _tree_iteration(self, rows: list[Request]) -> None:
         """Medusa: one target pass verifies each row's token tree (the heads' proposal of the last

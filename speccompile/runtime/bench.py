@@ -2,8 +2,10 @@
 
 Runs are interleaved (AR, speculative, AR, ...) so drift in machine load hits both equally; each
 repeat covers every prompt at batch 1, and the reported rates are medians over repeats. The
-speculative runs always speculate (mode "speculative"): under γ = auto the policy moves between the
-compiled γ but never to plain decoding, which is what bench compares against.
+speculative runs are what a user's default request gets: under γ = auto (the default) the policy
+decodes plainly where speculation does not pay; `always_speculate` forbids that (mode
+"speculative"). Every measured speculative run starts from what a fresh load knows
+(`Runtime.forget`): no cross-request cache, no acceptance learned from earlier runs.
 
 `bench_load` (`bench --concurrency`): serving under load, below its own divider.
 """
@@ -133,30 +135,33 @@ def log_likelihood(runtime, prompts: list[list[int]], continuations: list[list[i
 
 
 def bench(runtime, prompts: list[str], max_new_tokens: int = 64, repeats: int = 3, gamma: int | str | None = None,
-          sampling: dict | None = None, proposer: str = "draft") -> tuple[dict, dict]:
+          sampling: dict | None = None, proposer: str = "draft", always_speculate: bool = False) -> tuple[dict, dict]:
     """Returns (summary with exactly BENCH_KEYS, details: timings behind the cost model)."""
-    [(summary, details)] = bench_proposers(runtime, prompts, [proposer], max_new_tokens, repeats, gamma, sampling)
+    [(summary, details)] = bench_proposers(runtime, prompts, [proposer], max_new_tokens, repeats, gamma, sampling,
+                                           always_speculate)
     return summary, details
 
 
 def bench_proposers(runtime, prompts: list[str], proposers: list[str], max_new_tokens: int = 64, repeats: int = 3,
-                    gamma: int | str | None = None, sampling: dict | None = None) -> list[tuple[dict, dict]]:
+                    gamma: int | str | None = None, sampling: dict | None = None,
+                    always_speculate: bool = False) -> list[tuple[dict, dict]]:
     """bench for each proposer, all against the same autoregressive runs: each repeat runs plain
     decoding and then every proposer through all prompts, so that a slow stretch of the machine hits
-    them alike. One (summary, details) per proposer, in order.
+    them alike. One (summary, details) per proposer, in order. gamma None: "auto", the default.
 
-    Every speculative run starts cold: what finished requests answered (suffix decoding's
-    cross-request tree) is forgotten before it, so no measured run drafts from the outputs of the
-    same prompts in the plain runs, the warm-ups, other proposers' runs or earlier repeats. Within a
-    run, a prompt may draft from the answers to the prompts before it, as in any stream of requests."""
+    Every speculative run starts cold (Runtime.forget): what finished requests answered (suffix
+    decoding's cross-request tree) and what the γ policy learned are forgotten before it, so no
+    measured run drafts from the outputs of the same prompts in the plain runs, the warm-ups, other
+    proposers' runs or earlier repeats, nor starts from their acceptance. Within a run, a prompt
+    may draft from the answers to the prompts before it, as in any stream of requests."""
     if repeats < 1:
         raise SpecCompileError(f"--repeats must be positive, got {repeats}")
-    if gamma is None:  # a Medusa bundle's requests verify the whole tree, sized at first use
-        gamma = "auto" if runtime.bundle.medusa else runtime.default_gamma
+    gamma = "auto" if gamma is None else gamma
+    mode = "speculative" if always_speculate or gamma != "auto" else None
     sampling = sampling or {}
     _run_all(runtime, prompts[:1], "autoregressive", None, 8, sampling)  # warm-up: sessions, caches
     for proposer in proposers:
-        _run_all(runtime, prompts[:1], "speculative", gamma, 8, sampling, proposer)
+        _run_all(runtime, prompts[:1], mode, gamma, 8, sampling, proposer)
     ar_rates, ar_stats = [], []
     spec_rates, spec_stats = {p: [] for p in proposers}, {p: [] for p in proposers}
     for _ in range(repeats):
@@ -164,8 +169,8 @@ def bench_proposers(runtime, prompts: list[str], proposers: list[str], max_new_t
         ar_rates.append(rate)
         ar_stats += stats
         for proposer in proposers:
-            runtime.proposers.forget_outputs()
-            rate, stats = _run_all(runtime, prompts, "speculative", gamma, max_new_tokens, sampling, proposer)
+            runtime.forget()
+            rate, stats = _run_all(runtime, prompts, mode, gamma, max_new_tokens, sampling, proposer)
             spec_rates[proposer].append(rate)
             spec_stats[proposer] += stats
     ar, ar_rate = pooled(ar_stats), statistics.median(ar_rates)
@@ -196,19 +201,21 @@ def _cost_details(ar, spec) -> dict:
     """Step costs behind the cost model, from the pooled stats of the batch-1 runs (whose clocks
     are each call's own, so their sums are wall time)."""
     iterations = max(1, spec.iterations)
+    plain = spec.gammas_used.get(0, 0)  # iterations in which γ auto decoded plainly
     t_target = ar.decode_ms / max(1, ar.iterations)
     t_draft = spec.draft_ms / max(1, spec.draft_tokens)
-    t_verify = spec.verify_ms / iterations  # the mean over the γ used
-    t_loop = (spec.total_ms - spec.prefill_ms) / iterations
+    t_verify = spec.verify_ms / max(1, iterations - plain)  # the mean over the γ used
+    t_rest = (spec.total_ms - spec.prefill_ms - spec.decode_ms - spec.draft_ms - spec.verify_ms) / iterations
     return {
         "iterations": spec.iterations,
+        "plain_iterations": plain,
         "draft_tokens": spec.draft_tokens,
         "accepted_tokens": spec.accepted_tokens,
         "acceptance_by_position": spec.acceptance_by_position,
         "target_step_ms": t_target,
         "draft_step_ms": t_draft,
         "verify_ms": t_verify,
-        "overhead_ms_per_iteration": t_loop - spec.mean_gamma * t_draft - t_verify,
+        "overhead_ms_per_iteration": t_rest,
         "draft_to_target_step_ratio": t_draft / t_target if t_target else 0.0,
         "predicted_speedup": predicted_speedup_mixed(spec.acceptance_by_position, spec.gammas_used, t_target, t_draft,
                                                      t_verify),
@@ -311,8 +318,8 @@ def _mode_options(mode: str, gamma, always_speculate: bool, sampling: dict, prop
 
 def _runs_at(runtime, stream: list[LoadRequest], concurrency: int, repeats: int, options: dict) -> dict:
     """One warm-up round per mode (short requests, one per client: sessions and first runs at this
-    load, and the γ policy's acceptance at it, are not timed), then the timed runs, modes
-    interleaved. {mode: [(wall seconds, [_Served])] per repeat}."""
+    load are not timed), then the timed runs, modes
+    interleaved, each from what a fresh load knows. {mode: [(wall seconds, [_Served])] per repeat}."""
     warmup = [LoadRequest(r.prompt, min(WARMUP_TOKENS, r.max_new_tokens), None, r.seed)
               for r in (stream[i % len(stream)] for i in range(concurrency))]
     for mode in LOAD_MODES:
@@ -320,7 +327,7 @@ def _runs_at(runtime, stream: list[LoadRequest], concurrency: int, repeats: int,
     runs = {mode: [] for mode in LOAD_MODES}
     for repeat in range(repeats):
         for mode in LOAD_MODES:
-            runtime.proposers.forget_outputs()  # cold: no run drafts from answers an earlier one gave
+            runtime.forget()  # cold: no run drafts from answers an earlier one gave, nor starts from its acceptance
             wall, served = _serve(runtime, stream, concurrency, options[mode])
             runs[mode].append((wall, served))
             log.info(f"concurrency {concurrency}, {mode} run {repeat + 1}/{repeats}: {_tokens(served)} tokens "

@@ -103,8 +103,10 @@ class Runtime:
         self.proposers = Proposers(DraftRunner(self.draft, self.max_seq) if self.draft is not None else None, shape,
                                    self.profile.lookup_priors if self.profile is not None else None)
         self.scheduler = Scheduler(self.target, self.draft, self.max_batch, self.max_seq, self.gammas,
-                                   self.tokenizer.eos_token_ids, self.policies.policy_for, self.profile is not None,
+                                   self.tokenizer.eos_token_ids, self.policies.policy_for,
                                    prefill_chunk, fallback_gamma=self.default_gamma, proposers=self.proposers)
+        if self.policies.needs_calibration and self.tree_sizing is None:  # a tree has no γ
+            self.policies.calibrate(self.target, self.draft)  # here: never inside a request
         self._engine: EngineThread | None = None
         self._edge: Edge | None = None
         self._submitting = threading.Lock()  # one engine thread, and graph loads one at a time, whoever submits
@@ -113,6 +115,15 @@ class Runtime:
     @property
     def gammas(self) -> list[int]:
         return self.bundle.gammas
+
+    def forget(self) -> None:
+        """Back to what a fresh load knows: finished requests' outputs (suffix decoding's cache)
+        and what the γ policies learned are forgotten; measured priors (profile, calibration) stay.
+        Only while idle. What `bench` does before each measured run, so that none learns from another."""
+        if not self.scheduler.idle:
+            raise SpecCompileError("a runtime can only forget while no request is in flight")
+        self.proposers.forget_outputs()
+        self.policies.forget()
 
     UNHEALTHY_AFTER = 3  # failed iterations in a row after which the runtime reports itself unhealthy
 
@@ -127,10 +138,11 @@ class Runtime:
                 "last_error": None if error is None else f"{type(error).__name__}: {error}"}
 
     def speculative_config(self) -> dict:
-        """What speculates here, for a client to see: the compiled γ, the default, the proposers a
+        """What speculates here, for a client to see: the compiled γ, the default (γ auto, priors from
+        a γ profile of this hardware or from the calibration at load), the proposers a
         request may ask for, the draft model's and Medusa heads' presence, the sampling rules."""
-        return {"gammas": self.gammas, "default_gamma": self.default_gamma,
-                "gamma_auto": self.profile is not None, "proposers": self.proposers.available(),
+        return {"gammas": self.gammas, "default_gamma": "auto", "gamma_profile": self.profile is not None,
+                "proposers": self.proposers.available(),
                 "default_proposer": DEFAULT_PROPOSER, "draft_model": self.draft is not None,
                 "medusa_heads": self.bundle.medusa["num_heads"] if self.bundle.medusa else 0,
                 "sampling_rules": list(SAMPLING_RULES), "backend": self.backend}
@@ -282,17 +294,13 @@ class Runtime:
             self._engine.submit(request)
 
     def _before_step(self) -> None:
-        """Runs on the engine thread between iterations: the quick calibration that a runtime
-        without a profile needs, and the sizing of a Medusa bundle's tree, while no request is in
-        flight (both drive the models directly)."""
+        """Runs on the engine thread between iterations: the sizing of a Medusa bundle's tree, while
+        no request is in flight (it drives the target directly)."""
         if self.scheduler.active != 0:
             return
-        waiting = list(self.scheduler.waiting)
         if self.tree_sizing is not None and self.proposers.tree.tree is None:
-            if any(r.proposer.tree for r in waiting):
+            if any(r.proposer.tree for r in self.scheduler.waiting):
                 self.tree_sizing.size()
-        elif self.policies.needs_calibration and any(r.gamma == AUTO and not r.proposer.tree for r in waiting):
-            self.policies.calibrate(self.target, self.draft)  # a tree has no γ
 
     # -- Medusa trees ----------------------------------------------------------------------------
     def set_tree(self, tree) -> None:
@@ -459,7 +467,7 @@ class Runtime:
                 log.warning(f"warning: gamma={gamma} has no effect in autoregressive mode (the target decodes alone)")
             return 0, False
         if gamma is None:
-            gamma = AUTO if self.profile is not None else self.default_gamma
+            gamma = AUTO
         if gamma == AUTO:
             return AUTO, mode is None  # an explicit mode is never overridden
         if gamma == 0 and not isinstance(gamma, bool) and mode is None:  # plain decoding, asked for by γ

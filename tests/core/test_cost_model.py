@@ -75,8 +75,31 @@ def test_loop_costs_speedup_hand_computed():
     assert costs.speedup([0.9, 0.7, 0.5, 0.3], 2) == pytest.approx(26 / 16)
     # γ=4: E = 3.4; iteration 5 + 14 + 1 = 20 ms -> 34/20; drafts at twice their cost: 5*2 + 14 + 1 = 25
     assert costs.speedup([0.9, 0.7, 0.5, 0.3], 4) == pytest.approx(34 / 20)
-    assert costs.speedup([0.9, 0.7, 0.5, 0.3], 4, draft_scale=2.0) == pytest.approx(34 / 25)
+    assert costs.scaled(1.0, 2.0, 1.0, 0.0).speedup([0.9, 0.7, 0.5, 0.3], 4) == pytest.approx(34 / 25)
     assert costs.speedup([0.9, 0.7], 0) == 1.0
+
+
+def test_scaled_costs_scale_every_target_call_alike_and_a_plain_step_pays_its_own_loop_work():
+    costs = LoopCosts(target_step=10.0, draft={2: 3.0, 4: 5.0}, verify={2: 12.0, 4: 14.0}, overhead=1.0)
+    busy = costs.scaled(target=2.0, draft=0.5, overhead=3.0, plain_overhead=2.0)
+    assert busy == LoopCosts(20.0, {2: 1.5, 4: 2.5}, {2: 24.0, 4: 28.0}, 3.0, 2.0)
+    assert busy.plain_ms == 22.0 and tokens_per_ms(busy, [], 0) == pytest.approx(1 / 22)
+    # γ=2: E = 2.6 over 1.5 + 24 + 3 = 28.5 ms, against a plain step of 22 ms
+    assert busy.speedup([0.9, 0.7], 2) == pytest.approx(2.6 * 22 / 28.5)
+
+
+def test_batch_one_costs_carried_to_a_batch_follow_a_line_in_the_tokens_a_call_scores():
+    # target calls: 1 token 10 ms, 3 tokens 11 ms, 5 tokens 12 ms: 9.5 + 0.5 per token
+    costs = LoopCosts(target_step=10.0, draft={2: 2.0, 4: 4.0}, verify={2: 11.0, 4: 12.0}, overhead=1.0)
+    assert costs.at_batch(1) is costs
+    four = costs.at_batch(4)
+    assert four.target_step == pytest.approx(9.5 + 0.5 * 4)
+    assert four.verify == pytest.approx({2: 9.5 + 0.5 * 12, 4: 9.5 + 0.5 * 20})
+    assert four.draft == pytest.approx({2: 2.0 * 11.5 / 10, 4: 4.0 * 11.5 / 10})  # grown as the plain step
+    assert four.overhead == 1.0
+    # noisy points never make a call cheaper with more tokens, nor free
+    flat = LoopCosts(target_step=10.0, draft={4: 4.0}, verify={4: 8.0}).at_batch(8)
+    assert flat.target_step == flat.verify[4] == pytest.approx(9.0)
 
 
 def test_loop_costs_from_timings_with_and_without_per_gamma_draft_costs():

@@ -3,7 +3,7 @@
 import pytest
 
 from speccompile.core.cost_model import LoopCosts
-from speccompile.core.gamma_policy import SWITCH_MARGIN, GammaPolicy
+from speccompile.core.gamma_policy import PROBE_BUDGET, SWITCH_MARGIN, GammaPolicy, Timing, probe_interval
 
 TIMINGS = {"target_step_ms": 10.0, "draft_step_ms": 1.0, "verify_ms": {1: 11.0, 2: 12.0, 4: 14.0, 8: 18.0}}
 
@@ -30,7 +30,7 @@ def test_moderate_acceptance_picks_a_short_gamma():
 def test_observations_move_the_choice():
     policy = GammaPolicy(LoopCosts.from_timings(TIMINGS), [0.95 ** k for k in range(1, 9)], prior_weight=4)
     assert policy.choose() == 8
-    for _ in range(40):
+    for _ in range(60):
         policy.observe(8, 0)  # the text turned hard: nothing is accepted
     assert policy.choose() == 0
     assert policy.acceptance_by_position(2)[0] < 0.1
@@ -59,18 +59,31 @@ def test_the_gamma_in_use_stays_unless_another_is_clearly_better():
 
 
 def test_measured_costs_correct_every_gamma_alike():
-    """Profiled verifications look cheap; the loop measures them at 5x: speculation stops paying."""
+    """The loop measures verifications at 5x their profiled time, drafts as profiled: every target
+    call, plain steps included, is that much slower, and drafting is relatively cheaper."""
     policy = GammaPolicy(LoopCosts.from_timings(TIMINGS), [0.9, 0.81, 0.73, 0.66, 0.59, 0.53, 0.48, 0.43])
-    assert policy.choose() == 8 and policy.cost_scale("verify") == 1.0
-    for _ in range(40):
-        policy.observe_costs(8, draft_ms=8 * 1.0, verify_ms=5 * 18.0)  # drafts as profiled, verification 5x
+    assert policy.choose() == 8 and policy.cost_scale("target") == 1.0
+    for _ in range(40):  # drafts as profiled, verification 5x
+        policy.observe_timing(Timing(8, target_ms=5 * 18.0, total_ms=8 * 1.0 + 5 * 18.0, draft_ms=8 * 1.0,
+                                     draft_steps=8))
     assert policy.cost_scale("draft") == pytest.approx(1.0)
-    assert policy.cost_scale("verify") == pytest.approx((4 + 40 * 5) / 44)
-    assert policy.speedup(1) == pytest.approx(
-        (1 + 0.9) * 10.0 / (1.0 + 11.0 * policy.cost_scale("verify")))  # γ=1 never ran, and is corrected too
-    assert policy.choose() == 0  # verifications at 4.6x their profiled cost: plain decoding wins
+    assert policy.cost_scale("target") == pytest.approx((4 + 40 * 5) / 44)
+    # γ=1 never ran, and is corrected too; so is a plain step, a target call like any other
+    scale = policy.cost_scale("target")
+    assert policy.speedup(1) == pytest.approx((1 + 0.9) * 10.0 * scale / (1.0 + 11.0 * scale))
+    assert policy.costs_now().plain_ms == pytest.approx(10.0 * policy.cost_scale("target"))
 
 
+def test_plain_steps_teach_the_cost_of_every_target_call_and_the_loop_s_work_is_measured_per_kind():
+    policy = GammaPolicy(LoopCosts.from_timings({**TIMINGS, "overhead_ms": 1.0}), [0.5] * 8)
+    for _ in range(4):  # plain steps at twice their calibrated time, 0.5 ms of loop work each
+        policy.observe_timing(Timing(0, target_ms=20.0, total_ms=20.5))
+    assert policy.cost_scale("target") == pytest.approx(1.5)  # (4 + 4 x 2) / 8
+    now = policy.costs_now()
+    assert now.target_step == pytest.approx(15.0) and now.verify[4] == pytest.approx(21.0)
+    assert now.plain_overhead == pytest.approx(0.25) and now.overhead == pytest.approx(1.0)  # means with the prior's
+    policy.observe_timing(Timing(4, target_ms=21.0, total_ms=30.0, draft_ms=4.0, draft_steps=4))
+    assert policy.costs_now().overhead == pytest.approx((4 * 1.0 + 5.0) / 5)
 def test_positions_beyond_the_gamma_in_use_follow_the_observed_level():
     """Running at γ=2 with a pessimistic prior, the drafts are nearly always accepted: positions 3
     and 4 were never reached, but take the level seen at 1 and 2, so γ=4 gets its chance."""
@@ -104,6 +117,42 @@ def test_per_gamma_draft_costs_are_what_each_gamma_pays_and_what_observations_co
     policy = GammaPolicy(LoopCosts.from_timings(timings), [0.5, 0.25, 0.125, 0.0625])
     assert policy.speedup(1) == pytest.approx(1.5 * 10 / 13)
     assert policy.speedup(4) == pytest.approx(1.9375 * 10 / 19)
-    for _ in range(4):
-        policy.observe_costs(1, draft_ms=2.0, verify_ms=11.0)  # as profiled: nothing to correct
-    assert policy.cost_scale("draft") == pytest.approx(1.0) and policy.cost_scale("verify") == pytest.approx(1.0)
+    for _ in range(4):  # as profiled: nothing to correct
+        policy.observe_timing(Timing(1, target_ms=11.0, total_ms=13.0, draft_ms=2.0, draft_steps=1))
+    assert policy.cost_scale("draft") == pytest.approx(1.0) and policy.cost_scale("target") == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# against plain decoding: declining what does not pay, and probing what was declined
+
+
+def test_an_offer_runs_only_where_it_beats_a_plain_step_and_changing_takes_a_margin():
+    policy = GammaPolicy(LoopCosts.from_timings(TIMINGS), [0.5] * 8)  # a plain step: 0.1 tokens per ms
+    assert policy.worth_running([("draft", 0.2, 14.0), ("ngram", 0.09, 11.0)]) == [True, False]
+    assert policy.declined == {"draft": 0, "ngram": 1}
+    # ngram was declined: it must now beat plain by the margin; draft, running, keeps on just below it
+    slightly = 0.1 * (1 + SWITCH_MARGIN / 2)
+    assert policy.worth_running([("ngram", slightly, 11.0)]) == [False]
+    assert policy.worth_running([("draft", 0.1 * (1 - SWITCH_MARGIN / 2), 14.0)]) == [True]
+
+
+def test_a_declined_proposer_is_probed_at_an_interval_whose_cost_is_the_probe_budget():
+    policy = GammaPolicy(LoopCosts.from_timings(TIMINGS), [0.0] * 8)
+    iteration_ms = 16.0  # 6 ms more than a plain step of 10 ms: one probe per 6 / (0.03 x 10) = 20 plain steps
+    interval = probe_interval(iteration_ms, 10.0)
+    assert interval == 20 and PROBE_BUDGET == 0.03
+    ran = [policy.worth_running([("draft", 0.01, iteration_ms), ("draft", 0.01, iteration_ms)]) for _ in range(63)]
+    probes = [i for i, verdicts in enumerate(ran) if any(verdicts)]
+    assert probes == [20, 41, 62]  # one probe iteration per 20 declined ones
+    assert all(verdicts == [True, True] for verdicts in (ran[i] for i in probes))  # its rows probe together
+    assert probe_interval(9.0, 10.0) == 1  # an iteration cheaper than a plain step costs nothing to probe
+
+
+def test_observations_fade_so_that_a_load_whose_text_changes_is_followed():
+    policy = GammaPolicy(LoopCosts.from_timings(TIMINGS), [0.5] * 8, prior_weight=2)
+    for _ in range(1000):
+        policy.observe(4, 0)
+    assert policy.acceptance_by_position(1)[0] < 0.05
+    for _ in range(60):  # the text turns predictable: a few dozen iterations, not a thousand, turn the estimate
+        policy.observe(4, 4)
+    assert policy.acceptance_by_position(1)[0] > 0.5

@@ -3,7 +3,7 @@
 
 import pytest
 
-from speccompile.core.cost_model import LoopCosts
+from speccompile.core.cost_model import LoopCosts, tokens_per_ms
 from speccompile.core.gamma_policy import GammaPolicy
 from speccompile.core.proposers import Offer, Proposer, Proposers, TreeShape
 from speccompile.core.proposers.auto import Auto
@@ -61,7 +61,8 @@ COSTS = LoopCosts(10.0, {4: 4.0}, {4: 12.0})
     ([Fixed("a", 2, 0.3), Fixed("m", 4, 0.5, runs_model=True)], 4, None, "m"),
     ([Fixed("a", 4, 0.8), Fixed("m", 4, 0.8, runs_model=True)], 4, COSTS, "a"),  # the same tokens, no draft steps
     ([Fixed("a", 0, 0.9), Fixed("m", 4, 0.1, runs_model=True)], 4, COSTS, "m"),  # no match: the model
-    ([Fixed("a", 1, 0.05), Fixed("m", 0, 0.9, runs_model=True)], 0, COSTS, "m"),  # worse than a plain step
+    # the only offer, though worse than a plain step: that is the scheduler's to decline (next test)
+    ([Fixed("a", 1, 0.05), Fixed("m", 0, 0.9, runs_model=True)], 0, COSTS, "a"),
     ([Fixed("a", 1, 0.5), Fixed("m", 0, 0.9, runs_model=True)], 0, COSTS, "a"),  # 1.5 / 12 > 1 / 10
     ([Fixed("a", 2, 0.5), Fixed("b", 2, 0.6)], 4, None, "b"),  # free proposers alone: the better one
 ])
@@ -69,6 +70,16 @@ def test_auto_takes_the_offer_of_the_best_predicted_rate(members, wanted, costs,
     policy = GammaPolicy(costs, [0.5] * 4) if costs else None
     offer = Auto(members).offer(Request([1, 2, 3], 10), wanted, 4, policy)
     assert offer.source.name == chosen
+
+
+def test_an_offer_worse_than_a_plain_step_is_declined_and_a_better_one_runs():
+    policy = GammaPolicy(COSTS, [0.5] * 4)
+    worse = Auto([Fixed("a", 1, 0.05)]).offer(Request([1, 2, 3], 10), 0, 4, policy)  # 1.05 / 12 ms
+    better = Auto([Fixed("b", 1, 0.5)]).offer(Request([1, 2, 3], 10), 0, 4, policy)  # 1.5 / 12 ms
+    costs = policy.costs_now()
+    assert worse.rate(costs) < tokens_per_ms(costs, [], 0) < better.rate(costs)  # a plain step: 1 / 10 ms
+    offers = [(o.source.name, o.rate(costs), o.iteration_ms(costs)) for o in (worse, better)]
+    assert policy.worth_running(offers) == [False, True]
 
 
 def test_suffix_decoding_scales_its_frequencies_by_how_its_proposals_fared():

@@ -225,7 +225,7 @@ def test_auto_observes_acceptance_and_costs():
     # every iteration that drafted (the last one needs a single token: the target's own, plainly)
     assert request.stats.gammas_used[0] == 1
     assert policy.iterations == request.stats.iterations - 1
-    assert policy.cost_scale("verify") != 1.0  # fake engines take microseconds, not the profiled 1.2-1.5 ms
+    assert policy.cost_scale("target") != 1.0  # fake engines take microseconds, not the profiled 1.2-1.5 ms
 
 
 def test_each_request_reports_its_own_time_until_its_last_token():

@@ -517,7 +517,7 @@ def test_chat_takes_text_parts_the_developer_role_and_defaults_max_tokens_to_the
     prompt = runtime.tokenizer.encode(rendered, special_tokens=False)
     reply = chat.chat.completions.create(model="tiny", messages=parts, temperature=0, extra_body={"ignore_eos": True})
     assert reply.usage.prompt_tokens == len(prompt)
-    reserved = max(runtime.gammas) if runtime.profile is not None else runtime.default_gamma  # its longest verification
+    reserved = max(runtime.gammas)  # γ auto, the default: its longest verification
     assert reply.usage.completion_tokens == runtime.max_seq - len(prompt) - reserved
     [expected] = runtime.generate([prompt], max_new_tokens=8, temperature=0)
     assert reply.choices[0].message.content.startswith(expected.text)

@@ -2,12 +2,12 @@
 tokens per millisecond (cost_model.tokens_per_ms): each member's expected tokens per iteration
 (1 + Σ P_k, from that request's own acceptance at each draft position, learned as it runs, from a
 prior) over its iteration time (draft steps, if it runs a model, + verification + the loop's own
-work). Code and edits repeat their own text, and where they do a lookup is accepted as often as a
-draft model, for nothing; elsewhere lookups find no match and the draft model drafts.
+work), at the costs the load's γ policy has measured. Code and edits repeat their own text, and
+where they do a lookup is accepted as often as a draft model, for nothing; elsewhere lookups find no
+match and the draft model drafts.
 
-The model drafter is the baseline: a proposal that costs no model time replaces it when it promises
-at least its rate, or, where the γ policy judged that the model should not draft (0 wanted), when
-it promises more than a plain step.
+Whether the chosen offer beats plain decoding is the scheduler's question for every proposer alike
+(Scheduler._against_plain, GammaPolicy.worth_running): `auto` only ranks its members.
 """
 
 from speccompile.core.gamma_policy import GammaPolicy
@@ -24,22 +24,12 @@ class Auto(Proposer):
         self.runs_model = any(m.runs_model for m in members)
 
     def offer(self, request, wanted: int, cap: int, policy: GammaPolicy | None) -> Offer:
-        model, free = None, []
-        for member in self.members:
-            offer = member.offer(request, wanted, cap, policy)
-            if member.runs_model:
-                model = offer
-            elif offer.count > 0:
-                free.append(offer)
-        if not free:
-            return model or Offer(0, self.members[0])
-        costs = policy.costs if policy is not None else None
-        best = free[0] if len(free) == 1 else max(free, key=lambda o: o.rate(costs))  # equals: members' order
-        if model is None:
-            return best
-        if model.count == 0:  # the model would not draft: a free proposal against a plain step
-            return best if best.rate(costs) > model.rate(costs) else model
-        return best if best.rate(costs) >= model.rate(costs) else model
+        offers = [member.offer(request, wanted, cap, policy) for member in self.members]
+        drafting = [offer for offer in offers if offer.count > 0]
+        if not drafting:
+            return Offer(0, self.members[0])
+        costs = policy.costs_now() if policy is not None else None
+        return max(drafting, key=lambda o: o.rate(costs))  # on a tie the first: free proposers come first
 
     def finish(self, request) -> None:
         for member in self.members:

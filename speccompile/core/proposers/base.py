@@ -39,6 +39,11 @@ class Offer:
         return tokens_per_ms(costs, expected() if callable(expected) else expected, self.count,
                              self.source.runs_model)
 
+    def iteration_ms(self, costs: LoopCosts) -> float:
+        """The ms of an iteration carrying this offer (count > 0): its draft steps, if its source
+        runs a model, and the verification of the smallest compiled γ that holds it."""
+        return costs.iteration_ms(costs.graph_for(self.count), self.count if self.source.runs_model else 0)
+
 
 class Proposer:
     """One request's proposer. Subclasses set the class data and implement `offer`; `observe` and
@@ -70,6 +75,9 @@ class Proposer:
 class Runner(Protocol):
     """Shared work behind the proposers that run a model (one per runtime): it keeps that model's
     cache in step with the target's slots, and drafts for its rows of a plan, batched."""
+
+    steps: int  # model steps the last `draft` ran
+    catch_up_ms: float  # of its time, what feeding the model the tokens it had missed took (after plain steps)
 
     def start(self, slots: int) -> None: ...
     def admit(self, slot: int) -> None: ...

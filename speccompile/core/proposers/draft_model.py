@@ -11,6 +11,8 @@ extra and removes the special case where every draft was accepted and the draft 
 plain iterations it is further behind and catches up in chunks before it drafts.
 """
 
+import time
+
 import numpy as np
 
 from speccompile.core.engine import DecoderEngine
@@ -28,6 +30,7 @@ class DraftRunner:
 
     def __init__(self, engine: DecoderEngine, max_seq: int):
         self.engine, self.max_seq = engine, max_seq
+        self.steps, self.catch_up_ms = 0, 0.0  # of the last `draft`: model steps, and ms spent catching up
 
     def start(self, slots: int) -> None:
         self.engine.start(slots)
@@ -65,9 +68,12 @@ class DraftRunner:
         [B, steps, V] its rows drew from. A row's proposals past its count never draw a uniform."""
         mine = [offer.source.runner is self for offer in offers]
         steps = max((int(d) for d, m in zip(drafts, mine) if m), default=0)
+        self.steps, self.catch_up_ms = 0, 0.0
         if steps == 0:
             return None
+        began = time.perf_counter()
         self._catch_up(rows)
+        self.catch_up_ms = (time.perf_counter() - began) * 1e3
         lengths = self.engine.cache_lengths[: len(rows)]
         tokens, counts = pad([r.tokens[length:] for r, length in zip(rows, lengths)])
         p_min = np.array([offer.source.p_min if m else 0.0 for offer, m in zip(offers, mine)], dtype=np.float32)
@@ -79,6 +85,7 @@ class DraftRunner:
             drafting = [m and k < d for m, d in zip(mine, drafts)]
             if not any(drafting):  # every row stopped below its p_min
                 break
+            self.steps += 1
             if sampling:
                 uniform, coupled, noise = draws(rows, self.engine.vocab_size, offset=k, active=drafting)
                 token, probs = self.engine.forward_sample(tokens, counts, params, uniform, coupled, noise,

@@ -17,6 +17,8 @@ NGRAM_MAX, NGRAM_MIN = 4, 2  # matching 1 token proposes too often and is kept 0
 # that matched: on the demo target's greedy output over held-out code, the first proposed token was
 # kept 0.93 to 0.99 of the time after a 4-token match, 0.65 to 1.0 after 3, 0.35 to 0.80 after 2.
 NGRAM_PRIORS, NGRAM_PRIOR_WEIGHT = {4: 0.9, 3: 0.75, 2: 0.5}, 4.0
+# A request's own rates follow its recent lookups (iterations): a text turns repetitive, or stops being so
+NGRAM_HORIZON = 16
 
 
 class NgramIndex:
@@ -74,7 +76,7 @@ class PromptLookup(Proposer):
     def __init__(self, priors: dict[int, float] | None = None):
         self.index = NgramIndex()
         priors = {**NGRAM_PRIORS, **(priors or {})}
-        self.acceptance = {n: Acceptance([prior], NGRAM_PRIOR_WEIGHT) for n, prior in priors.items()}
+        self.acceptance = {n: Acceptance([prior], NGRAM_PRIOR_WEIGHT, NGRAM_HORIZON) for n, prior in priors.items()}
         self.matched = 0  # the suffix length of the last offer
 
     def offer(self, request, wanted: int, cap: int, policy: GammaPolicy | None) -> Offer:

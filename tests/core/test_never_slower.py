@@ -1,0 +1,119 @@
+"""Never slower than plain decoding: under γ auto, with costs measured in time, a proposer whose
+offers yield fewer tokens per ms than a plain step stops running after a few iterations, but for
+probes whose share is bounded; and a proposer whose text turns predictable runs again.
+
+The engines here are the fake ones with a cost: every call sleeps for a fixed part and a part per
+token, so that a plain step, a verification and a draft step cost what a small model's do, in the
+ratio that decides (a verification of 5 tokens 1.6x a plain step, a draft step 0.15x).
+"""
+
+import time
+
+import numpy as np
+
+from speccompile.core.cost_model import LoopCosts
+from speccompile.core.gamma_policy import GammaPolicy, probe_interval
+from speccompile.core.proposers import NgramIndex
+from speccompile.core.request import AUTO, Request
+from speccompile.core.scheduler import Scheduler
+from tests.core.fake_engines import FakeEngine, next_token_of
+
+CALL_MS, TOKEN_MS, DRAFT_MS = 3.0, 0.4, 0.5
+# what a calibration of these engines would find at batch 1: a plain step, γ=4's draft and verification
+COSTS = LoopCosts(target_step=CALL_MS + TOKEN_MS, draft={4: 5 * DRAFT_MS}, verify={4: CALL_MS + 5 * TOKEN_MS})
+
+
+def costing(engine: FakeEngine, call_ms: float, token_ms: float = 0.0) -> FakeEngine:
+    """The engine, each of its calls taking call_ms plus token_ms per token it reads."""
+    append = engine._append
+
+    def timed(tokens, first):
+        time.sleep((call_ms + token_ms * tokens.size) / 1e3)
+        return append(tokens, first)
+
+    engine._append = timed
+    return engine
+
+
+class Phases(FakeEngine):
+    """A 'model' of 4 tokens that, until position `switch`, never continues as prompt lookup would
+    propose (its n-grams recur, and lookups always offer, but their first token is never kept), and
+    from there repeats its last `period` tokens."""
+
+    def __init__(self, switch: int, period: int = 5, **kwargs):
+        super().__init__(**kwargs)
+        self.switch, self.period = switch, period
+        self.chosen: dict[tuple, int] = {}
+
+    def choose(self, prefix) -> int:
+        prefix = tuple(int(t) for t in prefix)
+        if len(prefix) >= self.switch:
+            return prefix[-self.period]
+        if prefix not in self.chosen:
+            proposal = NgramIndex().propose(list(prefix), 1)
+            fresh = next_token_of(prefix, 4, self.salt)
+            self.chosen[prefix] = (fresh + 1) % 4 if proposal and proposal[0] == fresh else fresh
+        return self.chosen[prefix]
+
+
+def serve(target, draft, request: Request, policy: GammaPolicy | None) -> float:
+    """Run one request alone; the ms its decoding took."""
+    s = Scheduler(target, draft, 1, 512, [4], set(), policy_for=(lambda n, context: policy) if policy else None)
+    s.add(request)
+    while not s.idle:
+        s.step()
+    return request.stats.total_ms - request.stats.prefill_ms
+
+
+def test_a_draft_model_that_never_agrees_stops_drafting_but_for_bounded_probes():
+    """An unrelated draft (its tokens kept 1 time in 50), believed at first as a calibration's prior
+    would (half its drafts kept): after the first iterations teach the policy otherwise, it drafts
+    only in probes, one per probe interval, and decoding costs what plain decoding costs."""
+    def engines():
+        return costing(FakeEngine(), CALL_MS, TOKEN_MS), costing(FakeEngine(salt=9), DRAFT_MS)
+
+    policy = GammaPolicy(COSTS, [0.5**k for k in range(1, 5)], prior_weight=2.0)
+    request = Request([3, 1, 4, 1, 5], 240, gamma=AUTO, proposer="draft")
+    auto_ms = serve(*engines(), request, policy)
+    drafting = request.stats.by_proposer["draft"][0]
+    interval = probe_interval(COSTS.iteration_ms(4), COSTS.plain_ms)
+    assert interval >= 10  # a probe costs more than 30% of a plain step: at most one in ten
+    assert drafting <= 6 + request.stats.iterations / interval, request.stats.gammas_used
+    assert request.stats.gammas_used[0] >= 0.8 * request.stats.iterations
+    plain = Request([3, 1, 4, 1, 5], 240, gamma=0)
+    plain_ms = serve(*engines(), plain, None)
+    assert request.generated == plain.generated
+    assert auto_ms <= plain_ms / 0.9, (auto_ms, plain_ms)  # 0.95x measured, less CI noise
+
+
+def test_lookups_that_are_rarely_kept_stop_running_and_run_again_when_the_text_turns_repetitive():
+    """Prompt lookup on a text whose n-grams recur but whose continuations never follow them: rows
+    decode plainly but for probes; from position 200 the text repeats itself, a probe finds its
+    lookups kept, and they run again."""
+    target = costing(Phases(switch=200, capacity=512), CALL_MS, TOKEN_MS)
+    policy = GammaPolicy(COSTS, [0.5**k for k in range(1, 5)], prior_weight=2.0)
+    prompt = [1, 2, 3, 0, 1, 2]
+    request = Request(prompt, 300, gamma=AUTO, proposer="ngram")
+    seen = []  # per iteration: (position before it, whether it verified lookups)
+    s = Scheduler(target, None, 1, 512, [4], set(), policy_for=lambda n, context: policy)
+    s.add(request)
+    while not s.idle:
+        before, iterations = len(request.tokens), request.stats.iterations
+        drafted = request.stats.draft_tokens
+        s.step()
+        if request.stats.iterations > iterations:
+            seen.append((before, request.stats.draft_tokens > drafted))
+    assert request.generated == reference(Phases(switch=200), prompt, 300)
+    random_part = [ran for position, ran in seen if 60 <= position < 200]
+    repeating = [ran for position, ran in seen if position >= 230]
+    assert np.mean(random_part) < 0.15, np.mean(random_part)  # declined but for probes
+    assert np.mean(repeating) > 0.8, np.mean(repeating)  # found again, and running
+    # the repeating part took far fewer iterations than tokens
+    assert sum(1 for position, _ in seen if position >= 230) < (len(request.tokens) - 230) / 2
+
+
+def reference(engine: FakeEngine, prompt, max_new) -> list[int]:
+    history = list(prompt)
+    for _ in range(max_new):
+        history.append(engine.choose(history))
+    return history[len(prompt) :]
