@@ -157,7 +157,7 @@ def test_sampling_flags_are_reproducible_from_the_seed(bundles):
 
 def test_generate_json_output(bundles):
     code, output = run("generate", bundles("llama", "copy"), "--prompt", "import os", "--prompt", "def",
-                       "--max-new-tokens", 6, "--json")
+                       "--max-new-tokens", 6, "--gamma", 4, "--json")
     assert code == 0, output
     results = json.loads(output)
     assert [r["prompt"] for r in results] == ["import os", "def"]
@@ -184,7 +184,7 @@ def test_generate_streams_text_and_prints_stats(bundles):
 
 def test_several_prompts_each_print_their_text_and_a_labelled_stats_line(bundles):
     args = ["generate", str(bundles("llama", "random")), "--prompt", "import os", "--prompt", "def",
-            "--max-new-tokens", "6"]
+            "--max-new-tokens", "6", "--gamma", "1"]
     expected = json.loads(CliRunner().invoke(main, args + ["--json"]).stdout)
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output

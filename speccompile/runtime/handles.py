@@ -131,8 +131,8 @@ class EngineThread:
     land in an inbox that the thread moves into the scheduler between iterations, so the scheduler
     itself is only ever touched by this thread."""
 
-    def __init__(self, scheduler: Scheduler, before_step):
-        self.scheduler, self._before_step = scheduler, before_step
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
         self.failures_in_a_row = 0  # iterations that raised since the last that did not (health)
         self.last_error: Exception | None = None
         self._inbox: deque[Request] = deque()
@@ -168,7 +168,6 @@ class EngineThread:
                 while self._inbox:
                     self.scheduler.add(self._inbox.popleft())
             try:
-                self._before_step()
                 self.scheduler.step()
                 self.failures_in_a_row = 0
             except Exception as error:  # a backend failure ends the requests it touched, not the engine

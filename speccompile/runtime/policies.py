@@ -56,5 +56,5 @@ class LoadPolicies:
         began = time.perf_counter()
         context = min(64, self.max_seq // 4)
         self.calibration = measure_costs(target, draft, self.gammas, 1, context, repeats=CALIBRATION_REPEATS)
-        log.info(f"no γ profile for this hardware in the bundle (`speccompile profile` measures one): calibrated "
+        log.debug(f"no γ profile for this hardware in the bundle (`speccompile profile` measures one): calibrated "
                  f"step costs in {time.perf_counter() - began:.2f} s")

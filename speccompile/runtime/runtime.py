@@ -5,7 +5,8 @@ first use: `submit` (thread-safe) returns a handle at once; `generate` is a clie
 list of prompts and waits for them. Everything a request needs is checked before it is queued, so a
 bad request raises in its caller's thread and never disturbs the ones in flight. Tokens leave the
 engine through the edge (edge.py), whose thread matches stop strings. The γ policies and their
-calibration live in policies.py, a Medusa bundle's tree sizing in tree_sizing.py.
+calibration live in policies.py, a Medusa bundle's tree sizing in tree_sizing.py; both measure at
+load, before any request is served.
 """
 
 import asyncio
@@ -105,8 +106,11 @@ class Runtime:
         self.scheduler = Scheduler(self.target, self.draft, self.max_batch, self.max_seq, self.gammas,
                                    self.tokenizer.eos_token_ids, self.policies.policy_for,
                                    prefill_chunk, fallback_gamma=self.default_gamma, proposers=self.proposers)
-        if self.policies.needs_calibration and self.tree_sizing is None:  # a tree has no γ
-            self.policies.calibrate(self.target, self.draft)  # here: never inside a request
+        # What must be measured before serving is measured here, never inside a user's first request
+        if self.tree_sizing is not None:  # a tree has no γ: its size, recorded for this machine or measured
+            self.tree_sizing.size()
+        elif self.policies.needs_calibration:
+            self.policies.calibrate(self.target, self.draft)
         self._engine: EngineThread | None = None
         self._edge: Edge | None = None
         self._submitting = threading.Lock()  # one engine thread, and graph loads one at a time, whoever submits
@@ -290,23 +294,14 @@ class Runtime:
             self._edge.attach(request, handle, watcher)
             request.submitted = time.perf_counter()  # its latency counts from here: loads are the runtime's
             if self._engine is None:
-                self._engine = EngineThread(self.scheduler, self._before_step)
+                self._engine = EngineThread(self.scheduler)
             self._engine.submit(request)
-
-    def _before_step(self) -> None:
-        """Runs on the engine thread between iterations: the sizing of a Medusa bundle's tree, while
-        no request is in flight (it drives the target directly)."""
-        if self.scheduler.active != 0:
-            return
-        if self.tree_sizing is not None and self.proposers.tree.tree is None:
-            if any(r.proposer.tree for r in self.scheduler.waiting):
-                self.tree_sizing.size()
 
     # -- Medusa trees ----------------------------------------------------------------------------
     def set_tree(self, tree) -> None:
         """The token tree Medusa requests verify: a TokenTree, "chain" (the heads' top-1 candidates,
         as deep as there are heads), a number of nodes (the root included; grown from the heads'
-        accuracies) or None (sized at first use by measured cost: tree_sizing.py). Only while idle."""
+        accuracies) or None (sized by measured cost now: tree_sizing.py, as load() does). Only while idle."""
         if self.tree_sizing is None:
             raise SpecCompileError("token trees need a bundle built with --medusa")
         if not self.scheduler.idle:

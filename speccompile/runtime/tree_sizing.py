@@ -30,7 +30,8 @@ class TreeSizing:
 
     def set(self, tree) -> None:
         """A TokenTree, "chain" (the heads' top-1 candidates, as deep as there are heads), a number of
-        nodes (the root included; grown from the heads' accuracies) or None (sized at first use)."""
+        nodes (the root included; grown from the heads' accuracies) or None (the size recorded for this
+        machine, or measured now)."""
         heads, accuracy = self.medusa["num_heads"], self.medusa["top_k_accuracy"]
         if tree == "chain":
             tree = TokenTree.chain(heads)
@@ -45,6 +46,8 @@ class TreeSizing:
             raise SpecCompileError(f"this tree needs {tree.max_depth} heads and {tree.top_k()} candidates per head; "
                                    f"the bundle has {heads} heads of {candidates} candidates")
         self.shape.tree, self.shape.nodes_per_batch = tree, {}
+        if tree is None:
+            self.size()
 
     def size(self) -> None:
         """The recorded sizing for this machine, or a new one measured now (drives the target model:

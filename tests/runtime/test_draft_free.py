@@ -56,7 +56,8 @@ def test_cli_builds_and_runs_a_draft_free_bundle(checkpoints, tmp_path):
     build = CliRunner().invoke(main, ["build", "--target", str(checkpoints("llama")), "--out", str(out),
                                       "--gamma", "4", "--max-seq", "64", "--max-batch", "2"])
     assert build.exit_code == 0, build.output
-    run = CliRunner().invoke(main, ["generate", str(out), "--prompt", "x y x y", "--max-new-tokens", "8", "--json"])
+    run = CliRunner().invoke(main, ["generate", str(out), "--prompt", "x y x y", "--max-new-tokens", "8",
+                                    "--gamma", "4", "--json"])  # γ 4: speculating, whether it pays or not
     assert run.exit_code == 0, run.output
     [result] = json.loads(run.stdout)
     assert result["stats"]["mode"] == "speculative" and len(result["token_ids"]) == 8

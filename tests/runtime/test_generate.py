@@ -173,7 +173,9 @@ def test_copy_draft_under_auto_gamma_accepts_every_drafted_position(bundles, mon
     schedule = itertools.cycle([4, 1, 1])
     monkeypatch.setattr(GammaPolicy, "choose", lambda self, allow_zero=True: next(schedule))
     runtime = speccompile.load(bundles("llama", "copy"))
-    for stats in [r.stats for r in runtime.generate(PROMPTS[:2], max_new_tokens=MAX_NEW, gamma="auto")]:
+    # mode "speculative": a copy draft costs a target step, so drafting would not pay
+    for stats in [r.stats for r in runtime.generate(PROMPTS[:2], max_new_tokens=MAX_NEW, gamma="auto",
+                                                    mode="speculative")]:
         assert stats.mode == "speculative" and stats.gamma == "auto" and set(stats.gammas_used) == {1, 4}
         assert stats.acceptance_by_position == [1.0] * 4
         assert stats.mean_acceptance_length == pytest.approx(1 + stats.mean_gamma)

@@ -181,7 +181,8 @@ def total(samples: dict, name: str, **labels) -> float:
 
 def test_metrics_are_vllm_s_and_count_what_the_requests_did(served, client):
     before = scrape(served[1])
-    response = client.completions.create(model="tiny", prompt="x y", max_tokens=10, temperature=0)
+    response = client.completions.create(model="tiny", prompt="x y", max_tokens=10, temperature=0,
+                                         extra_body={"num_speculative_tokens": 4})  # drafting, paying or not
     after = scrape(served[1])
 
     def grew(name, **labels):
@@ -616,7 +617,7 @@ def test_under_load_the_per_position_acceptance_adds_up_to_the_requests_own(serv
 
     def one(i):
         return client.completions.create(model="tiny", prompt="x y " * (1 + i % 3), max_tokens=12 + i, temperature=0,
-                                          extra_body={"proposer": "draft"})
+                                          extra_body={"proposer": "draft", "num_speculative_tokens": 4})
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         replies = list(pool.map(one, range(6)))

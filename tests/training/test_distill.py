@@ -42,7 +42,7 @@ def smooth_target(tmp_path_factory, tokenizer):
 def acceptance(target, draft, out):
     bundle = speccompile.build(target, draft, out, gammas=[4], max_seq=96)
     prompts = ["def parse_args(argv):\n", "import os\n", "class Model:\n    def", "x3 = 3\n"]
-    results = speccompile.load(bundle).generate(prompts, max_new_tokens=40)
+    results = speccompile.load(bundle).generate(prompts, max_new_tokens=40, gamma=4, proposer="draft")
     return sum(r.stats.accepted_tokens for r in results) / sum(r.stats.draft_tokens for r in results)
 
 
