@@ -314,7 +314,7 @@ def test_generate_with_a_json_schema_file_validates_and_a_bad_one_is_one_line(bu
               "required": ["size", "n"]}
     (tmp_path / "schema.json").write_text(json.dumps(schema))
     code, output = run("generate", bundles("llama", "random"), "--prompt", "x y", "--max-new-tokens", 40,
-                       "--json-schema", tmp_path / "schema.json", "--json")
+                       "--gamma", 4, "--json-schema", tmp_path / "schema.json", "--json")
     assert code == 0, output
     [result] = json.loads(output)
     jsonschema.validate(json.loads(result["text"]), schema)

@@ -3,6 +3,7 @@ measured run cold) against plain decoding on pairs whose draft rarely or never a
 demo pair whose draft does. One JSON object per pair on stdout (and in --out).
 
     python tools/measure_never_slower.py [--out FILE] [--repeats 3] [--tokens 64] [--pairs demo,poor,tiny,smollm2]
+    python tools/measure_never_slower.py --first-requests [--pairs demo]
 
 Pairs (bundles built once into the speccompile cache):
   demo     the embedded demo pair (its distilled draft agrees often)
@@ -42,8 +43,8 @@ def poor_pair() -> tuple[Path, list[str]]:
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(DEMO_DRAFT))
         model.save_pretrained(draft)
-        for tokenizer_file in DEMO_DRAFT.glob("tokenizer*"):
-            shutil.copy(tokenizer_file, draft / tokenizer_file.name)
+        for kept in [*DEMO_DRAFT.glob("tokenizer*"), DEMO_DRAFT / "token_frequencies.json"]:  # all but the weights
+            shutil.copy(kept, draft / kept.name)
     return demo_bundle(DEMO_TARGET, draft), json.loads(DEMO_PROMPTS.read_text())
 
 
@@ -108,13 +109,57 @@ def measure(name: str, repeats: int, tokens: int) -> dict:
             "repeats": repeats}
 
 
+def first_requests(name: str, rounds: int = 3) -> dict:
+    """What a fresh load costs its first requests: load() (with its calibration, timed apart), then
+    a request of 16 tokens twice and a batch of 8 twice, each call's wall time as its caller saw it;
+    medians over `rounds` fresh runtimes."""
+    import statistics
+    import time
+
+    from speccompile.runtime.policies import LoadPolicies
+
+    bundle, prompts = PAIRS[name]()
+    calibrating = []
+    real = LoadPolicies.calibrate
+
+    def timed(self, *args):
+        began = time.perf_counter()
+        real(self, *args)
+        calibrating.append(time.perf_counter() - began)
+
+    LoadPolicies.calibrate = timed
+    rows = []
+    for _ in range(rounds):
+        began = time.perf_counter()
+        runtime = speccompile.load(bundle)
+        row = {"load_s": time.perf_counter() - began}
+        for label, batch in (("first", prompts[:1]), ("second", prompts[1:2]), ("first_batch8", prompts[:8]),
+                             ("second_batch8", prompts[-8:])):
+            began = time.perf_counter()
+            results = runtime.generate(batch, max_new_tokens=16)
+            row[f"{label}_s"] = time.perf_counter() - began
+            row[f"{label}_ttft_ms"] = max(r.stats.ttft_ms for r in results)
+        runtime.close()
+        rows.append(row)
+    LoadPolicies.calibrate = real
+    median = {key: round(statistics.median(r[key] for r in rows), 4) for key in rows[0]}
+    return {"pair": name, "rounds": rounds, "calibration_s": round(statistics.median(calibrating), 3)
+            if calibrating else 0.0, **median}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--pairs", default="demo,poor,tiny,smollm2")
+    parser.add_argument("--first-requests", action="store_true",
+                        help="instead: load() and the first requests' wall times against later ones'")
     args = parser.parse_args()
+    if args.first_requests:
+        for name in args.pairs.split(","):
+            print(json.dumps(first_requests(name)), flush=True)
+        return
     rows = []
     for name in args.pairs.split(","):
         rows.append(measure(name, args.repeats, args.tokens))

@@ -40,6 +40,7 @@ SWITCH_MARGIN = 0.05
 COST_PRIOR_WEIGHT = 4.0
 ACCEPTANCE_HORIZON = 64  # iterations: older observations of the load's acceptance fade with this time constant
 PROBE_BUDGET = 0.03  # a declined proposer's probes cost at most this share of plain decoding's time
+COSTS_EVERY = 4  # observations between recomputations of the measured costs
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Acceptance:
     reached: list[float] = field(default_factory=list)
     kept: list[float] = field(default_factory=list)
     observed: list[int] = field(default_factory=list)  # iterations (not the prior's) that reached k
+    _memo: dict[int, list[float]] = field(default_factory=dict, repr=False, compare=False)  # by_position's
 
     def __post_init__(self):
         self._cover(len(self.prior) - 1)
@@ -78,6 +80,7 @@ class Acceptance:
 
     def observe(self, drafts: int, accepted: int) -> None:
         """One iteration: `drafts` proposed, the first `accepted` kept (positions 1..accepted+1 reached)."""
+        self._memo.clear()
         if self.horizon is not None:
             fade = math.exp(-1.0 / self.horizon)
             for k in range(len(self.reached)):  # the observed part fades toward the prior
@@ -99,7 +102,10 @@ class Acceptance:
         position compares with its own prior: the text at hand sets the level, the prior the
         decline. Without that, a policy running at a short γ under a pessimistic prior would never
         see that a longer one pays, and a lookup whose first drafts are never kept would still
-        expect the prior's rates of the drafts behind them."""
+        expect the prior's rates of the drafts behind them. (Asked every iteration: kept until the
+        next observation.)"""
+        if drafts in self._memo:
+            return self._memo[drafts]
         out, running, level = [], 1.0, 1.0
         for k in range(drafts):
             self._cover(k)
@@ -111,6 +117,7 @@ class Acceptance:
                 conditional = min(1.0, prior * level)
             running *= conditional
             out.append(running)
+        self._memo[drafts] = out
         return out
 
     def _cover(self, k: int) -> None:
@@ -123,17 +130,28 @@ class Acceptance:
 class GammaPolicy:
     def __init__(self, costs: LoopCosts, prior_by_position: list[float], prior_weight: float = 8.0):
         """costs: the loop's at this batch size and context (a profile's, or a quick calibration's)."""
-        self.costs = costs
+        self.costs = costs  # the prior's
         self.gammas = self.costs.gammas
         self.prior = _conditional(prior_by_position, max(self.gammas))
         self.counts = Acceptance(self.prior, prior_weight, ACCEPTANCE_HORIZON)
         self.iterations = 0  # observed so far
         self.current: int | None = None  # the γ chosen last
         self.declined: dict[str, int] = {}  # proposer -> plain iterations in a row since its offers last ran
+        self.switch_ms: dict[str, float] = {}  # proposer -> what running it again cost (a draft model catching up)
+        self._resumed: set[str] = set()  # the proposers that ran in the last decision after being declined
+        self._since_costs = 0  # observations since costs_now() was last computed
         self._ratios = {kind: [COST_PRIOR_WEIGHT, COST_PRIOR_WEIGHT] for kind in ("draft", "target")}  # [sum, count]
         # the loop's own work per speculative and per plain iteration: [sum, count], from the prior's
         self._work = {0: [COST_PRIOR_WEIGHT * costs.plain_overhead, COST_PRIOR_WEIGHT],
                       1: [COST_PRIOR_WEIGHT * costs.overhead, COST_PRIOR_WEIGHT]}
+
+    @property
+    def costs(self) -> LoopCosts:
+        return self._costs
+
+    @costs.setter
+    def costs(self, costs: LoopCosts) -> None:
+        self._costs, self._now, self._chosen = costs, None, {}
 
     @property
     def reached(self) -> list[float]:
@@ -150,9 +168,13 @@ class GammaPolicy:
         return total / count
 
     def costs_now(self) -> LoopCosts:
-        """The prior's costs as the loop has measured them so far (see the module's docstring)."""
-        work = {kind: total / count for kind, (total, count) in self._work.items()}
-        return self.costs.scaled(self.cost_scale("target"), self.cost_scale("draft"), work[1], work[0])
+        """The prior's costs as the loop has measured them so far (see the module's docstring);
+        asked several times an iteration, so kept until the next observation."""
+        if self._now is None:
+            work = {kind: total / count for kind, (total, count) in self._work.items()}
+            self._now = self.costs.scaled(self.cost_scale("target"), self.cost_scale("draft"), work[1], work[0])
+            self._chosen = {}
+        return self._now
 
     def acceptance_by_position(self, gamma: int) -> list[float]:
         """P_k for k = 1..γ, as learned so far (Acceptance.by_position)."""
@@ -166,13 +188,16 @@ class GammaPolicy:
 
     def choose(self, allow_zero: bool = True) -> int:
         """The γ with the best predicted speedup (0: plain decoding, when speculation does not pay),
-        unless the γ in use is within SWITCH_MARGIN of it."""
-        speedups = {g: self.speedup(g) for g in ([0] if allow_zero else []) + self.gammas}
-        best = best_gamma(speedups)
-        if self.current in speedups and speedups[best] <= speedups[self.current] * (1 + SWITCH_MARGIN):
-            return self.current
-        self.current = best
-        return best
+        unless the γ in use is within SWITCH_MARGIN of it. (Asked every iteration: the same until
+        acceptance or costs move.)"""
+        self.costs_now()  # recomputed costs forget the choices made with the old ones
+        if allow_zero not in self._chosen:
+            speedups = {g: self.speedup(g) for g in ([0] if allow_zero else []) + self.gammas}
+            best = best_gamma(speedups)
+            if self.current not in speedups or speedups[best] > speedups[self.current] * (1 + SWITCH_MARGIN):
+                self.current = best
+            self._chosen = {allow_zero: self.current}
+        return self._chosen[allow_zero]
 
     def worth_running(self, offers: list[tuple[str, float, float]]) -> list[bool]:
         """offers: one per row that may decode plainly, (its proposer's name, the offer's expected
@@ -186,16 +211,25 @@ class GammaPolicy:
         for kind, rate, _ in offers:
             margin = 1 - SWITCH_MARGIN if self.declined.get(kind, 0) == 0 else 1 + SWITCH_MARGIN
             verdicts.append(rate >= plain * margin)
-        probing = {kind for (kind, _, ms), runs in zip(offers, verdicts)
-                   if not runs and self.declined.get(kind, 0) >= probe_interval(ms, costs.plain_ms)}
+        probing = {kind for (kind, _, ms), runs in zip(offers, verdicts) if not runs and self.declined.get(kind, 0)
+                   >= probe_interval(ms + self.switch_ms.get(kind, 0.0), costs.plain_ms)}
         verdicts = [runs or kind in probing for (kind, _, _), runs in zip(offers, verdicts)]
+        self._resumed = set()
         for kind in {kind for kind, _, _ in offers}:
             ran = any(runs for (other, _, _), runs in zip(offers, verdicts) if other == kind)
+            if ran and self.declined.get(kind, 0):
+                self._resumed.add(kind)
             self.declined[kind] = 0 if ran else self.declined.get(kind, 0) + 1
         return verdicts
 
     def observe_timing(self, timing: Timing) -> None:
-        """One iteration's measured times: they correct the costs of every γ and of plain decoding."""
+        """One iteration's measured times: they correct the costs of every γ and of plain decoding,
+        and what a proposer that ran again after being declined paid to catch up counts in the cost
+        of its next probe (the last such cost). Costs are running means that move slowly: costs_now()
+        recomputes them every COSTS_EVERY observations (each iteration's plan asks for them)."""
+        for kind in self._resumed:
+            self.switch_ms[kind] = timing.catch_up_ms
+        self._resumed = set()
         prior = self.costs.verify[timing.gamma] if timing.gamma else self.costs.target_step
         self._add("target", timing.target_ms / prior)
         if timing.draft_steps and self.costs.draft.get(timing.gamma, 0) > 0:
@@ -203,11 +237,15 @@ class GammaPolicy:
         work = self._work[min(timing.gamma, 1)]
         work[0] += max(0.0, timing.total_ms - timing.target_ms - timing.draft_ms)
         work[1] += 1
+        self._since_costs += 1
+        if self._since_costs >= COSTS_EVERY:
+            self._now, self._since_costs = None, 0
 
     def observe(self, gamma: int, accepted: int) -> None:
         """One iteration at `gamma` accepted `accepted` drafts: positions 1..min(accepted+1, γ) were reached."""
         self.iterations += 1
         self.counts.observe(gamma, accepted)
+        self._chosen = {}
 
     def _add(self, kind: str, ratio: float) -> None:
         self._ratios[kind][0] += ratio

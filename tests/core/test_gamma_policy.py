@@ -1,9 +1,11 @@
 """γ selection from profile timings and online acceptance."""
 
+import dataclasses
+
 import pytest
 
 from speccompile.core.cost_model import LoopCosts
-from speccompile.core.gamma_policy import PROBE_BUDGET, SWITCH_MARGIN, GammaPolicy, Timing, probe_interval
+from speccompile.core.gamma_policy import COSTS_EVERY, PROBE_BUDGET, SWITCH_MARGIN, GammaPolicy, Timing, probe_interval
 
 TIMINGS = {"target_step_ms": 10.0, "draft_step_ms": 1.0, "verify_ms": {1: 11.0, 2: 12.0, 4: 14.0, 8: 18.0}}
 
@@ -50,11 +52,15 @@ def test_the_gamma_in_use_stays_unless_another_is_clearly_better():
     first = policy.choose()
     other = 2 if first == 4 else 4
     assert policy.speedup(other) < policy.speedup(first)
+    def cheaper(factor):
+        policy.costs = dataclasses.replace(policy.costs, verify={**policy.costs.verify,
+                                                                 other: policy.costs.verify[other] * factor})
+
     while policy.speedup(other) <= policy.speedup(first):  # make it slightly better, within the margin
-        policy.costs.verify[other] *= 0.995
+        cheaper(0.995)
     assert policy.speedup(other) < policy.speedup(first) * (1 + SWITCH_MARGIN)
     assert policy.choose() == first
-    policy.costs.verify[other] *= 0.7  # clearly better
+    cheaper(0.7)  # clearly better
     assert policy.choose() == other
 
 
@@ -83,7 +89,10 @@ def test_plain_steps_teach_the_cost_of_every_target_call_and_the_loop_s_work_is_
     assert now.target_step == pytest.approx(15.0) and now.verify[4] == pytest.approx(21.0)
     assert now.plain_overhead == pytest.approx(0.25) and now.overhead == pytest.approx(1.0)  # means with the prior's
     policy.observe_timing(Timing(4, target_ms=21.0, total_ms=30.0, draft_ms=4.0, draft_steps=4))
-    assert policy.costs_now().overhead == pytest.approx((4 * 1.0 + 5.0) / 5)
+    assert policy.costs_now() is now  # running means move slowly: recomputed every COSTS_EVERY observations
+    for _ in range(COSTS_EVERY - 1):
+        policy.observe_timing(Timing(4, target_ms=21.0, total_ms=30.0, draft_ms=4.0, draft_steps=4))
+    assert policy.costs_now().overhead == pytest.approx((4 * 1.0 + COSTS_EVERY * 5.0) / (4 + COSTS_EVERY))
 def test_positions_beyond_the_gamma_in_use_follow_the_observed_level():
     """Running at γ=2 with a pessimistic prior, the drafts are nearly always accepted: positions 3
     and 4 were never reached, but take the level seen at 1 and 2, so γ=4 gets its chance."""

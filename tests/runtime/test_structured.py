@@ -47,7 +47,8 @@ def test_constrained_greedy_is_constrained_autoregressive_decoding_and_validates
         assert result.finish_reason == "stop", result.text  # the grammar closed the object and EOS followed
         jsonschema.validate(json.loads(result.text), schema)
     for proposer in ("draft", "ngram", "auto"):
-        speculative = demo.generate(PROMPTS, max_new_tokens=MAX_NEW, json_schema=schema, proposer=proposer)
+        speculative = demo.generate(PROMPTS, max_new_tokens=MAX_NEW, json_schema=schema, proposer=proposer,
+                                    mode="speculative")
         assert [r.token_ids for r in speculative] == [r.token_ids for r in plain], proposer
         if proposer == "draft":
             assert sum(r.stats.accepted_tokens for r in speculative) > 0  # speculation stayed on

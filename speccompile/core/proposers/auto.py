@@ -26,8 +26,8 @@ class Auto(Proposer):
     def offer(self, request, wanted: int, cap: int, policy: GammaPolicy | None) -> Offer:
         offers = [member.offer(request, wanted, cap, policy) for member in self.members]
         drafting = [offer for offer in offers if offer.count > 0]
-        if not drafting:
-            return Offer(0, self.members[0])
+        if len(drafting) < 2:
+            return drafting[0] if drafting else Offer(0, self.members[0])
         costs = policy.costs_now() if policy is not None else None
         return max(drafting, key=lambda o: o.rate(costs))  # on a tie the first: free proposers come first
 

@@ -31,13 +31,17 @@ class Offer:
     source: "Proposer"
     tokens: list[int] | None = None
     acceptance_by_position: list[float] | Callable[[], list[float]] = field(default_factory=list)
+    _rated: tuple | None = field(default=None, repr=False, compare=False)  # (costs, rate at them): asked twice
 
     def rate(self, costs: LoopCosts | None) -> float:
         """Expected tokens per ms of an iteration carrying this offer (per iteration without costs).
         An offer may hold its expectation as a function, computed only when a choice asks for it."""
+        if self._rated is not None and self._rated[0] is costs:
+            return self._rated[1]
         expected = self.acceptance_by_position
-        return tokens_per_ms(costs, expected() if callable(expected) else expected, self.count,
-                             self.source.runs_model)
+        rate = tokens_per_ms(costs, expected() if callable(expected) else expected, self.count, self.source.runs_model)
+        self._rated = (costs, rate)
+        return rate
 
     def iteration_ms(self, costs: LoopCosts) -> float:
         """The ms of an iteration carrying this offer (count > 0): its draft steps, if its source
