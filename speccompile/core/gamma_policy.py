@@ -39,7 +39,7 @@ from speccompile.core.cost_model import LoopCosts
 SWITCH_MARGIN = 0.05
 COST_PRIOR_WEIGHT = 4.0
 ACCEPTANCE_HORIZON = 64  # iterations: older observations of the load's acceptance fade with this time constant
-PROBE_BUDGET = 0.03  # a declined proposer's probes cost at most this share of plain decoding's time
+PROBE_BUDGET = 0.02  # a declined proposer's probes cost at most this share of plain decoding's time
 COSTS_EVERY = 4  # observations between recomputations of the measured costs
 
 
@@ -139,6 +139,7 @@ class GammaPolicy:
         self.declined: dict[str, int] = {}  # proposer -> plain iterations in a row since its offers last ran
         self.switch_ms: dict[str, float] = {}  # proposer -> what running it again cost (a draft model catching up)
         self._resumed: set[str] = set()  # the proposers that ran in the last decision after being declined
+        self._declined_at: dict[str, tuple] = {}  # proposer -> (costs, iterations, probe interval) it was declined at
         self._since_costs = 0  # observations since costs_now() was last computed
         self._ratios = {kind: [COST_PRIOR_WEIGHT, COST_PRIOR_WEIGHT] for kind in ("draft", "target")}  # [sum, count]
         # the loop's own work per speculative and per plain iteration: [sum, count], from the prior's
@@ -211,8 +212,9 @@ class GammaPolicy:
         for kind, rate, _ in offers:
             margin = 1 - SWITCH_MARGIN if self.declined.get(kind, 0) == 0 else 1 + SWITCH_MARGIN
             verdicts.append(rate >= plain * margin)
-        probing = {kind for (kind, _, ms), runs in zip(offers, verdicts) if not runs and self.declined.get(kind, 0)
-                   >= probe_interval(ms + self.switch_ms.get(kind, 0.0), costs.plain_ms)}
+        intervals = {kind: probe_interval(ms + self.switch_ms.get(kind, 0.0), costs.plain_ms)
+                     for (kind, _, ms), runs in zip(offers, verdicts) if not runs}
+        probing = {kind for kind, interval in intervals.items() if self.declined.get(kind, 0) >= interval}
         verdicts = [runs or kind in probing for (kind, _, _), runs in zip(offers, verdicts)]
         self._resumed = set()
         for kind in {kind for kind, _, _ in offers}:
@@ -220,7 +222,22 @@ class GammaPolicy:
             if ran and self.declined.get(kind, 0):
                 self._resumed.add(kind)
             self.declined[kind] = 0 if ran else self.declined.get(kind, 0) + 1
+            self._declined_at.pop(kind, None)
+            if not ran:
+                self._declined_at[kind] = (costs, self.iterations, intervals[kind])
         return verdicts
+
+    def still_declined(self, kind: str) -> bool:
+        """For a proposer whose offers follow this policy's acceptance (the draft model's, the same for
+        every row): whether its offer would be declined again without being made, since it was
+        declined last at the same costs and acceptance and its probe is not due yet. Such an
+        iteration counts as declined. It spares a plain iteration the offer's work (on the tiny
+        test models, whose steps take 0.2 ms, making and weighing it cost a tenth of a step)."""
+        at = self._declined_at.get(kind)
+        if at is None or at[0] is not self.costs_now() or at[1] != self.iterations or self.declined[kind] + 1 >= at[2]:
+            return False
+        self.declined[kind] += 1
+        return True
 
     def observe_timing(self, timing: Timing) -> None:
         """One iteration's measured times: they correct the costs of every γ and of plain decoding,

@@ -49,7 +49,7 @@ from speccompile.core.engine import DecoderEngine, VerifierEngine
 from speccompile.core.gamma_policy import GammaPolicy, Timing
 from speccompile.core.processors import grammar_masks, processing_inputs, words
 from speccompile.core.proposers import Offer, Proposers
-from speccompile.core.proposers.draft_model import DraftRunner, sampling_params
+from speccompile.core.proposers.draft_model import DraftModel, DraftRunner, sampling_params
 from speccompile.core.request import AUTO, Request
 from speccompile.core.sampling import draws
 
@@ -221,8 +221,9 @@ class Scheduler:
         counts = np.array([count], dtype=np.int64)
         began = time.perf_counter()
         complete = start + count == len(request.prompt)
+        feed = not self._model_declined(request)
         for runner in self.runners:
-            runner.prefill(request, tokens, counts, slot, complete)
+            runner.prefill(request, tokens, counts, slot, complete, feed)
         options = {"processing": processing_inputs([request], self.target.vocab_size),
                    "logprobs": request.logprobs is not None}
         if scoring:
@@ -240,6 +241,15 @@ class Scheduler:
             request.emit(token, self.eos_ids, self._scores([request], 0, 1))
         request.stats.prefill_ms += (time.perf_counter() - began) * 1e3
         return count
+
+    def _model_declined(self, request: Request) -> bool:
+        """Whether the draft model's offers are being declined at the load this request joins (its
+        prompt then need not be read by the draft: the draft catches up if a probe or a change of
+        text makes it draft later)."""
+        if self.policy_for is None or request.gamma != AUTO or not request.allow_plain:
+            return False
+        policy = self.policy_for(len(self.decoding) + 1, len(request.prompt))
+        return policy is not None and policy.declined.get(DraftModel.name, 0) > 0
 
     # -- decoding: plan -------------------------------------------------------------------------
     def plan(self, rows: list[Request]) -> Plan:
@@ -287,8 +297,15 @@ class Scheduler:
         """The drafts each row asks of a model drafter this iteration: its own γ, or under AUTO the
         policy's best γ for the current load (whether drafting pays at all is each offer's to show:
         `_against_plain`), capped by the room its length leaves."""
-        chosen = self.fallback_gamma if policy is None else policy.choose(allow_zero=False)
-        return np.array([min(chosen, r.gamma_cap) if r.gamma == AUTO else r.gamma for r in rows], dtype=np.int64)
+        if policy is None:
+            chosen = declined = self.fallback_gamma
+        else:
+            chosen = policy.choose(allow_zero=False)
+            # rows that may decode plainly ask nothing of a model drafter whose offer would be declined again
+            plain_rows = any(r.gamma == AUTO and r.allow_plain for r in rows)
+            declined = 0 if plain_rows and policy.still_declined(DraftModel.name) else chosen
+        return np.array([min(declined if r.allow_plain else chosen, r.gamma_cap) if r.gamma == AUTO else r.gamma
+                         for r in rows], dtype=np.int64)
 
     def _graph_gamma(self, rows: list[Request], wanted: np.ndarray) -> int:
         """The compiled γ whose verification graph runs: the smallest that holds every row's wanted

@@ -38,10 +38,13 @@ class DraftRunner:
     def admit(self, slot: int) -> None:
         self.engine.cache_lengths[slot] = 0
 
-    def prefill(self, request, tokens: np.ndarray, counts: np.ndarray, slot: int, complete: bool) -> None:
-        """The draft reads a joining request's prompt chunk too (not a plain request's); once the
-        prompt is in, it keeps all but the last prompt token (its first step re-reads it)."""
-        if request.gamma != 0:
+    def prefill(self, request, tokens: np.ndarray, counts: np.ndarray, slot: int, complete: bool,
+                feed: bool = True) -> None:
+        """The draft reads a joining request's prompt chunk too (not a plain request's, nor one whose
+        drafts would not run now: feed False), as long as it holds the whole prompt before the chunk;
+        once the prompt is in, it keeps all but the last prompt token (its first step re-reads it).
+        What it did not read, it catches up on before it first drafts for the row."""
+        if request.gamma != 0 and feed and self.engine.cache_lengths[slot] == request.prefilled:
             self.engine.forward(tokens, counts, first=slot)
         if complete:
             self.engine.cache_lengths[slot] = min(self.engine.cache_lengths[slot], len(request.prompt) - 1)
