@@ -13,7 +13,9 @@ Pairs (bundles built once into the speccompile cache):
   smollm2  SmolLM2-135M-Instruct from its GGUF (tools/fetch_real_models.py) and its first 4 of 30
            layers as the draft, chat prompts rendered with its template, 96 tokens
 Each row: plain and default tokens/s (medians over repeats, runs interleaved), their ratio, the
-share of iterations that decoded plainly, and what the draft model and lookups drafted.
+share of iterations that decoded plainly, and what the draft model and lookups drafted. With
+`--proposer draft` on a pair whose draft never pays, the ratio's distance from 1 is what deciding and
+probing cost after the fallback, and `by_proposer` counts the probes.
 """
 
 import argparse
@@ -94,14 +96,14 @@ PAIRS = {"demo": lambda: (demo_bundle(), json.loads(DEMO_PROMPTS.read_text())), 
          "tiny": tiny_pair, "smollm2": smollm2_pair}
 
 
-def measure(name: str, repeats: int, tokens: int) -> dict:
+def measure(name: str, repeats: int, tokens: int, proposer: str) -> dict:
     bundle, prompts = PAIRS[name]()
     runtime = speccompile.load(bundle)
     tokens = 96 if name == "smollm2" else tokens
-    summary, details = bench(runtime, prompts[:6], max_new_tokens=tokens, repeats=repeats, proposer="auto")
+    summary, details = bench(runtime, prompts[:6], max_new_tokens=tokens, repeats=repeats, proposer=proposer)
     runtime.close()
     iterations = max(1, details["iterations"])
-    return {"pair": name, "plain_tokens_per_s": round(summary["ar_tokens_per_s"], 1),
+    return {"pair": name, "proposer": proposer, "plain_tokens_per_s": round(summary["ar_tokens_per_s"], 1),
             "default_tokens_per_s": round(summary["spec_tokens_per_s"], 1), "speedup": round(summary["speedup"], 3),
             "plain_iteration_share": round(details["plain_iterations"] / iterations, 3),
             "acceptance_rate": round(summary["acceptance_rate"], 3), "by_proposer": summary["by_proposer"],
@@ -153,6 +155,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--pairs", default="demo,poor,tiny,smollm2")
+    parser.add_argument("--proposer", default="auto",
+                        help="who drafts (draft: the draft model alone, so that on a poor draft what remains after "
+                        "the fallback is the probes' cost)")
     parser.add_argument("--first-requests", action="store_true",
                         help="instead: load() and the first requests' wall times against later ones'")
     args = parser.parse_args()
@@ -162,7 +167,7 @@ def main() -> None:
         return
     rows = []
     for name in args.pairs.split(","):
-        rows.append(measure(name, args.repeats, args.tokens))
+        rows.append(measure(name, args.repeats, args.tokens, args.proposer))
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1) + "\n")

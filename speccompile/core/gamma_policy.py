@@ -234,7 +234,7 @@ class GammaPolicy:
         iteration counts as declined. It spares a plain iteration the offer's work (on the tiny
         test models, whose steps take 0.2 ms, making and weighing it cost a tenth of a step)."""
         at = self._declined_at.get(kind)
-        if at is None or at[0] is not self.costs_now() or at[1] != self.iterations or self.declined[kind] + 1 >= at[2]:
+        if at is None or at[0] is not self.costs_now() or at[1] != self.iterations or self.declined[kind] >= at[2]:
             return False
         self.declined[kind] += 1
         return True

@@ -1,6 +1,7 @@
 """γ selection from profile timings and online acceptance."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -147,14 +148,41 @@ def test_an_offer_runs_only_where_it_beats_a_plain_step_and_changing_takes_a_mar
 
 def test_a_declined_proposer_is_probed_at_an_interval_whose_cost_is_the_probe_budget():
     policy = GammaPolicy(LoopCosts.from_timings(TIMINGS), [0.0] * 8)
-    iteration_ms = 16.0  # 6 ms more than a plain step of 10 ms: one probe per 6 / (0.03 x 10) = 20 plain steps
+    iteration_ms = 16.0  # 6 ms more than a plain step of 10 ms: one probe per 6 / (budget x 10) plain steps
     interval = probe_interval(iteration_ms, 10.0)
-    assert interval == 20 and PROBE_BUDGET == 0.03
-    ran = [policy.worth_running([("draft", 0.01, iteration_ms), ("draft", 0.01, iteration_ms)]) for _ in range(63)]
+    assert interval == math.ceil(6.0 / (PROBE_BUDGET * 10.0)) >= 20
+    ran = [policy.worth_running([("draft", 0.01, iteration_ms), ("draft", 0.01, iteration_ms)])
+           for _ in range(3 * interval + 3)]
     probes = [i for i, verdicts in enumerate(ran) if any(verdicts)]
-    assert probes == [20, 41, 62]  # one probe iteration per 20 declined ones
+    assert probes == [interval, 2 * interval + 1, 3 * interval + 2]  # one probe iteration per `interval` declined
     assert all(verdicts == [True, True] for verdicts in (ran[i] for i in probes))  # its rows probe together
     assert probe_interval(9.0, 10.0) == 1  # an iteration cheaper than a plain step costs nothing to probe
+
+
+def test_what_catching_up_cost_counts_in_the_next_probe():
+    policy = GammaPolicy(LoopCosts.from_timings(TIMINGS), [0.0] * 8)
+    interval = probe_interval(16.0, 10.0)
+    for _ in range(interval + 1):  # declined, then probed
+        policy.worth_running([("draft", 0.01, 16.0)])
+    policy.observe_timing(Timing(8, target_ms=18.0, total_ms=30.0, draft_ms=8.0, draft_steps=8, catch_up_ms=3.0))
+    assert policy.switch_ms == {"draft": 3.0}
+    later = [any(policy.worth_running([("draft", 0.01, 16.0)])) for _ in range(3 * interval)]
+    assert later.index(True) == probe_interval(16.0 + 3.0, 10.0) > interval
+
+
+def test_a_model_drafter_declined_at_the_same_estimates_is_not_asked_again_until_its_probe():
+    policy = GammaPolicy(LoopCosts.from_timings(TIMINGS), [0.0] * 8)
+    assert not policy.still_declined("draft")  # never declined: ask it
+    policy.worth_running([("draft", 0.01, 16.0)])
+    interval = probe_interval(16.0, 10.0)
+    skipped = 0
+    while policy.still_declined("draft"):
+        skipped += 1
+    assert skipped == interval - 1 and policy.declined["draft"] == interval  # its offer is made for the probe
+    assert policy.worth_running([("draft", 0.01, 16.0)]) == [True]
+    policy.worth_running([("draft", 0.01, 16.0)])  # declined again after the probe
+    policy.observe(4, 0)  # acceptance moved: the next offer is weighed again
+    assert not policy.still_declined("draft")
 
 
 def test_observations_fade_so_that_a_load_whose_text_changes_is_followed():
