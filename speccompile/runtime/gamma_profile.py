@@ -4,6 +4,7 @@ sides import: reading a profile drives nothing.
 """
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -168,3 +169,45 @@ def find_tree_profile(bundle_path: Path, fp: dict) -> tuple[list, dict, dict] | 
     if entry.get("version") != TREE_PROFILE_VERSION or entry.get("fingerprint") != fp:
         return None
     return entry["tree"], {int(b): n for b, n in entry["prefix_nodes_per_batch"].items()}, entry["sizing"]
+
+
+# ---------------------------------------------------------------------------------------------
+# a quick calibration's step costs, as measured on one machine (policies.LoadPolicies.calibrate)
+
+CALIBRATION_VERSION = 1
+
+
+def calibration_path(bundle_path: Path, fp: dict) -> Path:
+    return Path(bundle_path) / PROFILES_DIR / f"calibration-{fingerprint_key(fp)}.json"
+
+
+def write_calibration(bundle_path: Path, fp: dict, costs: LoopCosts) -> Path | None:
+    """Record batch-1 step costs timed here; None where the bundle is read-only (then each load times them)."""
+    path = calibration_path(bundle_path, fp)
+    entry = {"version": CALIBRATION_VERSION, "fingerprint": fp, "timings": costs.timings()}
+    try:
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(entry, indent=1))
+        tmp.replace(path)
+    except OSError:
+        return None
+    return path
+
+
+def find_calibration(bundle_path: Path, fp: dict, gammas: list[int]) -> LoopCosts | None:
+    """The step costs recorded on hardware with this fingerprint for these γ; None when there are
+    none, or what is there is of another version, machine or γ, or not a calibration at all."""
+    path = calibration_path(bundle_path, fp)
+    try:
+        entry = json.loads(path.read_text())
+        if entry.get("version") != CALIBRATION_VERSION or entry.get("fingerprint") != fp:
+            return None
+        costs = LoopCosts.from_timings(entry["timings"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    positive = [costs.target_step, *costs.draft.values(), *costs.verify.values()]
+    if costs.gammas != sorted(gammas) or not all(isinstance(ms, float) and math.isfinite(ms) and ms >= 0
+                                                 for ms in positive):
+        return None
+    return costs

@@ -3,7 +3,8 @@ tree sizing (tree_sizing.py): what the scheduler asks each iteration (`policy_fo
 
 With a profile: one policy per batch size and profiled context (the nearest), with that point's
 costs and acceptance as its prior. Without one: the costs of a quick calibration at batch 1, run by
-`load()` before any request (`calibrate`), carried to each batch size by the cost model
+`load()` before any request (`calibrate`) and recorded in the bundle for this machine (the next
+load reads them, as it reads a Medusa tree's size), carried to each batch size by the cost model
 (LoopCosts.at_batch) as a prior that the loop's own measurements correct; `speccompile profile`
 measures every batch size in loop runs instead. Either way the same policy decides, from the
 requests served at that load and context: a profile only makes its priors right sooner.
@@ -48,13 +49,20 @@ class LoadPolicies:
         """Forget what the loads' policies learned (acceptance, measured costs): back to their priors."""
         self._policies.clear()
 
-    def calibrate(self, target, draft) -> None:
-        """Time the steps quickly at batch 1 (other batch sizes start from the cost model's
-        extrapolation). It drives the models directly: only with no request in flight."""
+    def calibrate(self, target, draft, bundle_path, fp: dict) -> None:
+        """The step costs at batch 1 recorded for this machine (fingerprint `fp`), or timed quickly
+        now and recorded (other batch sizes start from the cost model's extrapolation). Timing drives
+        the models directly: only with no request in flight."""
         from speccompile.runtime.calibration import measure_costs
+        from speccompile.runtime.gamma_profile import find_calibration, write_calibration
 
+        self.calibration = find_calibration(bundle_path, fp, self.gammas)
+        if self.calibration is not None:
+            return
         began = time.perf_counter()
         context = min(64, self.max_seq // 4)
         self.calibration = measure_costs(target, draft, self.gammas, 1, context, repeats=CALIBRATION_REPEATS)
+        written = write_calibration(bundle_path, fp, self.calibration)
+        recorded = f", recorded in {written}" if written else ""
         log.debug(f"no γ profile for this hardware in the bundle (`speccompile profile` measures one): calibrated "
-                 f"step costs in {time.perf_counter() - began:.2f} s")
+                  f"step costs in {time.perf_counter() - began:.2f} s{recorded}")

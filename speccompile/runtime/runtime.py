@@ -97,7 +97,8 @@ class Runtime:
         from speccompile.runtime.gamma_profile import find_profile
         from speccompile.runtime.hardware import fingerprint
 
-        self.profile = find_profile(bundle.path, fingerprint(backend))  # measured on this hardware and backend, if any
+        self.fingerprint = fingerprint(backend)
+        self.profile = find_profile(bundle.path, self.fingerprint)  # measured on this hardware and backend, if any
         self.policies = LoadPolicies(self.profile, self.gammas, self.max_batch, self.max_seq)
         shape = TreeShape() if bundle.medusa else None
         self.tree_sizing = TreeSizing(bundle, self.target, backend, self.max_batch, shape) if shape else None
@@ -110,7 +111,7 @@ class Runtime:
         if self.tree_sizing is not None:  # a tree has no γ: its size, recorded for this machine or measured
             self.tree_sizing.size()
         elif self.policies.needs_calibration:
-            self.policies.calibrate(self.target, self.draft)
+            self.policies.calibrate(self.target, self.draft, bundle.path, self.fingerprint)
         self._engine: EngineThread | None = None
         self._edge: Edge | None = None
         self._submitting = threading.Lock()  # one engine thread, and graph loads one at a time, whoever submits

@@ -339,14 +339,16 @@ def test_auto_reads_the_profile_s_costs_at_each_load(random_bundle, monkeypatch)
     assert 2 in asked  # both requests decoding: the policy for a load of two
 
 
-def test_without_a_profile_load_calibrates_once_and_no_request_waits_for_it(bundles, caplog, monkeypatch):
+def test_without_a_profile_load_calibrates_once_and_no_request_waits_for_it(bundles, caplog, monkeypatch, tmp_path):
+    from speccompile.runtime import calibration
     from speccompile.runtime.policies import LoadPolicies
 
     calls = []
     real = LoadPolicies.calibrate
     monkeypatch.setattr(LoadPolicies, "calibrate", lambda self, *a: calls.append(1) or real(self, *a))
     caplog.set_level("DEBUG", logger="speccompile")
-    runtime = speccompile.load(bundles("llama", "copy"))
+    bundle = shutil.copytree(bundles("llama", "copy"), tmp_path / "bundle")
+    runtime = speccompile.load(bundle)
     assert calls == [1] and runtime.policies.calibration.draft.keys() == {1, 4}  # in the loop's order, at batch 1
     assert sum("no γ profile for this hardware" in r.getMessage() for r in caplog.records) == 1
     for _ in range(2):
@@ -356,6 +358,17 @@ def test_without_a_profile_load_calibrates_once_and_no_request_waits_for_it(bund
     assert calls == [1]
     assert set(runtime.policies._policies) == {(1, None), (2, None)}
     assert runtime.policies.policy_for(2, 16).costs == runtime.policies.calibration.at_batch(2)
+    # recorded for this machine: the next load reads the costs instead of timing them again
+    monkeypatch.setattr(calibration, "measure_costs", lambda *a, **k: pytest.fail("calibrated again"))
+    again = speccompile.load(bundle)
+    assert again.policies.calibration == runtime.policies.calibration
+    again.close()
+    record = gamma_profile.calibration_path(bundle, fingerprint("onnxruntime"))
+    for damaged in ("{", '{"version": 1}', json.dumps({"version": 1, "fingerprint": fingerprint("onnxruntime"),
+                                                        "timings": {"target_step_ms": "x"}})):
+        record.write_text(damaged)  # unreadable or not a calibration: measured again, never an error
+        assert gamma_profile.find_calibration(bundle, fingerprint("onnxruntime"), [1, 4]) is None
+    assert gamma_profile.find_calibration(bundle, fingerprint("onnxruntime"), [4]) is None  # other γ
 
 
 def test_auto_follows_the_profile_at_the_requests_context(tmp_path, bundles, monkeypatch):
