@@ -504,6 +504,7 @@ def serve(bundle, host, port, api_key, model_name, max_batch, gamma, proposer, p
         runtime.close()  # each replica opens its own
         _serve_on_ray(str(path), name, host, port, max_batch, replicas, options)
         return
+    runtime.warm_up(batched=True)  # requests arrive together: the batched graphs, opened before the first
     app = create_app(runtime, name, **options)
     logging.getLogger("speccompile").setLevel(log_level.upper() if log_level != "trace" else "DEBUG")
     # uvicorn drains on SIGTERM or SIGINT (at most DRAIN_S for requests in flight), then raises the

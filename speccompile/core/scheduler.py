@@ -130,12 +130,16 @@ class Scheduler:
         return len(self.decoding) + (self.joining is not None)
 
     # -- one iteration ------------------------------------------------------------------------------
-    def step(self) -> None:
-        if not self._started:  # caches for every slot, once
+    def start(self) -> None:
+        """Caches for every slot, allocated once: by the runtime's load, or else by the first step."""
+        if not self._started:
             self.target.start(self.max_batch)
             for runner in self.runners:
                 runner.start(self.max_batch)
             self._started = True
+
+    def step(self) -> None:
+        self.start()
         self._retire_cancelled()
         self._prefill()
         if self.decoding:

@@ -38,6 +38,21 @@ def measure_costs(target, draft, gammas: list[int], batch: int, context: int, re
                      {g: _median_after_warm_up(times[g], 1) for g in gammas})
 
 
+def warm_up(target, draft, gammas: list[int], batch: int, context: int = 8, seed: int = 0) -> None:
+    """One call of every graph a plain step and each γ's speculative iteration run at this batch
+    size, on random tokens, every call rolled back: ONNX Runtime's first run of a session (its
+    buffers allocated, its threads started) happens here instead of in a request."""
+    rng = np.random.default_rng(seed)
+    for engine in (e for e in (target, draft) if e is not None):
+        engine.start(batch)
+        engine.forward(rng.integers(0, engine.vocab_size, (batch, context)), np.full(batch, context, dtype=np.int64))
+    if draft is not None:
+        draft.cache_lengths[:batch] -= 1
+    for gamma in gammas:
+        _rolled_back((target, draft), lambda g=gamma: _iteration(target, draft, batch, g, rng))
+    _rolled_back((target, draft), lambda: _target_steps(target, batch, rng, steps=1))
+
+
 def _median_after_warm_up(rounds: list[tuple], i: int) -> float:
     return statistics.median(r[i] for r in rounds[1:])
 

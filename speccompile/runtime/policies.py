@@ -49,16 +49,16 @@ class LoadPolicies:
         """Forget what the loads' policies learned (acceptance, measured costs): back to their priors."""
         self._policies.clear()
 
-    def calibrate(self, target, draft, bundle_path, fp: dict) -> None:
+    def calibrate(self, target, draft, bundle_path, fp: dict) -> bool:
         """The step costs at batch 1 recorded for this machine (fingerprint `fp`), or timed quickly
-        now and recorded (other batch sizes start from the cost model's extrapolation). Timing drives
-        the models directly: only with no request in flight."""
+        now and recorded (other batch sizes start from the cost model's extrapolation); whether they
+        were timed. Timing drives the models directly: only with no request in flight."""
         from speccompile.runtime.calibration import measure_costs
         from speccompile.runtime.gamma_profile import find_calibration, write_calibration
 
         self.calibration = find_calibration(bundle_path, fp, self.gammas)
         if self.calibration is not None:
-            return
+            return False
         began = time.perf_counter()
         context = min(64, self.max_seq // 4)
         self.calibration = measure_costs(target, draft, self.gammas, 1, context, repeats=CALIBRATION_REPEATS)
@@ -66,3 +66,4 @@ class LoadPolicies:
         recorded = f", recorded in {written}" if written else ""
         log.debug(f"no γ profile for this hardware in the bundle (`speccompile profile` measures one): calibrated "
                   f"step costs in {time.perf_counter() - began:.2f} s{recorded}")
+        return True

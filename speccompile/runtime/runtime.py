@@ -107,19 +107,38 @@ class Runtime:
         self.scheduler = Scheduler(self.target, self.draft, self.max_batch, self.max_seq, self.gammas,
                                    self.tokenizer.eos_token_ids, self.policies.policy_for,
                                    prefill_chunk, fallback_gamma=self.default_gamma, proposers=self.proposers)
-        # What must be measured before serving is measured here, never inside a user's first request
-        if self.tree_sizing is not None:  # a tree has no γ: its size, recorded for this machine or measured
-            self.tree_sizing.size()
-        elif self.policies.needs_calibration:
-            self.policies.calibrate(self.target, self.draft, bundle.path, self.fingerprint)
         self._engine: EngineThread | None = None
         self._edge: Edge | None = None
         self._submitting = threading.Lock()  # one engine thread, and graph loads one at a time, whoever submits
         self._loaded: set = set()
+        # What must be measured before serving is measured here, never inside a user's first request
+        self.scheduler.start()  # every slot's caches, where the measurements below run too
+        if self.tree_sizing is not None:  # a tree has no γ: its size, recorded for this machine or measured
+            self.tree_sizing.size()
+        elif not (self.policies.needs_calibration and self.policies.calibrate(self.target, self.draft, bundle.path,
+                                                                              self.fingerprint)):
+            self.warm_up()  # what timing the steps would have done
 
     @property
     def gammas(self) -> list[int]:
         return self.bundle.gammas
+
+    def warm_up(self, batched: bool = False) -> None:
+        """Load the graphs a default request runs (greedy, γ auto) and run each once, at batch 1 and,
+        if batched, at the bundle's max batch too, so that the first request does not pay for
+        opening sessions and their first runs. load() does batch 1 (a calibration, when it times the
+        steps, does the same); a server warms the batched graphs too. Only while idle."""
+        if not self.scheduler.idle:
+            raise SpecCompileError("a runtime can only warm up while no request is in flight")
+        if self.tree_sizing is not None:  # a Medusa bundle: its sizing ran the tree verification
+            return
+        from speccompile.runtime.calibration import warm_up
+
+        request = Request([0], 1, gamma=AUTO, proposer=DEFAULT_PROPOSER)
+        self.scheduler.proposer(request)
+        self._load_graphs(request, batched)
+        for batch in sorted({1, self.max_batch}) if batched else (1,):  # prompts up to a chunk find buffers ready
+            warm_up(self.target, self.draft, self.gammas, batch, context=min(64, self.max_seq // 4))
 
     def forget(self) -> None:
         """Back to what a fresh load knows: finished requests' outputs (suffix decoding's cache)
