@@ -263,9 +263,9 @@ class Scheduler:
         policy = None
         if self.policy_for and any(r.gamma == AUTO or r.proposer.compares_costs for r in rows):
             policy = self.policy_for(len(rows), round(sum(len(r.tokens) for r in rows) / len(rows)))
-        wanted = self._wanted_gamma(rows, policy)
+        wanted, shared = self._wanted_gamma(rows, policy)
         needed = np.array([r.remaining - 1 for r in rows], dtype=np.int64)  # the target adds one token of its own
-        offers = [r.proposer.offer(r, int(w), min(r.gamma_cap, r.remaining - 1), policy) if r.gamma
+        offers = [r.proposer.offer(r, int(w), self._cap(r, shared), policy) if r.gamma
                   else Offer(0, r.proposer) for r, w in zip(rows, np.minimum(wanted, needed))]
         if policy is not None:
             offers = self._against_plain(rows, offers, policy)
@@ -297,10 +297,11 @@ class Scheduler:
                 offers[row] = Offer(0, offers[row].source)
         return offers
 
-    def _wanted_gamma(self, rows: list[Request], policy: GammaPolicy | None) -> np.ndarray:
+    def _wanted_gamma(self, rows: list[Request], policy: GammaPolicy | None) -> tuple[np.ndarray, int | None]:
         """The drafts each row asks of a model drafter this iteration: its own γ, or under AUTO the
         policy's best γ for the current load (whether drafting pays at all is each offer's to show:
-        `_against_plain`), capped by the room its length leaves."""
+        `_against_plain`), capped by the room its length leaves. And, when several rows decode under
+        AUTO, that γ as the most any of their offers may carry (None: no such cap)."""
         if policy is None:
             chosen = declined = self.fallback_gamma
         else:
@@ -308,8 +309,19 @@ class Scheduler:
             # rows that may decode plainly ask nothing of a model drafter whose offer would be declined again
             plain_rows = any(r.gamma == AUTO and r.allow_plain for r in rows)
             declined = 0 if plain_rows and policy.still_declined(DraftModel.name) else chosen
-        return np.array([min(declined if r.allow_plain else chosen, r.gamma_cap) if r.gamma == AUTO else r.gamma
-                         for r in rows], dtype=np.int64)
+        wanted = np.array([min(declined if r.allow_plain else chosen, r.gamma_cap) if r.gamma == AUTO else r.gamma
+                           for r in rows], dtype=np.int64)
+        return wanted, chosen if len(rows) > 1 and policy is not None else None
+
+    @staticmethod
+    def _cap(request: Request, shared: int | None) -> int:
+        """The most drafts a row's offer may carry: its γ cap and the tokens it still needs, and under
+        AUTO in a batch the load's γ. Rows share one verification graph, the longest offer's, so one
+        row's long lookup would make every row verify at a longer γ, and alternating graphs evicts
+        each one's weights from the caches (demo pair, batch 8: lookups of up to 6 beside drafts of 2
+        ran at 0.87x a fixed γ=4)."""
+        cap = min(request.gamma_cap, request.remaining - 1)
+        return min(cap, shared) if shared is not None and request.gamma == AUTO else cap
 
     def _graph_gamma(self, rows: list[Request], wanted: np.ndarray) -> int:
         """The compiled γ whose verification graph runs: the smallest that holds every row's wanted
