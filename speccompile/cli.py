@@ -207,7 +207,8 @@ ACCEPTANCE_HELP = ("Medusa bundles: 'typical' accepts plausible tokens the targe
               help="Run as asked. Default: speculative, or plain decoding where --gamma auto predicts that "
               "speculation does not pay.")
 @click.option("--gamma", "--num-speculative-tokens", "gamma", default=None,
-              help="Draft tokens per iteration, or 'auto' (default: auto with a γ profile, else the bundle's).")
+              help="Draft tokens per iteration, or 'auto' (the default: the policy's γ each iteration, or plain "
+              "decoding where speculation does not pay).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0: off).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass (1: off).")
@@ -267,7 +268,7 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--repeats", type=int, default=3, show_default=True)
 @click.option("--gamma", "--num-speculative-tokens", "gamma", default=None,
-              help="Draft tokens per iteration, or 'auto' (default: the bundle's).")
+              help="Draft tokens per iteration, or 'auto' (the default).")
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--concurrency", default=None,
               help="Serve a stream of requests under load at each of these client counts (e.g. 1,2,4,8), "
@@ -457,7 +458,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
               help="Requests decoding at once, at most the bundle's (default: the bundle's).")
 @click.option("--num-speculative-tokens", "--gamma", "gamma", default=None,
               help="γ of a request that does not ask (num_speculative_tokens): a compiled one or 'auto' "
-              "(default: auto with a γ profile, else the bundle's).")
+              "(default: auto).")
 @click.option("--proposer", type=click.Choice(PROPOSERS), default=None,
               help=f"Who drafts for a request that does not ask (its `proposer`; default: {DEFAULT_PROPOSER}).")
 @click.option("--p-min", type=float, default=None,

@@ -181,12 +181,12 @@ class Runtime:
                **controls) -> "RequestHandle":
         """Queue one request (a string or token ids) and return its handle at once. Thread-safe.
 
-        gamma: a compiled γ (at most that many drafts per iteration), 0 (plain decoding), "auto" (the
-        default when a γ profile matches this hardware: the policy picks γ each iteration for the
-        current load, down to plain decoding where speculation does not pay), or None (auto with a
-        profile, else the bundle's default γ). mode "autoregressive" decodes with the target alone; "speculative"
-        never lets auto choose plain decoding. temperature 0 is greedy; otherwise tokens are sampled
-        exactly from the target's distribution after temperature, top-k (0: off) and top-p (1: off),
+        gamma: a compiled γ (at most that many drafts per iteration), 0 (plain decoding), or "auto"
+        (None, the default: the policy picks γ each iteration for the current load, and each row's
+        offer runs only where it beats a plain step: core/gamma_policy.py). mode "autoregressive"
+        decodes with the target alone; "speculative" never lets auto choose plain decoding.
+        temperature 0 is greedy; otherwise tokens are sampled exactly from the target's
+        distribution after temperature, top-k (0: off) and top-p (1: off),
         from the request's own random stream (`seed`). sampling_rule "coupled" (the default with a
         seed) makes a seeded request's tokens the same whatever γ, proposer or company, equal to the
         target's own seeded sampling; "rejection" (the default without one) is Leviathan et al.'s
