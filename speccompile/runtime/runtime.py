@@ -141,13 +141,12 @@ class Runtime:
             warm_up(self.target, self.draft, self.gammas, batch, context=min(64, self.max_seq // 4))
 
     def forget(self) -> None:
-        """Back to what a fresh load knows: finished requests' outputs (suffix decoding's cache), the
-        rates at which lookups were kept and what the γ policies learned are forgotten; measured
-        priors (profile, calibration) stay.
+        """Back to what a fresh load knows: finished requests' outputs (suffix decoding's cache)
+        and what the γ policies learned are forgotten; measured priors (profile, calibration) stay.
         Only while idle. What `bench` does before each measured run, so that none learns from another."""
         if not self.scheduler.idle:
             raise SpecCompileError("a runtime can only forget while no request is in flight")
-        self.proposers.forget()
+        self.proposers.forget_outputs()
         self.policies.forget()
 
     UNHEALTHY_AFTER = 3  # failed iterations in a row after which the runtime reports itself unhealthy

@@ -8,7 +8,7 @@ from speccompile.core.gamma_policy import GammaPolicy
 from speccompile.core.proposers import Offer, Proposer, Proposers, TreeShape
 from speccompile.core.proposers.auto import Auto
 from speccompile.core.proposers.draft_model import DraftModel, DraftRunner
-from speccompile.core.proposers.lookup import LookupRates, PromptLookup
+from speccompile.core.proposers.lookup import PromptLookup
 from speccompile.core.proposers.suffix import SuffixDecoding
 from speccompile.core.request import Request
 from speccompile.errors import SpecCompileError
@@ -96,17 +96,3 @@ def test_suffix_decoding_scales_its_frequencies_by_how_its_proposals_fared():
     assert second.acceptance_by_position == pytest.approx([4 / 7] * 3)  # (4 + 0) / (4 + 3)
     proposer.finish(request)  # its output joins the cache: none yet
     assert cache.speculate(None, [7, 8], 3)[0] == [9, 10, 11]
-
-
-def test_a_new_request_s_lookups_start_from_what_earlier_requests_lookups_taught():
-    rates = LookupRates()
-    request = Request([1, 2, 3, 1, 2], 10)
-    first = PromptLookup(rates)
-    offer = first.offer(request, 4, 3, None)  # the suffix (1, 2) occurred before: 3, 1, 2 proposed
-    assert first.matched == 2 and offer.tokens == [3, 1, 2]
-    assert offer.acceptance_by_position[0] == pytest.approx(0.5)  # NGRAM_PRIORS for a 2-token match
-    for _ in range(40):
-        first.observe(request.stats, offer, 3, 0)  # never kept
-    assert PromptLookup(rates).offer(request, 4, 3, None).acceptance_by_position[0] < 0.1
-    rates.forget()  # what bench does before each measured run
-    assert PromptLookup(rates).offer(request, 4, 3, None).acceptance_by_position[0] == pytest.approx(0.5)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from speccompile.core.proposers.auto import Auto
 from speccompile.core.proposers.base import Offer, Proposer, Runner
 from speccompile.core.proposers.draft_model import DraftModel, DraftRunner
-from speccompile.core.proposers.lookup import LookupRates, NgramIndex, PromptLookup
+from speccompile.core.proposers.lookup import NgramIndex, PromptLookup
 from speccompile.core.proposers.medusa import MedusaHeads, TreeShape
 from speccompile.core.proposers.suffix import MAX_DEPTH as SUFFIX_DEPTH
 from speccompile.core.proposers.suffix import SuffixCache, SuffixDecoding
@@ -36,7 +36,7 @@ class Kind:
 
 KINDS = {
     "draft": Kind(lambda shared, p_min: DraftModel(shared.draft, p_min), needs="draft"),
-    "ngram": Kind(lambda shared, p_min: PromptLookup(shared.lookup_rates)),
+    "ngram": Kind(lambda shared, p_min: PromptLookup(shared.lookup_priors)),
     "suffix": Kind(lambda shared, p_min: SuffixDecoding(shared.suffix)),
     "medusa": Kind(lambda shared, p_min: MedusaHeads(shared.tree), needs="tree"),
     "auto": Kind(lambda shared, p_min: shared.auto(p_min)),
@@ -52,21 +52,17 @@ DEFAULT_PROPOSER = "auto"
 
 class Proposers:
     """What a runtime's proposers share: the draft model's runner (None: a bundle without a draft), a
-    Medusa bundle's tree shape (None: not a Medusa bundle), prompt lookup's rates, learned from every
-    request's lookups from priors (a γ profile's), and the suffix cache of finished requests. Makes
-    each request's proposer by kind."""
+    Medusa bundle's tree shape (None: not a Medusa bundle), prompt lookup's priors (a γ profile's)
+    and the suffix cache of finished requests. Makes each request's proposer by kind."""
 
     def __init__(self, draft: DraftRunner | None = None, tree: TreeShape | None = None,
                  lookup_priors: dict[int, float] | None = None):
-        self.draft, self.tree = draft, tree
-        self.lookup_rates = LookupRates(lookup_priors)  # every request's lookups, learned
+        self.draft, self.tree, self.lookup_priors = draft, tree, lookup_priors
         self.suffix = SuffixCache(max_depth=SUFFIX_DEPTH)
 
-    def forget(self) -> None:
-        """Forget what finished requests taught: their answers (suffix decoding's cross-request tree)
-        and how often lookups were kept (back to the priors)."""
+    def forget_outputs(self) -> None:
+        """Forget what finished requests answered (suffix decoding's cross-request tree)."""
         self.suffix.forget_outputs()
-        self.lookup_rates.forget()
 
     @property
     def runners(self) -> list[Runner]:

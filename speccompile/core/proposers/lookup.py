@@ -19,27 +19,6 @@ NGRAM_MAX, NGRAM_MIN = 4, 2  # matching 1 token proposes too often and is kept 0
 NGRAM_PRIORS, NGRAM_PRIOR_WEIGHT = {4: 0.9, 3: 0.75, 2: 0.5}, 4.0
 # A request's own rates follow its recent lookups (iterations): a text turns repetitive, or stops being so
 NGRAM_HORIZON = 16
-LOAD_HORIZON = 256  # the runtime's rates, every request's lookups: what a new request starts from
-
-
-class LookupRates:
-    """What a runtime has learned of its lookups, per matched suffix length: how often each draft
-    position was kept, over every request's lookups (the recent ones weigh most), from `priors`
-    (n -> kept rate: a γ profile's, or NGRAM_PRIORS). A new request's lookups start from these rates
-    rather than from the priors alone: on text whose lookups are rarely kept, its first ones are not
-    believed kept 0.9 of the time."""
-
-    def __init__(self, priors: dict[int, float] | None = None):
-        self.priors = {**NGRAM_PRIORS, **(priors or {})}
-        self.forget()
-
-    def forget(self) -> None:
-        self.by_match = {n: Acceptance([prior], NGRAM_PRIOR_WEIGHT, LOAD_HORIZON) for n, prior in self.priors.items()}
-
-    def prior(self, matched: int) -> list[float]:
-        """The conditional rates, per draft position, a request's lookups after a `matched`-token match start from."""
-        rates = self.by_match[matched]
-        return [rates.conditional(k) for k in range(len(rates.reached))]
 
 
 class NgramIndex:
@@ -89,16 +68,15 @@ def _copy(history: list[int], start: int, count: int) -> list[int]:
 
 class PromptLookup(Proposer):
     """Per request: its n-gram index, and how often its own lookups were kept per matched suffix
-    length (a longer match being a surer one), from the runtime's rates (LookupRates) until it has
-    its own; its lookups teach the runtime's rates too."""
+    length (a longer match being a surer one), from `priors` (n -> kept rate; a γ profile's, or
+    NGRAM_PRIORS) until it has its own."""
 
     name = "ngram"
 
-    def __init__(self, rates: LookupRates | None = None):
+    def __init__(self, priors: dict[int, float] | None = None):
         self.index = NgramIndex()
-        self.rates = rates or LookupRates()
-        self.acceptance = {n: Acceptance(self.rates.prior(n), NGRAM_PRIOR_WEIGHT, NGRAM_HORIZON)
-                           for n in self.rates.by_match}
+        priors = {**NGRAM_PRIORS, **(priors or {})}
+        self.acceptance = {n: Acceptance([prior], NGRAM_PRIOR_WEIGHT, NGRAM_HORIZON) for n, prior in priors.items()}
         self.matched = 0  # the suffix length of the last offer
 
     def offer(self, request, wanted: int, cap: int, policy: GammaPolicy | None) -> Offer:
@@ -111,5 +89,4 @@ class PromptLookup(Proposer):
         stats.record_iteration(accepted, drafts, self.name)
         if drafts:
             self.acceptance[self.matched].observe(drafts, accepted)
-            self.rates.by_match[self.matched].observe(drafts, accepted)
             stats.record_lookup(self.matched, drafts, accepted)
