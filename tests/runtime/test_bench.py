@@ -97,9 +97,9 @@ def test_auto_gamma_bench_reports_the_gammas_it_used_and_acceptance_per_drafted_
 
     from speccompile.core.gamma_policy import GammaPolicy
 
-    schedule = itertools.cycle([1, 4])
-    monkeypatch.setattr(GammaPolicy, "choose", lambda self, allow_zero=True: next(schedule))
     runtime = speccompile.load(bundles("llama", "copy"))
+    schedule = itertools.cycle([1, 4])  # from the first request on (load serves a warm-up request of its own)
+    monkeypatch.setattr(GammaPolicy, "choose", lambda self, allow_zero=True: next(schedule))
     summary, details = bench(runtime, ["import os", "def f(x):"], max_new_tokens=16, repeats=1, gamma="auto",
                              always_speculate=True)  # a copy draft costs a target step: it would not pay
     used = summary["gammas_used"]

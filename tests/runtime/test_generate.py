@@ -170,9 +170,9 @@ def test_copy_draft_under_auto_gamma_accepts_every_drafted_position(bundles, mon
     follows timing noise): the statistics count each position over the iterations that drafted it."""
     from speccompile.core.gamma_policy import GammaPolicy
 
-    schedule = itertools.cycle([4, 1, 1])
-    monkeypatch.setattr(GammaPolicy, "choose", lambda self, allow_zero=True: next(schedule))
     runtime = speccompile.load(bundles("llama", "copy"))
+    schedule = itertools.cycle([4, 1, 1])  # from the first request on (load serves a warm-up request of its own)
+    monkeypatch.setattr(GammaPolicy, "choose", lambda self, allow_zero=True: next(schedule))
     # mode "speculative": a copy draft costs a target step, so drafting would not pay
     for stats in [r.stats for r in runtime.generate(PROMPTS[:2], max_new_tokens=MAX_NEW, gamma="auto",
                                                     mode="speculative")]:
