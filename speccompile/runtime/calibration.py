@@ -22,18 +22,9 @@ def measure_costs(target, draft, gammas: list[int], batch: int, context: int, re
     is rolled back, so every repeat sees the same context. Medians over `repeats`, after one warm-up
     round. No loop work is timed: the overhead is 0 (`runtime.profile` measures it in loop runs).
     draft None (a draft-free bundle): iterations have no draft steps."""
-    rng = np.random.default_rng(seed)
-    for engine in (e for e in (target, draft) if e is not None):
-        engine.start(batch)
-        engine.forward(rng.integers(0, engine.vocab_size, (batch, context)), np.full(batch, context, dtype=np.int64))
-    if draft is not None:
-        draft.cache_lengths[:batch] -= 1  # its first step re-reads the last token, as in the loop
-    engines = (target, draft)
-    times = {"target": [], **{g: [] for g in gammas}}
-    for _ in range(repeats + 1):
-        for gamma in gammas:
-            times[gamma].append(_rolled_back(engines, lambda g=gamma: _iteration(target, draft, batch, g, rng)))
-        times["target"].append(_rolled_back(engines, lambda: _target_steps(target, batch, rng)))
+    rng = _prefilled(target, draft, batch, context, seed)
+    rounds = [_round(target, draft, gammas, batch, rng) for _ in range(repeats + 1)]
+    times = {key: [r[key] for r in rounds] for key in rounds[0]}
     return LoopCosts(_median_after_warm_up(times["target"], 0), {g: _median_after_warm_up(times[g], 0) for g in gammas},
                      {g: _median_after_warm_up(times[g], 1) for g in gammas})
 
@@ -42,15 +33,28 @@ def warm_up(target, draft, gammas: list[int], batch: int, context: int = 8, seed
     """One call of every graph a plain step and each γ's speculative iteration run at this batch
     size, on random tokens, every call rolled back: ONNX Runtime's first run of a session (its
     buffers allocated, its threads started) happens here instead of in a request."""
+    _round(target, draft, gammas, batch, _prefilled(target, draft, batch, context, seed), target_steps=1)
+
+
+def _prefilled(target, draft, batch: int, context: int, seed: int):
+    """Both engines' caches hold `context` random tokens per row, as the loop leaves them (the
+    draft one token behind: its first step re-reads the last); the random generator that made them."""
     rng = np.random.default_rng(seed)
     for engine in (e for e in (target, draft) if e is not None):
         engine.start(batch)
         engine.forward(rng.integers(0, engine.vocab_size, (batch, context)), np.full(batch, context, dtype=np.int64))
     if draft is not None:
         draft.cache_lengths[:batch] -= 1
-    for gamma in gammas:
-        _rolled_back((target, draft), lambda g=gamma: _iteration(target, draft, batch, g, rng))
-    _rolled_back((target, draft), lambda: _target_steps(target, batch, rng, steps=1))
+    return rng
+
+
+def _round(target, draft, gammas: list[int], batch: int, rng, target_steps: int = 3) -> dict:
+    """One round, every call rolled back: per γ, (draft ms, verification ms) of an iteration; and
+    "target": (ms of the last of `target_steps` plain steps,)."""
+    engines = (target, draft)
+    times = {g: _rolled_back(engines, lambda g=g: _iteration(target, draft, batch, g, rng)) for g in gammas}
+    times["target"] = _rolled_back(engines, lambda: _target_steps(target, batch, rng, target_steps))
+    return times
 
 
 def _median_after_warm_up(rounds: list[tuple], i: int) -> float:

@@ -150,6 +150,11 @@ def write_tree_profile(bundle_path: Path, fp: dict, paths: list, prefix_nodes: d
     path = tree_profile_path(bundle_path, fp)
     entry = {"version": TREE_PROFILE_VERSION, "fingerprint": fp, "tree": paths,
              "prefix_nodes_per_batch": {str(b): n for b, n in prefix_nodes.items()}, "sizing": sizing}
+    return _write_record(path, entry)
+
+
+def _write_record(path: Path, entry: dict) -> Path | None:
+    """Write a per-machine record whole (by rename); None where the bundle is read-only."""
     try:
         path.parent.mkdir(exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -183,16 +188,8 @@ def calibration_path(bundle_path: Path, fp: dict) -> Path:
 
 def write_calibration(bundle_path: Path, fp: dict, costs: LoopCosts) -> Path | None:
     """Record batch-1 step costs timed here; None where the bundle is read-only (then each load times them)."""
-    path = calibration_path(bundle_path, fp)
     entry = {"version": CALIBRATION_VERSION, "fingerprint": fp, "timings": costs.timings()}
-    try:
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(entry, indent=1))
-        tmp.replace(path)
-    except OSError:
-        return None
-    return path
+    return _write_record(calibration_path(bundle_path, fp), entry)
 
 
 def find_calibration(bundle_path: Path, fp: dict, gammas: list[int]) -> LoopCosts | None:
