@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from speccompile.errors import SpecCompileError, read_json_object
@@ -47,6 +47,13 @@ GRAPH_OUTPUTS = {
     "verify_tree_typical": ("accepted", "next_token", "new_len", "best_node", "next_tree"),
 }
 GRAPH_KINDS = tuple(GRAPH_OUTPUTS)
+# what each kind is, as data (a kind is never tested by its spelling): a step scores each row's last
+# token; a chain verification has a γ; a tree verification takes its topology as an input
+STEP_KINDS = ("forward", "sample")
+CHAIN_KINDS = ("verify", "verify_sample")
+TREE_KINDS = ("verify_tree", "verify_tree_typical")
+SAMPLING_KINDS = ("sample", "verify_sample")
+ROLES = ("target", "draft")
 # each read-back output's element type, and whether it has a value per sequence ([B]), per vocabulary
 # entry ([B, V]), per tree node ([B, N]), per scored position ([B, R]: 1 for a step, all T of a
 # verification or a score) or per position and top token ([B, R, TOP_LOGPROBS]); confidence: the
@@ -72,7 +79,7 @@ class GraphId:
     key and its file's stem (`target_forward`, `target_verify_sample_g4`), is derived from these
     here, once; nothing parses a name back."""
 
-    model: str  # "target" | "draft"
+    model: str  # one of ROLES
     kind: str  # one of GRAPH_KINDS
     gamma: int | None = None  # chain verifications only (a tree's topology is an input of its graph)
 
@@ -101,7 +108,7 @@ class GraphId:
     @property
     def positions_scored(self) -> str:
         """How many positions reach the LM head: "last" (each row's last real token) or "all"."""
-        return "last" if self.kind in ("forward", "sample") else "all"
+        return "last" if self.kind in STEP_KINDS else "all"
 
     @classmethod
     @functools.cache
@@ -111,15 +118,15 @@ class GraphId:
 
     @property
     def verifies(self) -> bool:
-        return self.kind.startswith("verify")
+        return self.kind in CHAIN_KINDS or self.tree
 
     @property
     def sampling(self) -> bool:
-        return self.kind in ("sample", "verify_sample")
+        return self.kind in SAMPLING_KINDS
 
     @property
     def tree(self) -> bool:
-        return self.kind.startswith("verify_tree")
+        return self.kind in TREE_KINDS
 
     @property
     def name(self) -> str:
@@ -136,54 +143,455 @@ def kv_cache_shape(num_kv_heads: int, head_dim: int, max_seq: int, batch="batch"
     return [batch, num_kv_heads, max_seq, head_dim]
 
 
-def kv_cache_bytes_per_sequence(model: dict, max_seq: int) -> int:
-    """K and V of every layer of a manifest model entry, for one sequence at max_seq."""
-    return 2 * model["num_layers"] * model["num_kv_heads"] * model["head_dim"] * max_seq * 4
+def kv_cache_bytes_per_sequence(model: "ModelEntry", max_seq: int) -> int:
+    """K and V of every layer of a model of the bundle, for one sequence at max_seq."""
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * max_seq * 4
+
+
+# ---------------------------------------------------------------------------------------------
+# The manifest, as typed records. This module alone reads and writes its JSON: `from_json` checks
+# every field it takes (a bundle is untrusted input, refused in one line that says where it is
+# wrong), `to_json` gives back the same JSON, key for key.
+
+
+def _refused(what: str) -> SpecCompileError:
+    return SpecCompileError(f"{MANIFEST} does not describe a bundle speccompile wrote: {what}")
+
+
+JSON_NAMES = {int: "an integer", str: "a string", bool: "true or false", list: "a list", dict: "an object",
+              type(None): "null", object: "a value"}
+NUMBER = (int, float)
+
+
+def _checked(value, kind, where: str):
+    """`value` if it is of `kind` (a type or a tuple of them; a JSON true is no number)."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        named = "a number" if kinds == NUMBER else " or ".join(JSON_NAMES[k] for k in kinds)
+        raise _refused(f"{where} is not {named}")
+    return value
+
+
+class _Object:
+    """One JSON object of a manifest, read field by field."""
+
+    def __init__(self, data, where: str):
+        self.data, self.where = _checked(data, dict, where), where
+
+    def take(self, key: str, kind=object, optional: bool = False):
+        """The field's value, of `kind`; None for an optional field that is absent."""
+        if key not in self.data:
+            if optional:
+                return None
+            raise _refused(f"{self.where} has no {key!r}")
+        return _checked(self.data[key], kind, f"{self.where}.{key}")
+
+    def items(self, key: str, kind) -> tuple:
+        """A list field whose items are all of `kind`, as a tuple."""
+        where = f"{self.where}.{key}"
+        return tuple(_checked(item, kind, f"{where}[{i}]") for i, item in enumerate(self.take(key, list)))
+
+    def mapping(self, key: str, read, optional: bool = False) -> dict | None:
+        """An object field: name -> read(value, where) for each of its entries."""
+        entries = self.take(key, dict, optional)
+        if entries is None:
+            return None
+        return {name: read(value, f"{self.where}.{key}[{name!r:.60}]") for name, value in entries.items()}
+
+    def record(self, key: str, record, optional: bool = False):
+        """An object field read as `record` (a class with from_json(data, where))."""
+        if key not in self.data and optional:
+            return None
+        return record.from_json(self.take(key, dict), f"{self.where}.{key}")
+
+
+def _of(kind):
+    """A mapping's reader for plain values of `kind`."""
+    return lambda value, where: _checked(value, kind, where)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A graph input or output: its name, numpy dtype name and shape (a str: a symbolic dimension)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+
+    @classmethod
+    def from_json(cls, data, where: str) -> "TensorSpec":
+        o = _Object(data, where)
+        return cls(o.take("name", str), o.take("dtype", str), o.items("shape", (int, str)))
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+def _specs(value, where: str) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec.from_json(item, f"{where}[{i}]") for i, item in enumerate(_checked(value, list, where)))
+
+
+@dataclass(frozen=True)
+class VariantEntry:
+    """A graph's batch-1 ONNX Runtime variant (fused attention; see compiler/transformer.py)."""
+
+    file: str
+    op_counts: dict[str, int]
+    nodes: int
+    batch: int = 1
+    backend: str = "onnxruntime"
+
+    @classmethod
+    def from_json(cls, data, where: str) -> "VariantEntry":
+        o = _Object(data, where)
+        return cls(o.take("file", str), o.mapping("op_counts", _of(int)), o.take("nodes", int), o.take("batch", int),
+                   o.take("backend", str))
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "batch": self.batch, "backend": self.backend, "op_counts": self.op_counts,
+                "nodes": self.nodes}
+
+
+@dataclass(frozen=True)
+class GraphEntry:
+    """One graph of the bundle: what it is (its GraphId, whose name is its key in the manifest), its
+    file, inputs and outputs, op counts, what only the TensorRT plugin makes parsable, and its batch-1
+    variant where it has one."""
+
+    id: GraphId
+    file: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    op_counts: dict[str, int]
+    nodes: int
+    tensorrt_needs_plugin: tuple[str, ...] = ()
+    single_sequence: VariantEntry | None = None
+
+    @classmethod
+    def from_json(cls, data, where: str) -> "GraphEntry":
+        o = _Object(data, where)
+        return cls(_graph_id(o), o.take("file", str), _specs(o.take("inputs"), f"{where}.inputs"),
+                   _specs(o.take("outputs"), f"{where}.outputs"), o.mapping("op_counts", _of(int)),
+                   o.take("nodes", int), o.items("tensorrt_needs_plugin", str),
+                   o.record("single_sequence", VariantEntry, optional=True))
+
+    def to_json(self) -> dict:
+        data = {"file": self.file, "model": self.id.model, "kind": self.id.kind, "gamma": self.id.gamma,
+                "inputs": [spec.to_json() for spec in self.inputs],
+                "outputs": [spec.to_json() for spec in self.outputs], "op_counts": self.op_counts,
+                "nodes": self.nodes, "tensorrt_needs_plugin": list(self.tensorrt_needs_plugin)}
+        return data | ({"single_sequence": self.single_sequence.to_json()} if self.single_sequence else {})
+
+    @property
+    def files(self) -> list[str]:
+        return [self.file] + ([self.single_sequence.file] if self.single_sequence else [])
+
+
+def _graph_id(o: _Object) -> GraphId:
+    """The GraphId a graph entry records, if it is one speccompile makes (GraphId asserts the rest)."""
+    model, kind, gamma = o.take("model", str), o.take("kind", str), o.take("gamma", (int, type(None)))
+    if model not in ROLES or kind not in GRAPH_KINDS or (gamma is not None) != (kind in CHAIN_KINDS) \
+            or (gamma is not None and gamma < 1):
+        raise _refused(f"{o.where} is no graph speccompile makes (model {model!r:.40}, kind {kind!r:.40}, "
+                       f"γ {gamma!r})")
+    return GraphId(model, kind, gamma)
+
+
+@dataclass(frozen=True)
+class SourceFormat:
+    """What a model was read from: "safetensors" or "gguf", and a GGUF's tensor formats by what the
+    build did with them (kept as blocks, or converted), tensors per format (compiler/checkpoint.Source)."""
+
+    format: str
+    kept: dict[str, int]
+    converted: dict[str, int]
+
+    @classmethod
+    def from_json(cls, data, where: str) -> "SourceFormat":
+        o = _Object(data, where)
+        return cls(o.take("format", str), o.mapping("kept", _of(int)), o.mapping("converted", _of(int)))
+
+    def to_json(self) -> dict:
+        return {"format": self.format, "kept": self.kept, "converted": self.converted}
+
+
+@dataclass(frozen=True)
+class SessionEntry:
+    """A model's session graph (compiler/session_graph.py): its file and the `kind` input's value per
+    graph kind it runs."""
+
+    file: str
+    kinds: dict[str, int]
+
+    @classmethod
+    def from_json(cls, data, where: str) -> "SessionEntry":
+        o = _Object(data, where)
+        kinds = o.mapping("kinds", _of(int))
+        if not set(kinds) <= set(GRAPH_KINDS):
+            raise _refused(f"{where}.kinds names a graph kind speccompile does not make")
+        return cls(o.take("file", str), kinds)
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "kinds": self.kinds}
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One model of the bundle (target or draft): where it came from, its shape, its weights file and
+    precision, the tokens its LM head scores, its checkpoint's config.json verbatim, and its session
+    graph (absent from bundles built before session graphs)."""
+
+    source: str
+    source_format: SourceFormat
+    model_type: str
+    num_params: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    weights_file: str
+    matmul_weights: str
+    scored_vocab: int  # fewer than vocab_size with --draft-vocab
+    config: dict
+    session: SessionEntry | None = None
+
+    SHAPE = ("num_params", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size")
+
+    @classmethod
+    def from_json(cls, data, where: str) -> "ModelEntry":
+        o = _Object(data, where)
+        return cls(o.take("source", str), o.record("source_format", SourceFormat), o.take("model_type", str),
+                   *(o.take(key, int) for key in cls.SHAPE), weights_file=o.take("weights_file", str),
+                   matmul_weights=o.take("matmul_weights", str), scored_vocab=o.take("scored_vocab", int),
+                   config=o.take("config", dict), session=o.record("session", SessionEntry, optional=True))
+
+    def to_json(self) -> dict:
+        data = {"source": self.source, "source_format": self.source_format.to_json(), "model_type": self.model_type,
+                **{key: getattr(self, key) for key in self.SHAPE}, "weights_file": self.weights_file,
+                "matmul_weights": self.matmul_weights, "scored_vocab": self.scored_vocab, "config": self.config}
+        return data | ({"session": self.session.to_json()} if self.session else {})
+
+
+@dataclass(frozen=True)
+class TokenizerEntry:
+    """The bundle's tokenizer: its directory and the ids the runtime stops at or starts with."""
+
+    dir: str
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    size: int
+
+    @classmethod
+    def from_json(cls, data, where: str) -> "TokenizerEntry":
+        o = _Object(data, where)
+        return cls(o.take("dir", str), o.items("eos_token_ids", int), o.take("bos_token_id", (int, type(None))),
+                   o.take("size", int))
+
+    def to_json(self) -> dict:
+        return {"dir": self.dir, "eos_token_ids": list(self.eos_token_ids), "bos_token_id": self.bos_token_id,
+                "size": self.size}
+
+
+@dataclass(frozen=True)
+class MedusaEntry:
+    """A Medusa bundle's heads: how many, how often each rank of each is right, the measured
+    probabilities of rank paths ([path, probability] pairs), the candidates each head proposes, and
+    the heads' directory (core/tree.py grows the token tree from these)."""
+
+    num_heads: int
+    top_k_accuracy: tuple[tuple[float, ...], ...]
+    path_probability: tuple[tuple[tuple[int, ...], float], ...]
+    candidates: int
+    source: str
+
+    @classmethod
+    def from_json(cls, data, where: str) -> "MedusaEntry":
+        o = _Object(data, where)
+        accuracy = tuple(tuple(_checked(p, NUMBER, f"{where}.top_k_accuracy[{k}]") for p in row)
+                         for k, row in enumerate(o.items("top_k_accuracy", list)))
+        paths = tuple(_path_probability(pair, f"{where}.path_probability[{i}]")
+                      for i, pair in enumerate(o.items("path_probability", list)))
+        return cls(o.take("num_heads", int), accuracy, paths, o.take("candidates", int), o.take("source", str))
+
+    def to_json(self) -> dict:
+        return {"num_heads": self.num_heads, "top_k_accuracy": [list(row) for row in self.top_k_accuracy],
+                "path_probability": [[list(path), p] for path, p in self.path_probability],
+                "candidates": self.candidates, "source": self.source}
+
+
+def _path_probability(pair: list, where: str) -> tuple[tuple[int, ...], float]:
+    if len(pair) != 2:
+        raise _refused(f"{where} is not a [path, probability] pair")
+    path = tuple(_checked(rank, int, where) for rank in _checked(pair[0], list, where))
+    return path, _checked(pair[1], NUMBER, where)
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    """A graph's TensorRT engine: its file, and the TensorRT version and GPU it runs on (any Ampere+
+    GPU with hardware_compatible, later TensorRT versions with version_compatible)."""
+
+    file: str
+    tensorrt_version: str
+    gpu: str
+    compute_capability: str
+    profiles: int
+    hardware_compatible: bool
+    version_compatible: bool
+
+    @classmethod
+    def from_json(cls, data, where: str) -> "EngineEntry":
+        o = _Object(data, where)
+        return cls(o.take("file", str), o.take("tensorrt_version", str), o.take("gpu", str),
+                   o.take("compute_capability", str), o.take("profiles", int), o.take("hardware_compatible", bool),
+                   o.take("version_compatible", bool))
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "tensorrt_version": self.tensorrt_version, "gpu": self.gpu,
+                "compute_capability": self.compute_capability, "profiles": self.profiles,
+                "hardware_compatible": self.hardware_compatible, "version_compatible": self.version_compatible}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """manifest.json: what the bundle holds. `files`: every file of the bundle -> its sha256 (the
+    integrity check on open); `engines`: TensorRT engines by graph name, empty until built."""
+
+    speccompile_version: str
+    opset: int
+    dtype: str
+    gammas: tuple[int, ...]
+    default_gamma: int
+    max_seq: int
+    max_batch: int
+    vocab_size: int
+    models: dict[str, ModelEntry]
+    tokenizer: TokenizerEntry
+    graphs: dict[str, GraphEntry]
+    files: dict[str, str]
+    medusa: MedusaEntry | None = None
+    engines: dict[str, EngineEntry] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @classmethod
+    def from_json(cls, data) -> "Manifest":
+        """The manifest a JSON object describes, or a SpecCompileError in one line saying what is wrong."""
+        o = _Object(data, "manifest")
+        version = o.data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise SpecCompileError(f"bundle format version {version!r:.40} is not supported (this speccompile "
+                                   f"reads version {FORMAT_VERSION}); rebuild the bundle")
+        files = o.take("files", dict)
+        if not all(isinstance(sha, str) for sha in files.values()):
+            raise SpecCompileError(f"{MANIFEST} has no valid file list")
+        manifest = cls(o.take("speccompile_version", str), o.take("opset", int), o.take("dtype", str),
+                       o.items("gammas", int), o.take("default_gamma", int), o.take("max_seq", int),
+                       o.take("max_batch", int), o.take("vocab_size", int), o.mapping("models", ModelEntry.from_json),
+                       o.record("tokenizer", TokenizerEntry), o.mapping("graphs", GraphEntry.from_json), files,
+                       o.record("medusa", MedusaEntry, optional=True),
+                       o.mapping("engines", EngineEntry.from_json, optional=True) or {})
+        manifest._check_consistent()
+        return manifest
+
+    def _check_consistent(self) -> None:
+        """What the types do not say: the graphs are named for what they are, of models the bundle
+        holds, and its γ values are the ones it compiled."""
+        if "target" not in self.models or not set(self.models) <= set(ROLES):
+            raise _refused(f"its models are not a target and at most a draft: {sorted(self.models)!r:.80}")
+        for name, graph in self.graphs.items():
+            if graph.id.name != name:
+                raise _refused(f"graph {name!r:.60} records itself as {graph.id.name}")
+            if graph.id.model not in self.models:
+                raise _refused(f"graph {name} is the {graph.id.model}'s, a model it does not hold")
+        if min(self.max_seq, self.max_batch, self.vocab_size) < 1:
+            raise _refused(f"its max_seq {self.max_seq}, max_batch {self.max_batch} or vocab_size {self.vocab_size} "
+                           "is not positive")
+        if not self.gammas or min(self.gammas) < 1 or self.default_gamma not in self.gammas:
+            raise _refused(f"its γ values {list(self.gammas)!r:.60} are not all positive or lack its default γ "
+                           f"{self.default_gamma}")
+
+    def to_json(self) -> dict:
+        data = {"format_version": self.format_version, "speccompile_version": self.speccompile_version,
+                "opset": self.opset, "dtype": self.dtype, "gammas": list(self.gammas),
+                "default_gamma": self.default_gamma, "max_seq": self.max_seq, "max_batch": self.max_batch,
+                "vocab_size": self.vocab_size, "models": {role: m.to_json() for role, m in self.models.items()},
+                "tokenizer": self.tokenizer.to_json(),
+                "graphs": {name: graph.to_json() for name, graph in self.graphs.items()}, "files": self.files}
+        if self.medusa:
+            data["medusa"] = self.medusa.to_json()
+        if self.engines:
+            data["engines"] = {name: engine.to_json() for name, engine in self.engines.items()}
+        return data
+
+    def referenced_files(self) -> list[str]:
+        """Every file the runtime may read, as the manifest names them; the tokenizer's last."""
+        names = [file for graph in self.graphs.values() for file in graph.files]
+        for model in self.models.values():
+            names += [model.weights_file] + ([model.session.file] if model.session else [])
+        names += [engine.file for engine in self.engines.values()]
+        return names + [f"{self.tokenizer.dir}/tokenizer.json"]
+
+
+def write_manifest(path, manifest: Manifest) -> None:
+    """Write the bundle's manifest.json at `path` in one rename, and stamp its files as checked: the
+    writer has just hashed every file it lists (and checked its graphs)."""
+    path = Path(path)
+    tmp = path / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest.to_json(), indent=1))
+    tmp.replace(path / MANIFEST)
+    write_stamp(path, manifest.files)
 
 
 @dataclass
 class Bundle:
     path: Path
-    manifest: dict
+    manifest: Manifest
 
     @property
     def gammas(self) -> list[int]:
-        return list(self.manifest["gammas"])
+        return list(self.manifest.gammas)
 
     @property
     def default_gamma(self) -> int:
-        return self.manifest["default_gamma"]
+        return self.manifest.default_gamma
 
     @property
     def max_seq(self) -> int:
-        return self.manifest["max_seq"]
+        return self.manifest.max_seq
 
     @property
     def max_batch(self) -> int:
-        return self.manifest["max_batch"]
+        return self.manifest.max_batch
 
     @property
     def vocab_size(self) -> int:
-        return self.manifest["vocab_size"]
+        return self.manifest.vocab_size
 
-    def graph(self, name: str) -> dict:
-        return self.manifest["graphs"][name]
+    def graph(self, name: str) -> GraphEntry:
+        return self.manifest.graphs[name]
 
     def graph_path(self, name: str) -> Path:
-        return self.path / self.graph(name)["file"]
+        return self.path / self.graph(name).file
 
-    def model(self, role: str) -> dict:
-        return self.manifest["models"][role]
+    def model(self, role: str) -> ModelEntry:
+        return self.manifest.models[role]
 
     @property
     def medusa(self) -> dict | None:
-        """A Medusa bundle's heads and token tree (`tree`: its paths, see core/tree.py), else None."""
-        return self.manifest.get("medusa")
+        """A Medusa bundle's heads and token tree as JSON data (core/tree.py reads their lists), else None."""
+        return self.manifest.medusa.to_json() if self.manifest.medusa else None
 
     @property
     def has_draft(self) -> bool:
         """False for a draft-free bundle (built without --draft): its requests speculate with prompt lookup."""
-        return "draft" in self.manifest["models"]
+        return "draft" in self.manifest.models
+
+    @property
+    def has_engines(self) -> bool:
+        """Whether TensorRT engines were built for the bundle (build --backend tensorrt)."""
+        return bool(self.manifest.engines)
 
 
 def sha256_file(path: Path) -> str:
@@ -200,11 +608,11 @@ def open_bundle(path, verify: bool = True) -> Bundle:
     path = Path(path)
     manifest = _read_manifest(path)
     if verify:
-        unvouched = _unvouched_files(path, manifest["files"])
+        unvouched = _unvouched_files(path, manifest.files)
         if unvouched:
-            _verify_files(path, {name: manifest["files"][name] for name in unvouched})
+            _verify_files(path, {name: manifest.files[name] for name in unvouched})
             _check_graphs(path, manifest, unvouched)
-            write_stamp(path, manifest["files"])
+            write_stamp(path, manifest.files)
     return Bundle(path, manifest)
 
 
@@ -212,32 +620,29 @@ def verify_bundle(path) -> Bundle:
     """Hash every file of the bundle against its manifest (whatever the stamp says), then stamp it."""
     path = Path(path)
     manifest = _read_manifest(path)
-    _verify_files(path, manifest["files"])
-    _check_graphs(path, manifest, manifest["files"])
-    write_stamp(path, manifest["files"])
+    _verify_files(path, manifest.files)
+    _check_graphs(path, manifest, manifest.files)
+    write_stamp(path, manifest.files)
     return Bundle(path, manifest)
 
 
-def _check_graphs(path: Path, manifest: dict, names) -> None:
+def _check_graphs(path: Path, manifest: Manifest, names) -> None:
     for name in names:
         if name.endswith(".onnx"):
             check_graph(path, manifest, name)
 
 
-def _read_manifest(path: Path) -> dict:
+def _read_manifest(path: Path) -> Manifest:
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
         raise SpecCompileError(f"{path}: not a speccompile bundle (no {MANIFEST})")
     if manifest_file.is_symlink() or manifest_file.stat().st_size > MANIFEST_MAX_BYTES:
         raise SpecCompileError(f"{path}: {MANIFEST} is a link or larger than {MANIFEST_MAX_BYTES >> 20} MiB: "
                                "not a bundle speccompile wrote")
-    manifest = read_json_object(manifest_file)
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise SpecCompileError(
-            f"{path}: bundle format version {version!r} is not supported "
-            f"(this speccompile reads version {FORMAT_VERSION}); rebuild the bundle"
-        )
+    try:
+        manifest = Manifest.from_json(read_json_object(manifest_file))
+    except SpecCompileError as e:
+        raise SpecCompileError(f"{path}: {e}") from None
     _check_contained(path, manifest)
     return manifest
 
@@ -265,22 +670,20 @@ def inside(root: Path, name: str) -> Path:
     return root / relative
 
 
-def _check_contained(path: Path, manifest: dict) -> None:
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
-        raise SpecCompileError(f"{path}: {MANIFEST} has no valid file list")
+def _check_contained(path: Path, manifest: Manifest) -> None:
+    files = manifest.files
     for name in files:
         inside(path, name)
-    unlisted = sorted(set(referenced_files(manifest)) - set(files))
+    unlisted = sorted(set(manifest.referenced_files()) - set(files))
     if unlisted:
         raise SpecCompileError(f"{path}: the bundle reads {unlisted[0]}, which its manifest does not list (and so "
                                "does not hash): refused")
-    tokenizer = inside(path, referenced_files(manifest)[-1])
+    tokenizer = inside(path, manifest.referenced_files()[-1])
     if tokenizer.is_file() and tokenizer.stat().st_size > TOKENIZER_MAX_BYTES:
         raise SpecCompileError(f"{path}: its tokenizer is {tokenizer.stat().st_size:,} bytes, over the "
                                f"{TOKENIZER_MAX_BYTES:,} a tokenizer may be: refused")
     for entry in tokenizer.parent.iterdir():  # the tokenizer reads its config and chat template too
-        name = f"{manifest['tokenizer']['dir']}/{entry.name}"
+        name = f"{manifest.tokenizer.dir}/{entry.name}"
         if name not in files:
             raise SpecCompileError(f"{path}: its tokenizer directory holds {entry.name}, which the manifest does "
                                    "not list (and so does not hash): refused")
@@ -295,9 +698,19 @@ STANDARD_OPS = frozenset(
     "TensorScatter TopK Transpose Unsqueeze Where".split())
 RUNTIME_OPS = frozenset({"GroupQueryAttention", "MatMulNBits"})  # ONNX Runtime's com.microsoft kernels
 SPEC_FUNCTIONS = ("SpecAccept", "SpecTransform", "SpecSample")  # the speccompile domain: local functions
+FUNCTION_COPIES = 100  # definitions of one function a model may hold (an If branch may need its own)
 
 
-def check_graph(path: Path, manifest: dict, name: str) -> None:
+def function_copies(name: str) -> tuple[str, ...]:
+    """The names a function's definitions take in one model: its own, then NAME_1, NAME_2, ... (a copy
+    of different body, added by an If branch; compiler/onnx_graph.BranchBuilder)."""
+    return (name, *(f"{name}_{k}" for k in range(1, FUNCTION_COPIES)))
+
+
+SPEC_FUNCTION_NAMES = frozenset(copy for name in SPEC_FUNCTIONS for copy in function_copies(name))
+
+
+def check_graph(path: Path, manifest: Manifest, name: str) -> None:
     """Refuse a graph file whose external data lies outside the bundle's listed files, or whose ops
     are not speccompile's, before a session opens it (its structure is read, not its weights)."""
     import onnx
@@ -306,12 +719,11 @@ def check_graph(path: Path, manifest: dict, name: str) -> None:
         model = onnx.load(str(inside(path, name)), load_external_data=False)
     except Exception as e:  # noqa: BLE001 (protobuf's own errors: a file that is not an ONNX model)
         raise SpecCompileError(f"{path}: {name} is not an ONNX model ({type(e).__name__}): refused") from None
-    functions = {f.name for f in model.functions if f.domain == "speccompile"
-                 and f.name.rstrip("0123456789").rstrip("_") in SPEC_FUNCTIONS}
+    functions = {f.name for f in model.functions if f.domain == "speccompile" and f.name in SPEC_FUNCTION_NAMES}
     for tensor in _initializers(model.graph):
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             location = next((e.value for e in tensor.external_data if e.key == "location"), "")
-            if location not in manifest["files"]:
+            if location not in manifest.files:
                 raise SpecCompileError(f"{path}: {name} reads {tensor.name}'s data from {location!r}, which the "
                                        "bundle does not list: refused")
             inside(path, location)
@@ -343,20 +755,6 @@ def _initializers(graph):
         for attribute in node.attribute:
             if attribute.type == onnx.AttributeProto.GRAPH:
                 yield from _initializers(attribute.g)
-
-
-def referenced_files(manifest: dict) -> list[str]:
-    """Every file the runtime may read, as the manifest names them; the tokenizer's last."""
-    try:
-        names = []
-        for entry in manifest["graphs"].values():
-            names += [entry["file"]] + ([entry["single_sequence"]["file"]] if "single_sequence" in entry else [])
-        for model in manifest["models"].values():
-            names += [model["weights_file"]] + ([model["session"]["file"]] if "session" in model else [])
-        names += [entry["file"] for entry in manifest.get("engines", {}).values()]
-        return names + [f"{manifest['tokenizer']['dir']}/tokenizer.json"]
-    except (KeyError, TypeError, AttributeError):
-        raise SpecCompileError(f"{MANIFEST} does not describe a bundle (its graphs, models or tokenizer)") from None
 
 
 def _verify_files(path: Path, files: dict[str, str]) -> None:

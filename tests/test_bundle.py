@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -125,11 +126,11 @@ def test_inspect_reports_what_the_bundle_needs_in_memory(bundles):
     info = json.loads(CliRunner().invoke(main, ["inspect", str(bundle), "--json"]).stdout)
     manifest = open_bundle(bundle).manifest
     for role in ("target", "draft"):
-        model, memory = manifest["models"][role], info["memory"][role]
+        model, memory = manifest.models[role], info["memory"][role]
         assert memory["weights_bytes"] == (bundle / f"{role}.weights").stat().st_size
-        per_sequence = 2 * model["num_layers"] * model["num_kv_heads"] * model["head_dim"] * manifest["max_seq"] * 4
+        per_sequence = 2 * model.num_layers * model.num_kv_heads * model.head_dim * manifest.max_seq * 4
         assert memory["kv_cache_bytes_per_sequence"] == per_sequence
-        assert memory["kv_cache_bytes_at_max_batch"] == per_sequence * manifest["max_batch"]
+        assert memory["kv_cache_bytes_at_max_batch"] == per_sequence * manifest.max_batch
         assert memory["weight_copies"] == "one per graph run"  # tiny weights: a session per graph
     assert info["memory"]["draft"]["matmul_weights"] == "int8"
     text = CliRunner().invoke(main, ["inspect", str(bundle)]).stdout
@@ -157,9 +158,10 @@ def test_the_manifest_records_each_graph_as_its_id(bundles):
     from speccompile.bundle import GraphId
 
     manifest = open_bundle(bundles("llama", "random")).manifest
-    for name, entry in manifest["graphs"].items():
+    for name, entry in manifest.to_json()["graphs"].items():  # as written on disk
         graph = GraphId(entry["model"], entry["kind"], entry["gamma"])
         assert graph.name == name and entry["file"] == f"{name}.onnx"
+        assert manifest.graphs[name].id == graph
 
 
 def test_a_bundle_of_the_previous_format_asks_for_a_rebuild(bundle_copy):
@@ -173,3 +175,44 @@ def test_a_bundle_of_the_previous_format_asks_for_a_rebuild(bundle_copy):
         refused = rf"format version {old} is not supported .*reads version 6\); rebuild"
         with pytest.raises(SpecCompileError, match=refused):
             open_bundle(bundle_copy)
+
+
+@pytest.mark.parametrize("draft", ["random", "medusa"])
+def test_the_manifest_reads_back_as_it_was_written(bundles, draft):
+    """The typed manifest is the JSON on disk, field for field, and reading its JSON gives it back."""
+    from speccompile.bundle import Manifest
+
+    bundle = bundles("llama", draft)
+    manifest = open_bundle(bundle).manifest
+    assert Manifest.from_json(manifest.to_json()) == manifest
+    assert manifest.to_json() == json.loads((bundle / "manifest.json").read_text())
+    assert (manifest.medusa is not None) == (draft == "medusa") and not manifest.engines
+
+
+def test_engines_read_back_as_they_were_written(bundles):
+    import dataclasses
+
+    from speccompile.bundle import EngineEntry, Manifest
+
+    manifest = open_bundle(bundles("llama", "random")).manifest
+    engine = EngineEntry("engines/target_forward.engine", "10.9.0", "NVIDIA H200", "9.0", 2, False, True)
+    built = dataclasses.replace(manifest, engines={"target_forward": engine})
+    assert built.to_json()["engines"] == {"target_forward": {
+        "file": "engines/target_forward.engine", "tensorrt_version": "10.9.0", "gpu": "NVIDIA H200",
+        "compute_capability": "9.0", "profiles": 2, "hardware_compatible": False, "version_compatible": True}}
+    assert Manifest.from_json(built.to_json()) == built
+    assert "engines/target_forward.engine" in built.referenced_files()
+
+
+def test_the_manifest_is_read_as_json_in_the_bundle_module_alone():
+    """Every other module reads the typed Manifest's attributes: a manifest dict indexed elsewhere
+    would be a second reader of the format."""
+    import re
+
+    import speccompile
+
+    package = Path(speccompile.__file__).parent
+    readers = [f"{path.relative_to(package.parent)}:{n}" for path in sorted(package.rglob("*.py"))
+               if path.name != "bundle.py" or path.parent != package
+               for n, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"manifest(\[|\.get\()", line)]
+    assert readers == []

@@ -116,3 +116,45 @@ def test_a_stamp_that_is_a_pipe_is_never_read(copy):
     bundle, trap = copy
     os.mkfifo(bundle / STAMP)
     assert open_bundle(bundle)  # hashed and checked, as without a stamp
+
+
+def _graph(m, name="target_forward") -> dict:
+    return m["graphs"][name]
+
+
+# (what the maker writes, what the refusal says): a manifest that does not describe a bundle speccompile
+# writes is refused in one line that says where, before any of its files is read
+GARBLED = {
+    "unknown kind": (lambda m: _graph(m).update(kind="forward_all"), "is no graph speccompile makes"),
+    "chain verification without γ": (lambda m: _graph(m, "target_verify_g4").update(gamma=None),
+                                     "is no graph speccompile makes"),
+    "γ as text": (lambda m: _graph(m, "target_verify_g4").update(gamma="4"), "gamma is not an integer or null"),
+    "name not the graph's": (lambda m: m["graphs"].update({"bad\nname": m["graphs"].pop("target_forward")}),
+                             r"graph 'bad\nname' records itself as target_forward"),
+    "draft graph without a draft": (lambda m: m["models"].pop("draft"), "is the draft's, a model it does not hold"),
+    "no target": (lambda m: m["models"].update(helper=m["models"].pop("target")), "its models are not a target"),
+    "shape not a list": (lambda m: _graph(m)["inputs"][0].update(shape="batch"),
+                         "graphs['target_forward'].inputs[0].shape is not a list"),
+    "dimension of neither kind": (lambda m: _graph(m)["inputs"][0]["shape"].append(1.5),
+                                  "is not an integer or a string"),
+    "count as text": (lambda m: _graph(m).update(nodes="69"), "graphs['target_forward'].nodes is not an integer"),
+    "a flag for a size": (lambda m: m.update(max_seq=True), "manifest.max_seq is not an integer"),
+    "missing field": (lambda m: m.pop("max_batch"), "manifest has no 'max_batch'"),
+    "graphs as a list": (lambda m: m.update(graphs=list(m["graphs"].values())), "manifest.graphs is not an object"),
+    "eos ids as text": (lambda m: m["tokenizer"].update(eos_token_ids=["1"]), "tokenizer.eos_token_ids[0] is not"),
+    "default γ not compiled": (lambda m: m.update(default_gamma=7), "lack its default γ 7"),
+    "session of unknown kinds": (lambda m: m["models"]["target"]["session"]["kinds"].update(read_file=9),
+                                 "names a graph kind speccompile does not make"),
+    "engine without its GPU": (lambda m: m.update(engines={"target_forward": {"file": "target_forward.onnx"}}),
+                               "has no 'tensorrt_version'"),
+}
+
+
+@pytest.mark.parametrize("garbled", GARBLED)
+def test_a_garbled_manifest_is_refused_in_one_line(copy, garbled):
+    bundle, trap = copy
+    change, message = GARBLED[garbled]
+    rewrite(bundle, change)
+    refused_without_opening(bundle, trap, message)
+    with pytest.raises(SpecCompileError, match="does not describe a bundle speccompile wrote"):
+        open_bundle(bundle)

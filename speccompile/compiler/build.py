@@ -1,6 +1,7 @@
 """`build_bundle`: HF draft + target checkpoints -> a bundle directory, as a flat list of phases.
 
     load target -> load draft -> compatibility gate -> export graphs -> check graphs -> write bundle
+    (-> TensorRT engines, with backend="tensorrt": compiler/tensorrt_build.py)
 
 The bundle is assembled in a temporary sibling directory and renamed into place only when complete,
 so a failed build leaves nothing behind.
@@ -8,7 +9,6 @@ so a failed build leaves nothing behind.
 
 import collections
 import errno
-import json
 import logging
 import os
 import shutil
@@ -18,11 +18,32 @@ from pathlib import Path
 
 import onnx
 
-from speccompile.bundle import FORMAT_VERSION, MANIFEST, GraphId, sha256_file, write_stamp
+from speccompile.bundle import (
+    FORMAT_VERSION,
+    TREE_KINDS,
+    GraphEntry,
+    GraphId,
+    Manifest,
+    MedusaEntry,
+    ModelEntry,
+    SessionEntry,
+    SourceFormat,
+    TensorSpec,
+    TokenizerEntry,
+    VariantEntry,
+    sha256_file,
+    write_manifest,
+)
 from speccompile.compiler.checkpoint import ModelSpec, check_max_seq, load_checkpoint
 from speccompile.compiler.draft_vocab import FREQUENCIES_FILE, corpus_frequencies, read_frequencies, select_vocab
 from speccompile.compiler.onnx_graph import MATMUL_WEIGHTS, OPSET, WeightFile
 from speccompile.compiler.session_graph import KINDS, build_session_graph
+from speccompile.compiler.tensorrt_build import (
+    TensorRTOptions,
+    build_tensorrt_engines,
+    check_tensorrt_sources,
+    require_tensorrt_build,
+)
 from speccompile.compiler.tokenizer import check_compatible, eos_token_ids, load_tokenizer, save_tokenizer
 from speccompile.compiler.transformer import (
     MEDUSA_CANDIDATES,
@@ -39,13 +60,14 @@ from speccompile.progress import Progress
 DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64", onnx.TensorProto.BOOL: "bool",
           onnx.TensorProto.INT32: "int32", onnx.TensorProto.UINT8: "uint8"}
 PHASES = ["load target", "load draft", "check compatibility", "export graphs", "check graphs", "write bundle"]
+BACKENDS = ("onnxruntime", "tensorrt", "onnx")  # onnx: onnxruntime's old name
 logger = logging.getLogger(__name__)
 
 
 def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 1024, max_batch: int = 8,
                  force: bool = False, draft_weights: str = "int8", draft_vocab: int | None = None,
                  draft_vocab_corpus=None, single_sequence: bool = True, target_weights: str | None = None,
-                 medusa_dir=None) -> Path:
+                 medusa_dir=None, backend: str = "onnxruntime", tensorrt: TensorRTOptions | None = None) -> Path:
     """`target_weights` / `draft_weights`: how each model's projection and LM-head weights are stored:
     "float32", "float16", "bfloat16" (both computed in fp32), "int8" (weight-only, per output
     column) or "int4" (weight-only, blocks of 128 along the input; see GraphBuilder.matmul). The
@@ -61,12 +83,19 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     speculate with prompt lookup (core/proposers.py). `medusa_dir` (instead of a draft): Medusa heads
     (`speccompile distill --medusa K`) and the target's token-tree verification graphs that read them
     (transformer.build_tree_verify_graph): one target pass per iteration verifies the heads' tree
-    and proposes the next one."""
-    out_dir = Path(out_dir)
+    and proposes the next one.
+    `backend`: "onnxruntime" (or "onnx"), the ONNX graphs alone; "tensorrt", also a TensorRT engine
+    per graph, from the same graphs, made as `tensorrt` says (default: TensorRTOptions()). Whether
+    TensorRT and its plugin library are here is checked before any checkpoint is read, and whether
+    TensorRT takes the weights' formats before any graph is exported."""
+    out_dir, tensorrt = Path(out_dir), tensorrt or TensorRTOptions()
+    engines = _builds_engines(backend, tensorrt)
     gammas = _check_options(out_dir, list(gammas), max_seq, max_batch, force, draft_vocab, draft_vocab_corpus)
     for option, value in (("--target-weights", target_weights or "float32"), ("--draft-weights", draft_weights)):
         if value not in MATMUL_WEIGHTS:
             raise SpecCompileError(f"{option} must be one of {', '.join(MATMUL_WEIGHTS)}, got {value!r}")
+    if engines:
+        require_tensorrt_build(tensorrt)
     progress = Progress(len(PHASES), logger)
 
     progress.step("load target")
@@ -94,6 +123,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     for spec, stored in ((target, target_weights), (draft, draft_weights)):
         if spec is not None and spec.source.format == "gguf":
             spec.compile_at(stored)
+    if engines:
+        check_tensorrt_sources({role: spec.source.kept for role, spec, _ in _models(target, draft, None)})
     vocab_ids = None
     if draft_vocab is not None:
         if draft is None:
@@ -130,17 +161,14 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         progress.step("write bundle")
         save_tokenizer(target_tok, staging / "tokenizer")
         scored = {"target": vocab_out, "draft": vocab_out if vocab_ids is None else len(vocab_ids)}
-        models = {role: spec for role, spec, _ in _models(target, draft, vocab_ids)}
-        manifest = _manifest(staging, models, graphs, weight_files, weights, gammas, max_seq, max_batch,
-                             vocab_out, scored, target_tok, needs_plugin)
-        for name in variants:
-            manifest["graphs"][name]["single_sequence"] = _variant_entry(staging, name)
-        for role, (builder, kinds) in sessions.items():
-            manifest["models"][role]["session"] = {"file": f"{builder.name}.onnx", "kinds": kinds}
-        if medusa:
-            manifest["medusa"] = _medusa_entry(medusa[0], medusa_dir)
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        write_stamp(staging, manifest["files"])  # every file was just hashed: the first open need not
+        models = {role: _model_entry(spec, weight_files[role], weights[role], scored[role], sessions[role])
+                  for role, spec, _ in _models(target, draft, vocab_ids)}
+        graph_entries = {name: _graph_entry(staging, graph, needs_plugin[name], name in variants)
+                         for name, (_, graph) in graphs.items()}
+        heads_entry = _medusa_entry(medusa[0], medusa_dir) if medusa else None
+        manifest = _manifest(staging, models, graph_entries, gammas, max_seq, max_batch, vocab_out,
+                             _tokenizer_entry(target, target_tok), heads_entry)
+        write_manifest(staging, manifest)  # every file was just hashed and stamped: the first open need not
         _move_into_place(staging, out_dir, force)
     except OSError as e:
         shutil.rmtree(staging, ignore_errors=True)
@@ -152,7 +180,20 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         shutil.rmtree(staging, ignore_errors=True)
         raise
     logger.info(f"bundle written to {out_dir} ({_size_mb(out_dir):.1f} MB)")
+    if engines:
+        build_tensorrt_engines(out_dir, tensorrt)
     return out_dir
+
+
+def _builds_engines(backend: str, tensorrt: TensorRTOptions) -> bool:
+    """Whether the build makes TensorRT engines too. TensorRT's options without them are refused: they
+    would change nothing, and the bundle would not be the one asked for."""
+    if backend not in BACKENDS:
+        raise SpecCompileError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    if backend != "tensorrt" and tensorrt != TensorRTOptions():
+        raise SpecCompileError("--plugin-lib, --timing-cache, --hardware-compat and --version-compat make TensorRT "
+                               "engines: pass --backend tensorrt with them")
+    return backend == "tensorrt"
 
 
 def _check_options(out_dir: Path, gammas: list[int], max_seq: int, max_batch: int, force: bool,
@@ -213,12 +254,12 @@ def _load_medusa(medusa_dir, target: ModelSpec) -> tuple[dict, list]:
     return config, heads
 
 
-def _medusa_entry(config: dict, medusa_dir) -> dict:
+def _medusa_entry(config: dict, medusa_dir) -> MedusaEntry:
     """What the runtime needs of the heads: how many, and how often each rank of each is right
     (core/tree.py grows the token tree from these; the runtime sizes it by measured cost)."""
-    return {"num_heads": config["num_heads"], "top_k_accuracy": config["top_k_accuracy"],
-            "path_probability": config.get("path_probability", []), "candidates": MEDUSA_CANDIDATES,
-            "source": str(Path(medusa_dir).resolve())}
+    return MedusaEntry(config["num_heads"], tuple(tuple(row) for row in config["top_k_accuracy"]),
+                       tuple((tuple(path), p) for path, p in config.get("path_probability", [])),
+                       MEDUSA_CANDIDATES, str(Path(medusa_dir).resolve()))
 
 
 def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_out, matmul_weights: dict[str, str],
@@ -269,7 +310,7 @@ def _session_graphs(target: ModelSpec, draft: ModelSpec, max_seq, vocab_out, mat
     for role, spec, ids in _models(target, draft, vocab_ids):
         kinds = ["forward", "sample"]
         if role == "target":
-            kinds = [k for k in KINDS if heads or not k.startswith("verify_tree")]
+            kinds = [k for k in KINDS if heads or k not in TREE_KINDS]
         builder = build_session_graph(spec, f"{role}_session", max_seq, vocab_out, kinds, matmul_weights[role], ids,
                                       heads=heads if role == "target" else None)
         sessions[role] = (builder, {kind: KINDS[kind] for kind in kinds})
@@ -312,85 +353,58 @@ def _check_graph(path: Path, name: str) -> list[str]:
     return check_tensorrt_compatible(onnx.load(str(path), load_external_data=False), name)
 
 
-def _io_spec(values) -> list[dict]:
-    out = []
-    for v in values:
-        dims = [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
-        out.append({"name": v.name, "dtype": DTYPES[v.type.tensor_type.elem_type], "shape": dims})
-    return out
+def _io_spec(values) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(v.name, DTYPES[v.type.tensor_type.elem_type],
+                            tuple(d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim)) for v in values)
 
 
-def _graph_entry(staging: Path, graph: GraphId, needs_plugin: list[str]) -> dict:
+def _graph_entry(staging: Path, graph: GraphId, needs_plugin: list[str], has_variant: bool) -> GraphEntry:
     model = onnx.load(str(staging / f"{graph.name}.onnx"), load_external_data=False)
-    return {
-        "file": f"{graph.name}.onnx",
-        "model": graph.model,
-        "kind": graph.kind,
-        "gamma": graph.gamma,
-        "inputs": _io_spec(model.graph.input),
-        "outputs": _io_spec(model.graph.output),
-        **_op_summary(model),
-        "tensorrt_needs_plugin": needs_plugin,
-    }
+    return GraphEntry(graph, f"{graph.name}.onnx", _io_spec(model.graph.input), _io_spec(model.graph.output),
+                      *_op_summary(model), tensorrt_needs_plugin=tuple(needs_plugin),
+                      single_sequence=_variant_entry(staging, graph.name) if has_variant else None)
 
 
-def _variant_entry(staging: Path, name: str) -> dict:
+def _variant_entry(staging: Path, name: str) -> VariantEntry:
     model = onnx.load(str(staging / variant_file(name)), load_external_data=False)
-    return {"file": variant_file(name), "batch": 1, "backend": "onnxruntime", **_op_summary(model)}
+    return VariantEntry(variant_file(name), *_op_summary(model))
 
 
-def _op_summary(model: onnx.ModelProto) -> dict:
+def _op_summary(model: onnx.ModelProto) -> tuple[dict[str, int], int]:
+    """(op counts, by op; nodes) of a graph's top level."""
     ops = collections.Counter(n.op_type for n in model.graph.node)
-    return {"op_counts": dict(sorted(ops.items())), "nodes": len(model.graph.node)}
+    return dict(sorted(ops.items())), len(model.graph.node)
 
 
-def _model_entry(spec: ModelSpec, weight_file: WeightFile, matmul_weights: str, scored_vocab: int) -> dict:
-    hp = spec.hp
-    return {
-        "source": str(spec.path.resolve()),
+def _model_entry(spec: ModelSpec, weight_file: WeightFile, matmul_weights: str, scored_vocab: int,
+                 session: tuple) -> ModelEntry:
+    hp, (builder, kinds) = spec.hp, session
+    return ModelEntry(
+        source=str(spec.path.resolve()),
         # safetensors, or a GGUF's formats: which were kept as blocks and which dequantized
-        "source_format": {"format": spec.source.format, "kept": spec.source.kept, "converted": spec.source.converted},
-        "model_type": spec.model_type,
-        "num_params": spec.num_params,
-        "num_layers": hp["num_layers"],
-        "num_heads": hp["num_heads"],
-        "num_kv_heads": hp["num_kv_heads"],
-        "head_dim": hp["head_dim"],
-        "hidden_size": hp["hidden_size"],
-        "vocab_size": hp["vocab_size"],
-        "weights_file": weight_file.filename,
-        "matmul_weights": matmul_weights,
-        "scored_vocab": scored_vocab,  # tokens its LM head scores (fewer than vocab_size with --draft-vocab)
-        "config": spec.config,
-    }
+        source_format=SourceFormat(spec.source.format, dict(spec.source.kept), dict(spec.source.converted)),
+        model_type=spec.model_type, num_params=spec.num_params, num_layers=hp["num_layers"],
+        num_heads=hp["num_heads"], num_kv_heads=hp["num_kv_heads"], head_dim=hp["head_dim"],
+        hidden_size=hp["hidden_size"], vocab_size=hp["vocab_size"], weights_file=weight_file.filename,
+        matmul_weights=matmul_weights, scored_vocab=scored_vocab, config=spec.config,
+        session=SessionEntry(f"{builder.name}.onnx", kinds),
+    )
 
 
-def _manifest(staging, models: dict[str, ModelSpec], graphs, weight_files, matmul_weights, gammas, max_seq,
-              max_batch, vocab_out, scored, tokenizer, needs_plugin) -> dict:
+def _tokenizer_entry(target: ModelSpec, tokenizer) -> TokenizerEntry:
+    return TokenizerEntry("tokenizer", tuple(eos_token_ids(target, tokenizer)), tokenizer.bos_token_id, len(tokenizer))
+
+
+def _manifest(staging: Path, models: dict[str, ModelEntry], graphs: dict[str, GraphEntry], gammas, max_seq: int,
+              max_batch: int, vocab_out: int, tokenizer: TokenizerEntry, medusa: MedusaEntry | None) -> Manifest:
+    """The manifest of the bundle in `staging`, every file written: each is hashed now."""
     files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
-    return {
-        "format_version": FORMAT_VERSION,
-        "speccompile_version": version("speccompile"),  # as installed: what `speccompile --version` says
-        "opset": OPSET,
-        "dtype": "float32",
-        "gammas": gammas,
-        "default_gamma": gammas[0],
-        "max_seq": max_seq,
-        "max_batch": max_batch,
-        "vocab_size": vocab_out,
-        "models": {role: _model_entry(spec, weight_files[role], matmul_weights[role], scored[role])
-                   for role, spec in models.items()},
-        "tokenizer": {
-            "dir": "tokenizer",
-            "eos_token_ids": eos_token_ids(models["target"], tokenizer),
-            "bos_token_id": tokenizer.bos_token_id,
-            "size": len(tokenizer),
-        },
-        "graphs": {
-            name: _graph_entry(staging, graph, needs_plugin[name]) for name, (_, graph) in graphs.items()
-        },
-        "files": {name: sha256_file(staging / name) for name in files},
-    }
+    return Manifest(
+        speccompile_version=version("speccompile"),  # as installed: what `speccompile --version` says
+        opset=OPSET, dtype="float32", gammas=tuple(gammas), default_gamma=gammas[0], max_seq=max_seq,
+        max_batch=max_batch, vocab_size=vocab_out, models=models, tokenizer=tokenizer, graphs=graphs,
+        files={name: sha256_file(staging / name) for name in files}, medusa=medusa, format_version=FORMAT_VERSION,
+    )
 
 
 def _move_into_place(staging: Path, out_dir: Path, force: bool) -> None:

@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from speccompile.bundle import function_copies
 from speccompile.compiler.tensors import (
     BFLOAT16,
     INT4,
@@ -39,7 +40,7 @@ NBITS_BLOCK = 32  # int8's MatMulNBits blocks (its scales stay per column, as ON
 # int4's quantization blocks along K: the largest of these that divides K. 128, not Q4_0's 32: on
 # 2 AVX-512 cores MatMulNBits (int8 compute) ran a 1.1B block's projections in 0.68-0.81 ms per
 # decode step against 0.91-0.93 ms at 32, and 5 rows in 1.13-1.18 ms against 1.68-1.74
-# (tools/measure_matmul_kernels.py); the README has the table and the agreement each costs.
+# (python -m tools.measure matmul_kernels); docs/performance.md has the table and the agreement each costs.
 INT4_BLOCKS = (128, 64, 32, 16)
 # How a graph stores its projection and LM-head weights (see GraphBuilder.matmul).
 MATMUL_WEIGHTS = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BFLOAT16,
@@ -287,7 +288,7 @@ class BranchBuilder(GraphBuilder):
 
     def add_function(self, function: onnx.FunctionProto) -> None:
         existing = {f.name: f for f in self.parent.functions if f.domain == function.domain}
-        for name in (function.name, *(f"{function.name}_{k}" for k in range(1, 100))):
+        for name in function_copies(function.name):
             named = onnx.FunctionProto.FromString(function.SerializeToString())
             named.name = name
             if name not in existing:

@@ -33,7 +33,7 @@ the tests compare against); the ONNX Runtime backend runs this one.
 import numpy as np
 from onnx import helper, numpy_helper
 
-from speccompile.bundle import GRAPH_KINDS, GRAPH_OUTPUTS, LOGPROBS, OUTPUT_TYPES, TOP_LOGPROBS
+from speccompile.bundle import GRAPH_KINDS, GRAPH_OUTPUTS, LOGPROBS, OUTPUT_TYPES, TOP_LOGPROBS, TREE_KINDS
 from speccompile.compiler.checkpoint import ModelSpec
 from speccompile.compiler.logits import grammar_mask, prompt_scores
 from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT64, GraphBuilder
@@ -69,7 +69,7 @@ def build_session_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int
     kind = g.input("kind", INT64, [])
     fused = g.input("fused", BOOL, [])
     grammar_mask(g, vocab_out, "mask_positions")  # one position for a step, γ+1 or a tree's nodes for the others
-    trees = [k for k in kinds if k.startswith("verify_tree")]
+    trees = [k for k in kinds if k in TREE_KINDS]
     assert not trees or heads, "tree kinds read the Medusa heads"
     # the tree kinds are the last kinds: one comparison tells a tree call (positions, mask) from the others
     tree_flag = g.op("GreaterOrEqual", kind, g.const(min(KINDS[k] for k in trees))) if trees else None
@@ -122,7 +122,7 @@ def _tail(g, spec, kind, logits, logits_subset, vocab_ids, ids, past_len, vocab_
     """The If branch of one kind: what follows the LM head, yielding every output of `outputs_of`."""
     b = g.branch(kind)
     made = {}
-    if kind.startswith("verify_tree"):
+    if kind in TREE_KINDS:
         made.update(zip(TREE_OUTPUTS, accept_tree(b, logits, ids, past_len, kind == "verify_tree_typical",
                                                                vocab_out)))
         made["next_tree"] = medusa_candidates(b, spec, rows, made["best_node"], made["next_token"], heads, vocab_out)

@@ -7,12 +7,13 @@ inlined. Graphs are fp32 in the ONNX and the network is strongly typed (TensorRT
 precision is the ONNX's. Engines and their manifest entries are added to the bundle atomically.
 """
 
-import json
+import dataclasses
 import logging
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
-from speccompile.bundle import MANIFEST, open_bundle, sha256_file, write_stamp
+from speccompile.bundle import EngineEntry, GraphEntry, Manifest, open_bundle, sha256_file, write_manifest
 from speccompile.core.tree import MAX_TREE_NODES
 from speccompile.errors import SpecCompileError
 from speccompile.progress import Progress
@@ -23,7 +24,24 @@ ENGINES_DIR = "engines"
 logger = logging.getLogger(__name__)
 
 
-def optimization_profiles(entry: dict, max_batch: int, max_seq: int) -> list[list[tuple]]:
+@dataclass(frozen=True)
+class TensorRTOptions:
+    """How TensorRT engines are built: the SpecAccept plugin library (default: $SPECCOMPILE_PLUGIN_LIB,
+    else the repository's build/plugins), a timing cache file to load and update, and engines portable
+    across Ampere+ GPUs (hardware_compat) or loadable by later TensorRT versions (version_compat)."""
+
+    plugin_lib: str | Path | None = None
+    timing_cache: str | Path | None = None
+    hardware_compat: bool = False
+    version_compat: bool = False
+
+
+def require_tensorrt_build(options: TensorRTOptions):
+    """(tensorrt, the plugin library's path), or one line saying what this machine lacks to build engines."""
+    return require_tensorrt(), plugin_library(options.plugin_lib)
+
+
+def optimization_profiles(entry: GraphEntry, max_batch: int, max_seq: int) -> list[list[tuple]]:
     """Per graph: [(input name, min, opt, max)] per profile.
 
     forward/sample graphs: one profile for prefill (tokens 1..max_seq) and one for decode/draft
@@ -31,19 +49,19 @@ def optimization_profiles(entry: dict, max_batch: int, max_seq: int) -> list[lis
     Token-tree graphs take any tree up to the largest a runtime sizes (their topology is an input).
     """
     nodes = (1, 16, MAX_TREE_NODES)
-    token_ranges = [(1, max_seq // 4, max_seq), (1, 1, 2)] if not entry["kind"].startswith("verify") else [None]
+    token_ranges = [(1, max_seq // 4, max_seq), (1, 1, 2)] if not entry.id.verifies else [None]
     profiles = []
     for tokens in token_ranges:
         shapes = []
-        for spec in entry["inputs"]:
-            dims = spec["shape"]
+        for spec in entry.inputs:
+            dims = spec.shape
             lo = [1 if d == "batch" else (tokens[0] if d == "tokens" else nodes[0] if d == "tree_nodes" else d)
                   for d in dims]
             opt = [1 if d == "batch" else (tokens[1] if d == "tokens" else nodes[1] if d == "tree_nodes" else d)
                    for d in dims]
             hi = [max_batch if d == "batch" else (tokens[2] if d == "tokens" else nodes[2] if d == "tree_nodes" else d)
                   for d in dims]
-            shapes.append((spec["name"], lo, opt, hi))
+            shapes.append((spec.name, lo, opt, hi))
         profiles.append(shapes)
     return profiles
 
@@ -71,48 +89,49 @@ def build_engine(trt, onnx_path: Path, profiles, plugin: Path, timing_cache: Pat
     return EngineBytesFromNetwork(network, config=config, save_timing_cache=save_timing_cache)()
 
 
-def check_tensorrt_weights(manifest: dict) -> None:
-    """TensorRT block-dequantizes INT4 (and FP8/FP4) only, so a GGUF's Q8_0 blocks, kept as int8 in
-    blocks of 32, do not parse; its Q4_0 blocks are INT4 blocks it reads."""
-    for role, model in manifest["models"].items():
-        if "Q8_0" in ((model.get("source_format") or {}).get("kept") or {}):
+def check_tensorrt_weights(manifest: Manifest) -> None:
+    """Whether TensorRT takes the bundle's weights (see check_tensorrt_sources)."""
+    check_tensorrt_sources({role: model.source_format.kept for role, model in manifest.models.items()})
+
+
+def check_tensorrt_sources(kept: dict[str, dict[str, int]]) -> None:
+    """`kept`: per model, the GGUF block formats its weights keep (tensors per format). TensorRT
+    block-dequantizes INT4 (and FP8/FP4) only, so a GGUF's Q8_0 blocks, kept as int8 in blocks of 32,
+    do not parse; its Q4_0 blocks are INT4 blocks it reads."""
+    for role, formats in kept.items():
+        if "Q8_0" in formats:
             raise SpecCompileError(f"the {role}'s GGUF Q8_0 blocks are int8 in blocks of 32, which TensorRT does not "
                                    f"dequantize; build it for TensorRT with --{role}-weights int4 or float32")
 
 
-def build_tensorrt_engines(bundle_dir, plugin=None, timing_cache=None, hardware_compat: bool = False,
-                           version_compat: bool = False) -> dict:
+def build_tensorrt_engines(bundle_dir, options: TensorRTOptions | None = None) -> dict[str, EngineEntry]:
     """Build one engine per graph of the bundle and record them in its manifest."""
+    options = options or TensorRTOptions()
     bundle = open_bundle(bundle_dir)
     check_tensorrt_weights(bundle.manifest)
-    trt = require_tensorrt()
-    plugin = plugin_library(plugin)
-    timing_cache = Path(timing_cache) if timing_cache else None
+    trt, plugin = require_tensorrt_build(options)
+    timing_cache = Path(options.timing_cache) if options.timing_cache else None
     manifest = bundle.manifest
     staging = bundle.path / f".{ENGINES_DIR}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
-    engines, gpu, progress = {}, gpu_info(), Progress(len(manifest["graphs"]), logger)
+    engines, gpu, progress = {}, gpu_info(), Progress(len(manifest.graphs), logger)
     try:
-        for name, entry in manifest["graphs"].items():
+        for name, entry in manifest.graphs.items():
             progress.step(f"TensorRT engine for {name}")
-            profiles = optimization_profiles(entry, manifest["max_batch"], manifest["max_seq"])
-            data = build_engine(trt, bundle.graph_path(name), profiles, plugin, timing_cache, hardware_compat,
-                                version_compat)
+            profiles = optimization_profiles(entry, manifest.max_batch, manifest.max_seq)
+            data = build_engine(trt, bundle.graph_path(name), profiles, plugin, timing_cache, options.hardware_compat,
+                                options.version_compat)
             (staging / f"{name}.engine").write_bytes(data)
-            engines[name] = {"file": f"{ENGINES_DIR}/{name}.engine", "tensorrt_version": trt.__version__, **gpu,
-                             "profiles": len(profiles), "hardware_compatible": hardware_compat,
-                             "version_compatible": version_compat}
+            engines[name] = EngineEntry(f"{ENGINES_DIR}/{name}.engine", trt.__version__, gpu["gpu"],
+                                        gpu["compute_capability"], len(profiles), options.hardware_compat,
+                                        options.version_compat)
         shutil.rmtree(bundle.path / ENGINES_DIR, ignore_errors=True)
         staging.rename(bundle.path / ENGINES_DIR)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    manifest["engines"] = engines
-    for entry in engines.values():
-        manifest["files"][entry["file"]] = sha256_file(bundle.path / entry["file"])
-    tmp = bundle.path / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    tmp.replace(bundle.path / MANIFEST)
-    write_stamp(bundle.path, manifest["files"])  # the graphs were verified at open, the engines hashed here
+    hashes = {entry.file: sha256_file(bundle.path / entry.file) for entry in engines.values()}
+    # the graphs were verified at open, the engines hashed here
+    write_manifest(bundle.path, dataclasses.replace(manifest, engines=engines, files={**manifest.files, **hashes}))
     return engines

@@ -33,7 +33,7 @@ class CachedModel:
     def __init__(self, bundle: Bundle, role: str):
         info = bundle.model(role)
         self.bundle, self.role = bundle, role
-        self.num_layers, self.kv_heads, self.head_dim = info["num_layers"], info["num_kv_heads"], info["head_dim"]
+        self.num_layers, self.kv_heads, self.head_dim = info.num_layers, info.num_kv_heads, info.head_dim
         self.max_seq, self.vocab_size = bundle.max_seq, bundle.vocab_size
         self.slots = 0
         self.cache_lengths = np.zeros(0, dtype=np.int64)

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from speccompile.bundle import Bundle, GraphId, kv_cache_shape, output_array
+from speccompile.bundle import Bundle, GraphId, ModelEntry, kv_cache_shape, output_array
 from speccompile.errors import SpecCompileError
 from speccompile.runtime import prepacked
 from speccompile.runtime.model import CachedModel
@@ -103,15 +103,15 @@ def session_options(threads: int | None = None, spinning: bool | None = None, sh
 ONE_SESSION_MIN_BYTES = 256 << 20
 
 
-def _one_session(bundle: Bundle, info: dict, asked: bool | None) -> bool:
-    if "session" not in info:
+def _one_session(bundle: Bundle, info: ModelEntry, asked: bool | None) -> bool:
+    if info.session is None:
         if asked:
             raise SpecCompileError(f"{bundle.path}: this bundle has no session graphs "
                                    "(rebuild it to run one session per model)")
         return False
     if asked is not None:
         return asked
-    return (bundle.path / info["weights_file"]).stat().st_size >= ONE_SESSION_MIN_BYTES
+    return (bundle.path / info.weights_file).stat().st_size >= ONE_SESSION_MIN_BYTES
 
 
 class OrtModel(CachedModel):
@@ -127,9 +127,8 @@ class OrtModel(CachedModel):
         self.shared_pool = shared_pool  # sessions run on the process-wide pool (see shared_thread_pool)
         # One session graph for every call of this model (compiler/session_graph.py): one copy of its
         # weights in memory, whatever the number of graphs a process runs; each call says its kind.
-        self._session_graph = info.get("session") if _one_session(bundle, info, one_session) else None
-        self._variant_files = {e["single_sequence"]["file"] for e in bundle.manifest["graphs"].values()
-                               if "single_sequence" in e}
+        self._session_graph = info.session if _one_session(bundle, info, one_session) else None
+        self._variant_files = {e.single_sequence.file for e in bundle.manifest.graphs.values() if e.single_sequence}
         self._sessions: dict = {}  # graph file -> session
         self.session_source = "plain"  # a session graph's: "saved" pre-packed, "saving" it, or "plain" (prepacked.py)
         # (graph, first slot, batch) -> (session, binding, outputs, fed): resolved once, not per step
@@ -165,12 +164,12 @@ class OrtModel(CachedModel):
         """The graph file whose computation a batch runs: a batch of one sequence runs the graph's
         single-sequence variant where the bundle has one (fused attention that reads the cache in
         place). With a session graph, that computation runs there (see _session, _binding)."""
-        if graph.name not in self.bundle.manifest["graphs"]:
+        if graph.name not in self.bundle.manifest.graphs:
             raise SpecCompileError(f"graph {graph.name} is not in this bundle")
         entry = self.bundle.graph(graph.name)
-        if batch == 1 and "single_sequence" in entry and self.single_sequence:
-            return entry["single_sequence"]["file"]
-        return entry["file"]
+        if batch == 1 and entry.single_sequence and self.single_sequence:
+            return entry.single_sequence.file
+        return entry.file
 
     def _session(self, graph: GraphId, batch: int):
         """The session that runs `graph` at this batch size: its file's own, or the model's one
@@ -181,7 +180,7 @@ class OrtModel(CachedModel):
                 self._sessions[file] = self._new_session(file)
             else:
                 loaded = next(iter(self._sessions.values()), None)
-                self._sessions[file] = loaded or self._new_session(self._session_graph["file"])
+                self._sessions[file] = loaded or self._new_session(self._session_graph.file)
         return self._sessions[file]
 
     def _new_session(self, file: str):
@@ -267,7 +266,7 @@ class OrtModel(CachedModel):
             binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(arrays[name]))
         fed = {}
         if self._session_graph is not None:  # constant for this binding: which call, which attention kernel
-            self._feed(binding, fed, "kind", np.array(self._session_graph["kinds"][graph.kind], dtype=np.int64))
+            self._feed(binding, fed, "kind", np.array(self._session_graph.kinds[graph.kind], dtype=np.int64))
             # the session graph's fused branch is causal: a tree takes the standard ops there
             self._feed(binding, fed, "fused", np.array(file in self._variant_files and not graph.tree))
         return binding, arrays, fed

@@ -94,7 +94,7 @@ def _file_stamp(path: Path) -> list[int]:
 
 
 def _write_stamp(bundle: Bundle, file: str, saved: Path) -> None:
-    stamp = {"source": file, "source_sha256": bundle.manifest["files"][file],
+    stamp = {"source": file, "source_sha256": bundle.manifest.files[file],
              "files": {name: _file_stamp(saved.parent / name) for name in (saved.name, _data_name(saved))}}
     _stamp_path(saved).write_text(json.dumps(stamp))
 
@@ -104,7 +104,7 @@ def _valid(bundle: Bundle, file: str, saved: Path) -> bool:
         if not _stamp_path(saved).is_file():  # none, or not a regular file (a pipe would block)
             return False
         stamp = json.loads(_stamp_path(saved).read_text())
-        return (stamp["source_sha256"] == bundle.manifest["files"][file]
+        return (stamp["source_sha256"] == bundle.manifest.files[file]
                 and all(_file_stamp(saved.parent / name) == recorded for name, recorded in stamp["files"].items())
                 and set(stamp["files"]) == {saved.name, _data_name(saved)})
     except (OSError, ValueError, KeyError, TypeError):

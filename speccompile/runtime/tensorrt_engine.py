@@ -5,7 +5,7 @@ from Polygraphy's CUDA wrapper (no torch). Each layer's KV cache is one device b
 set for both `past_*` and `present_*`, so TensorScatter updates it in place, as on ONNX Runtime; a
 rollback is a smaller `past_len`. Only small outputs (tokens, lengths, probabilities) are copied back.
 
-This module has not been executed on a machine with TensorRT yet (see README: backends and hardware).
+This module has not been executed on a machine with TensorRT yet (see docs/internals.md: TensorRT engines and plugins).
 """
 
 import numpy as np
@@ -26,7 +26,7 @@ class TrtModel(CachedModel):
         trt = require_tensorrt()
         from polygraphy import cuda
 
-        if "engines" not in bundle.manifest:
+        if not bundle.has_engines:
             raise SpecCompileError(f"{bundle.path}: no TensorRT engines in this bundle (build with --backend tensorrt)")
         trt.get_plugin_registry().load_library(str(plugin_library(plugin)))
         super().__init__(bundle, role)
@@ -72,13 +72,13 @@ class TrtModel(CachedModel):
 
     def _context(self, graph: str):
         if graph not in self._contexts:
-            entry = self.bundle.manifest["engines"].get(graph)
+            entry = self.bundle.manifest.engines.get(graph)
             if entry is None:
                 raise SpecCompileError(f"no TensorRT engine for graph {graph} in this bundle")
-            engine = self._runtime.deserialize_cuda_engine((self.bundle.path / entry["file"]).read_bytes())
+            engine = self._runtime.deserialize_cuda_engine((self.bundle.path / entry.file).read_bytes())
             if engine is None:
-                raise SpecCompileError(f"TensorRT could not deserialize {entry['file']} (built for {entry['gpu']}, "
-                                       f"TensorRT {entry['tensorrt_version']})")
+                raise SpecCompileError(f"TensorRT could not deserialize {entry.file} (built for {entry.gpu}, "
+                                       f"TensorRT {entry.tensorrt_version})")
             self._contexts[graph] = (engine, engine.create_execution_context(), {})
         return self._contexts[graph]
 

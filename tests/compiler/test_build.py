@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 import pytest
 
-from speccompile.bundle import FORMAT_VERSION, TOP_LOGPROBS, open_bundle, sha256_file
+from speccompile.bundle import FORMAT_VERSION, TOP_LOGPROBS, TensorSpec, open_bundle, sha256_file
 from speccompile.compiler import build as build_module
 from speccompile.compiler.build import build_bundle
 from speccompile.compiler.trt_rules import tensorrt_violations
@@ -17,7 +17,7 @@ from tests.tiny_models import make_checkpoint
 
 def test_manifest_describes_every_graph_and_file(bundles):
     bundle = open_bundle(bundles("qwen2", "random"))
-    m = bundle.manifest
+    m = bundle.manifest.to_json()  # as written on disk
     assert m["format_version"] == FORMAT_VERSION == 6
     assert m["gammas"] == [1, 4] and m["max_seq"] == 96 and m["max_batch"] == 4
     assert set(m["graphs"]) == {
@@ -42,12 +42,12 @@ def test_every_verification_graph_takes_a_draft_len_per_row(bundles):
     """Rows of one verification may carry fewer than γ real drafts: every graph that verifies (each
     kind's, its batch-1 variant, the target's session graph) takes draft_len int64 [batch]."""
     bundle = open_bundle(bundles("llama", "random"))
-    files = [bundle.model("target")["session"]["file"]]
-    for name, entry in bundle.manifest["graphs"].items():
-        takes = {"name": "draft_len", "dtype": "int64", "shape": ["batch"]} in entry["inputs"]
-        assert takes == (entry["gamma"] is not None), name
+    files = [bundle.model("target").session.file]
+    for name, entry in bundle.manifest.graphs.items():
+        takes = TensorSpec("draft_len", "int64", ("batch",)) in entry.inputs
+        assert takes == (entry.id.gamma is not None), name
         if takes:
-            files += [entry["file"]] + ([entry["single_sequence"]["file"]] if "single_sequence" in entry else [])
+            files += [entry.file] + ([entry.single_sequence.file] if entry.single_sequence else [])
     assert len(files) > 1 + 4  # the variants are there too
     for file in files:
         graph = onnx.load(str(bundle.path / file), load_external_data=False).graph
@@ -58,7 +58,7 @@ def test_every_verification_graph_takes_a_draft_len_per_row(bundles):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_graphs_pass_onnx_checker_and_tensorrt_rules(bundles, family):
     bundle = open_bundle(bundles(family, "random"))
-    for name in bundle.manifest["graphs"]:
+    for name in bundle.manifest.graphs:
         path = bundle.graph_path(name)
         onnx.checker.check_model(str(path), full_check=True)
         model = onnx.load(str(path), load_external_data=False)
@@ -68,22 +68,22 @@ def test_graphs_pass_onnx_checker_and_tensorrt_rules(bundles, family):
 
 def test_draft_matmuls_are_int8_weight_only_and_the_target_stays_float32(bundles):
     bundle = open_bundle(bundles("llama", "random"))
-    models = bundle.manifest["models"]
-    assert models["draft"]["matmul_weights"] == "int8" and models["target"]["matmul_weights"] == "float32"
+    models = bundle.manifest.models
+    assert models["draft"].matmul_weights == "int8" and models["target"].matmul_weights == "float32"
     for name, role in (("draft_forward", "draft"), ("target_verify_g4", "target")):
         graph = onnx.load(str(bundle.graph_path(name)), load_external_data=False).graph
         int8 = {t.name for t in graph.initializer if t.data_type == onnx.TensorProto.INT8}
         dequantized = {n.input[0] for n in graph.node if n.op_type == "DequantizeLinear"}
         matmuls = sum(n.op_type == "MatMul" for n in graph.node)
         # per layer: qkv, o, gate_up, down; plus the LM head
-        expected = 4 * models[role]["num_layers"] + 1 if role == "draft" else 0
+        expected = 4 * models[role].num_layers + 1 if role == "draft" else 0
         assert len(int8) == len(dequantized & int8) == expected, (name, sorted(int8))
-        assert matmuls == 4 * models[role]["num_layers"] + 1
+        assert matmuls == 4 * models[role].num_layers + 1
 
 
 def test_float32_draft_on_request(bundles):
     bundle = open_bundle(bundles("llama", "random", "float32"))
-    assert bundle.manifest["models"]["draft"]["matmul_weights"] == "float32"
+    assert bundle.model("draft").matmul_weights == "float32"
     graph = onnx.load(str(bundle.graph_path("draft_forward")), load_external_data=False).graph
     assert not any(n.op_type == "DequantizeLinear" for n in graph.node)
 
@@ -91,8 +91,8 @@ def test_float32_draft_on_request(bundles):
 def test_verification_graph_returns_a_few_numbers_per_position_never_the_logits(bundles):
     """Integers per sequence, and per position its log-probabilities: never [B, γ+1, V] to the host."""
     bundle = open_bundle(bundles("llama", "random"))
-    outputs = bundle.manifest["graphs"]["target_verify_g4"]["outputs"]
-    shapes = {o["name"]: o["shape"] for o in outputs if not o["name"].startswith("present_")}
+    outputs = bundle.graph("target_verify_g4").outputs
+    shapes = {o.name: list(o.shape) for o in outputs if not o.name.startswith("present_")}
     assert shapes == {"accepted": ["batch"], "next_token": ["batch"], "new_len": ["batch"],
                       "token_logprob": ["batch", 5], "top_logprobs": ["batch", 5, TOP_LOGPROBS],
                       "top_ids": ["batch", 5, TOP_LOGPROBS]}
@@ -106,7 +106,7 @@ def test_weights_are_stored_once_per_model(bundles):
                   if t.data_location != onnx.TensorProto.EXTERNAL and t.ByteSize() > 1024]
         assert not inline, f"{graph.name} embeds {inline}"
     sizes = {p.name: p.stat().st_size for p in bundle.path.iterdir()}
-    assert sizes["target.weights"] > 4 * bundle.manifest["models"]["target"]["num_params"] * 0.99
+    assert sizes["target.weights"] > 4 * bundle.model("target").num_params * 0.99
 
 
 def test_a_failure_late_in_the_build_leaves_nothing(tmp_path, checkpoints, monkeypatch):
@@ -152,16 +152,16 @@ def test_single_sequence_variants_for_the_models_the_fused_kernel_takes(bundles)
     """ONNX Runtime's GroupQueryAttention needs head_dim % 16 == 0: the tiny target (16) gets batch-1
     variants of all its graphs, the tiny random draft (8) none. TensorRT reads only the standard graphs."""
     bundle = open_bundle(bundles("llama", "random"))
-    graphs = bundle.manifest["graphs"]
+    graphs = bundle.manifest.graphs
     for name, entry in graphs.items():
-        variant = entry.get("single_sequence")
-        if entry["model"] == "draft":
+        variant = entry.single_sequence
+        if entry.id.model == "draft":
             assert variant is None, name
             continue
-        assert variant["file"] == f"{name}_b1.onnx" and variant["batch"] == 1, name
-        assert bundle.manifest["files"][variant["file"]] == sha256_file(bundle.path / variant["file"])
-        model = onnx.load(str(bundle.path / variant["file"]), load_external_data=False)
-        assert {o.name for o in model.graph.output} == {o["name"] for o in entry["outputs"]}  # the same interface
+        assert variant.file == f"{name}_b1.onnx" and variant.batch == 1, name
+        assert bundle.manifest.files[variant.file] == sha256_file(bundle.path / variant.file)
+        model = onnx.load(str(bundle.path / variant.file), load_external_data=False)
+        assert {o.name for o in model.graph.output} == {o.name for o in entry.outputs}  # the same interface
         assert not [t for t in model.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL and t.dims and
                     np.prod(t.dims) > 1024], "weights are shared with the standard graph, not copied"
 
@@ -169,7 +169,7 @@ def test_single_sequence_variants_for_the_models_the_fused_kernel_takes(bundles)
 def test_no_single_sequence_variants_on_request(tmp_path, checkpoints):
     bundle = open_bundle(build_bundle(checkpoints("llama"), checkpoints("llama"), tmp_path / "b", gammas=[2],
                                       max_seq=64, single_sequence=False))
-    assert not any("single_sequence" in entry for entry in bundle.manifest["graphs"].values())
+    assert not any(entry.single_sequence for entry in bundle.manifest.graphs.values())
     assert not list(bundle.path.glob("*_b1.onnx"))
 
 

@@ -69,9 +69,9 @@ def test_greedy_draft_graph_scores_only_the_kept_tokens(tmp_path, checkpoints, t
     draft = with_frequencies(tmp_path, checkpoints("llama", "draft"), keep, len(tokenizer))
     bundle = open_bundle(build_bundle(checkpoints("llama"), draft, tmp_path / "b", gammas=[2], max_seq=64, max_batch=2,
                                       draft_vocab=len(keep) + 1))
-    eos = bundle.manifest["tokenizer"]["eos_token_ids"]
-    assert bundle.manifest["models"]["draft"]["scored_vocab"] == len(keep) + 1
-    assert bundle.manifest["models"]["target"]["scored_vocab"] == bundle.manifest["vocab_size"]
+    eos = list(bundle.manifest.tokenizer.eos_token_ids)
+    assert bundle.model("draft").scored_vocab == len(keep) + 1
+    assert bundle.model("target").scored_vocab == bundle.vocab_size
     greedy = onnx.load(str(bundle.graph_path("draft_forward")))
     [logits] = [o for o in greedy.graph.output if o.name == "logits"]
     assert logits.type.tensor_type.shape.dim[1].dim_value == len(keep) + 1
@@ -95,7 +95,7 @@ def test_a_copy_draft_is_accepted_exactly_where_the_target_stays_inside_the_voca
     reference = speccompile.load(build_bundle(target, target, tmp_path / "full", gammas=[4], max_seq=64, max_batch=1,
                                               draft_weights="float32"))
     [expected] = reference.generate([prompt], max_new_tokens=16, mode="autoregressive")
-    vocab, eos = reference.bundle.manifest["vocab_size"], set(reference.bundle.manifest["tokenizer"]["eos_token_ids"])
+    vocab, eos = reference.bundle.vocab_size, set(reference.bundle.manifest.tokenizer.eos_token_ids)
     produced = sorted(set(expected.token_ids))
     assert not eos & set(produced), "the test needs 16 tokens without an end of sequence"
     others = [i for i in range(vocab) if i not in produced and i not in eos][: len(produced)]

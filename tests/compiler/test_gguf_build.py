@@ -71,8 +71,8 @@ def test_float_gguf_generates_what_its_checkpoint_generates_in_hf(family, files,
     expected = [greedy(transformers.AutoModelForCausalLM.from_pretrained(hf).eval(), p, MAX_NEW) for p in PROMPTS]
     alone, batched = generated(bundle, gamma=3)
     assert alone == batched == expected
-    model = open_bundle(bundle).manifest["models"]["target"]
-    assert model["model_type"] == family and model["source_format"]["format"] == "gguf"
+    model = open_bundle(bundle).model("target")
+    assert model.model_type == family and model.source_format.format == "gguf"
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
@@ -86,13 +86,13 @@ def test_q8_0_and_q4_0_blocks_are_compiled_as_the_file_holds_them(family, qtype,
 
     _, gguf = files(family, qtype)
     bundle = open_bundle(build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=2))
-    source = bundle.manifest["models"]["target"]["source_format"]
+    source = bundle.model("target").source_format
     matrices = [name for name, kind in gguf_checkpoint(gguf).formats.items() if kind == qtype]
-    assert source["kept"] == {qtype: len(matrices)} and source["converted"] == {}
+    assert source.kept == {qtype: len(matrices)} and source.converted == {}
     session = onnx.load(str(bundle.path / "target_session.onnx"), load_external_data=False)
     nbits = [{a.name: a.i for a in n.attribute} for n in session.graph.node if n.op_type == "MatMulNBits"]
     assert {(a["bits"], a["block_size"]) for a in nbits} == {(8 if qtype == "Q8_0" else 4, 32)}
-    assert len(nbits) == 4 * bundle.model("target")["num_layers"] + 1  # qkv, o, gate_up and down; the LM head
+    assert len(nbits) == 4 * bundle.model("target").num_layers + 1  # qkv, o, gate_up and down; the LM head
     # a Q8_0 embedding too: gathered as the file's integers and scaled per block, no float32 table
     initializers = {t.name: t.data_type for t in session.graph.initializer}
     assert ("embed" in initializers) == (qtype == "Q4_0")
@@ -101,7 +101,7 @@ def test_q8_0_and_q4_0_blocks_are_compiled_as_the_file_holds_them(family, qtype,
     with torch.no_grad():
         expected = model_of_gguf(gguf)(torch.tensor([prompt])).logits[0, -1].numpy()
     feeds = {"input_ids": np.array([prompt]), "past_len": np.zeros(1, np.int64), "token_count": np.array([len(prompt)])}
-    out, _ = run_file(bundle, bundle.graph("target_forward")["single_sequence"]["file"], feeds,
+    out, _ = run_file(bundle, bundle.graph("target_forward").single_sequence.file, feeds,
                       empty_cache(bundle.manifest, "target", 1))
     error = np.abs(out["logits"][0] - expected[:len(out["logits"][0])]).max() / np.abs(expected).max()
     assert error < 0.04, f"logits off by {error:.1%} of their range"
@@ -118,8 +118,8 @@ def test_fused_projections_of_mixed_formats_keep_the_parts_they_can(files, tmp_p
     gguf = write_gguf(hf, tmp_path / "mixed.gguf", "Q5_0", mixed={".attn_v.": "Q8_0"})
     bundle = open_bundle(build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=1,
                                       target_weights="int4"))
-    source = bundle.manifest["models"]["target"]["source_format"]
-    assert source["kept"] == {"Q8_0": 2} and source["converted"] == {"Q5_0": 14}  # 6 a layer, embedding, head
+    source = bundle.model("target").source_format
+    assert source.kept == {"Q8_0": 2} and source.converted == {"Q5_0": 14}  # 6 a layer, embedding, head
     session = onnx.load(str(bundle.path / "target_session.onnx"), load_external_data=False)
     bits = [a.i for n in session.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"]
     assert bits.count(8) == 2 and bits.count(4) == 4 * 2 + 1  # each layer's v; qk, o, gate_up, down, the head
@@ -133,8 +133,8 @@ def test_a_float_build_of_a_quantized_gguf_takes_the_exact_values_of_its_blocks(
     them (the parity build), with nothing kept as blocks."""
     _, gguf = files("gemma3_text", "Q8_0")
     bundle = build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=2, target_weights="float32")
-    source = open_bundle(bundle).manifest["models"]["target"]["source_format"]
-    assert source["kept"] == {} and source["converted"] == {"Q8_0": 43}
+    source = open_bundle(bundle).model("target").source_format
+    assert source.kept == {} and source.converted == {"Q8_0": 43}
     alone, batched = generated(bundle)
     assert alone == batched == [greedy(model_of_gguf(gguf), p, MAX_NEW) for p in PROMPTS]
 
@@ -142,9 +142,9 @@ def test_a_float_build_of_a_quantized_gguf_takes_the_exact_values_of_its_blocks(
 def test_a_k_quant_gguf_is_dequantized_and_compiled_at_the_requested_precision(files, tmp_path):
     _, gguf = files("qwen2", "Q5_0")
     bundle = build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=1, target_weights="int8")
-    model = open_bundle(bundle).manifest["models"]["target"]
-    assert model["source_format"]["kept"] == {} and set(model["source_format"]["converted"]) == {"Q5_0"}
-    assert model["matmul_weights"] == "int8"
+    model = open_bundle(bundle).model("target")
+    assert model.source_format.kept == {} and set(model.source_format.converted) == {"Q5_0"}
+    assert model.matmul_weights == "int8"
     assert len(speccompile.load(bundle).generate([PROMPTS[0]], max_new_tokens=4)[0].token_ids) == 4
 
 
@@ -153,7 +153,7 @@ def test_the_gguf_tokenizer_chat_template_and_eos_reach_the_bundle(files, tmp_pa
     bundle = build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=1)
     runtime = speccompile.load(bundle)
     end_of_turn = runtime.tokenizer.encode("<end_of_turn>", special_tokens=False)
-    assert len(end_of_turn) == 1 and end_of_turn[0] in open_bundle(bundle).manifest["tokenizer"]["eos_token_ids"]
+    assert len(end_of_turn) == 1 and end_of_turn[0] in open_bundle(bundle).manifest.tokenizer.eos_token_ids
     assert runtime.tokenizer.chat_template() == CHAT_TEMPLATE
 
 
@@ -233,3 +233,15 @@ def test_tensorrt_is_told_it_cannot_take_q8_0_blocks_before_any_engine_is_built(
             continue
         with pytest.raises(SpecCompileError, match="Q8_0 blocks .* --target-weights int4 or float32"):
             check_tensorrt_weights(manifest)
+
+
+def test_a_tensorrt_build_refuses_q8_0_blocks_before_exporting_a_graph(files, tmp_path, monkeypatch):
+    from speccompile.compiler import build as build_module
+    from speccompile.errors import SpecCompileError
+
+    monkeypatch.setattr(build_module, "require_tensorrt_build", lambda options: None)  # as if TensorRT were here
+    monkeypatch.setattr(build_module, "_export_graphs", lambda *args, **kwargs: pytest.fail("a graph was exported"))
+    _, gguf = files("llama", "Q8_0")
+    with pytest.raises(SpecCompileError, match="Q8_0 blocks .* --target-weights int4 or float32"):
+        speccompile.build(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=1, backend="tensorrt")
+    assert list(tmp_path.iterdir()) == []

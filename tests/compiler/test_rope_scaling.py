@@ -229,7 +229,7 @@ def test_logits_match_hf_past_the_original_context(rope_type, family, scaled):
         prompts = [p + [int(t)] for p, t in zip(prompts, tokens)]
         out = run_forward(session, bundle.manifest, "target", tokens[:, None], lengths, np.ones(2, np.int64), cache)
         lengths = lengths + 1
-    single = bundle.graph("target_forward")["single_sequence"]["file"]
+    single = bundle.graph("target_forward").single_sequence.file
     cache, seen = empty_cache(bundle.manifest, "target", 1), []
     for tokens in [PROMPT[:-3], PROMPT[-3:], *[[t] for t in range(10, 10 + MAX_SEQ - len(PROMPT))]]:
         feeds = {"input_ids": np.array([tokens], np.int64), "past_len": np.array([len(seen)], np.int64),

@@ -26,11 +26,11 @@ SAMPLING = ("temperature", "top_k", "top_p")
 
 
 def session(bundle, role):
-    return ort.InferenceSession(str(bundle.path / bundle.model(role)["session"]["file"]))
+    return ort.InferenceSession(str(bundle.path / bundle.model(role).session.file))
 
 
 def run_session(sess, bundle, role, kind, fused, feeds, cache):
-    kinds = bundle.model(role)["session"]["kinds"]
+    kinds = bundle.model(role).session.kinds
     if "token_count" not in feeds:
         feeds = {**feeds, "token_count": np.full(len(feeds["past_len"]), feeds["input_ids"].shape[1], np.int64)}
     return run_with_cache(sess, {**feeds, "kind": np.array(kinds[kind], np.int64), "fused": np.array(fused)}, cache)
@@ -39,7 +39,7 @@ def run_session(sess, bundle, role, kind, fused, feeds, cache):
 def graph_session(bundle, name, fused):
     """The graph of one kind, as the runtime runs it without a session graph."""
     entry = bundle.graph(name)
-    return ort.InferenceSession(str(bundle.path / (entry["single_sequence"]["file"] if fused else entry["file"])))
+    return ort.InferenceSession(str(bundle.path / (entry.single_sequence.file if fused else entry.file)))
 
 
 def copied(cache: dict) -> dict:
@@ -71,11 +71,11 @@ def sampling_feeds(rng, batch, gamma, vocab):
 def test_session_graph_agrees_with_the_graph_of_every_kind(family, batch, bundles):
     bundle = open_bundle(bundles(family, "random"))
     sess = session(bundle, "target")
-    vocab = bundle.manifest["vocab_size"]
-    fused = batch == 1 and "single_sequence" in bundle.graph("target_forward")
+    vocab = bundle.vocab_size
+    fused = batch == 1 and bundle.graph("target_forward").single_sequence is not None
     cache, lengths = prefilled(bundle, sess, batch, fused)
     rng = np.random.default_rng(0)
-    for gamma in bundle.manifest["gammas"]:
+    for gamma in bundle.gammas:
         for sample in (False, True):
             graph = GraphId.verification(gamma, sample)
             feeds = {"input_ids": rng.integers(0, vocab, (batch, gamma + 1)), "past_len": lengths,
@@ -141,7 +141,7 @@ def test_a_cut_vocabulary_draft_scores_its_subset_greedily_and_the_whole_head_wh
     sampled = {**feeds, "temperature": np.ones(1, np.float32), "top_k": np.zeros(1, np.int64),
                "top_p": np.ones(1, np.float32), "uniform": np.array([0.3], np.float32)}
     got = run_session(sess, bundle, "draft", "sample", False, sampled, empty_cache(bundle.manifest, "draft", 1))
-    assert got["probs"].shape == (1, bundle.manifest["vocab_size"])  # the whole head, not the subset
+    assert got["probs"].shape == (1, bundle.vocab_size)  # the whole head, not the subset
 
 
 def _subgraph_ops(graph: onnx.GraphProto, inside: bool = False) -> list[tuple[str, bool]]:
@@ -159,13 +159,13 @@ def test_every_weight_is_read_in_the_main_graph(bundles, draft_weights):
     """ONNX Runtime pre-packs only what the main graph reads: no projection inside an If branch."""
     bundle = open_bundle(bundles("llama", "random", draft_weights))
     for role in ("target", "draft"):
-        model = onnx.load(str(bundle.path / bundle.model(role)["session"]["file"]), load_external_data=False)
+        model = onnx.load(str(bundle.path / bundle.model(role).session.file), load_external_data=False)
         ops = _subgraph_ops(model.graph)
         inside = {op for op, nested in ops if nested}
         assert not inside & {"MatMul", "MatMulNBits", "DequantizeLinear", "Gemm"}, (role, inside)
         matmuls = [op for op, nested in ops if not nested and op in ("MatMul", "MatMulNBits")]
-        assert len(matmuls) >= 2 * bundle.model(role)["num_layers"]
-        if bundle.model(role)["matmul_weights"] == "int8":  # ONNX Runtime's kernel, not the pattern it fuses
+        assert len(matmuls) >= 2 * bundle.model(role).num_layers
+        if bundle.model(role).matmul_weights == "int8":  # ONNX Runtime's kernel, not the pattern it fuses
             assert set(matmuls) == {"MatMulNBits"} and "DequantizeLinear" not in {op for op, _ in ops}
         assert "If" in {op for op, _ in ops}
 
@@ -181,10 +181,10 @@ def test_int4_models_run_4_bit_kernels_and_speculate_exactly(checkpoints, tmp_pa
                         max_seq=96, max_batch=2, target_weights="int4", draft_weights="int4")
     bundle = open_bundle(path)
     for role in ("target", "draft"):
-        assert bundle.model(role)["matmul_weights"] == "int4"
-        model = onnx.load(str(bundle.path / bundle.model(role)["session"]["file"]), load_external_data=False)
+        assert bundle.model(role).matmul_weights == "int4"
+        model = onnx.load(str(bundle.path / bundle.model(role).session.file), load_external_data=False)
         nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
-        assert len(nbits) >= 2 * bundle.model(role)["num_layers"] + 1  # the projections and the LM head
+        assert len(nbits) >= 2 * bundle.model(role).num_layers + 1  # the projections and the LM head
         assert {a.i for n in nbits for a in n.attribute if a.name == "bits"} == {4}
         portable = onnx.load(str(bundle.graph_path(f"{role}_forward")), load_external_data=False)
         assert {t.name for t in portable.graph.initializer if t.data_type == onnx.TensorProto.INT4}

@@ -54,9 +54,9 @@ def run_forward(session, manifest, role, ids, past_len, token_count, cache):
 
 
 def empty_cache(manifest, role, batch):
-    info = manifest["models"][role]
-    shape = (batch, info["num_kv_heads"], manifest["max_seq"], info["head_dim"])
-    return {f"{kind}.{i}": np.zeros(shape, np.float32) for i in range(info["num_layers"]) for kind in ("key", "value")}
+    info = manifest.models[role]
+    shape = (batch, info.num_kv_heads, manifest.max_seq, info.head_dim)
+    return {f"{kind}.{i}": np.zeros(shape, np.float32) for i in range(info.num_layers) for kind in ("key", "value")}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -155,9 +155,9 @@ def test_single_sequence_variant_matches_hf_through_prefill_catch_up_and_decode(
     """The batch-1 graphs (ONNX Runtime's fused GroupQueryAttention) give HF's logits at every kind
     of step the runtime takes: prefill, a 2-token catch-up over a re-read position, 1-token steps."""
     bundle = open_bundle(bundles(family, "random"))
-    variant = bundle.graph("target_forward")["single_sequence"]
-    assert variant["op_counts"].get("GroupQueryAttention") == bundle.model("target")["num_layers"]
-    assert "Attention" not in variant["op_counts"] and "Slice" not in variant["op_counts"]
+    variant = bundle.graph("target_forward").single_sequence
+    assert variant.op_counts.get("GroupQueryAttention") == bundle.model("target").num_layers
+    assert "Attention" not in variant.op_counts and "Slice" not in variant.op_counts
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints(family)).eval()
     cache = empty_cache(bundle.manifest, "target", 1)
     prompt = [5, 17, 33, 2, 9, 100, 7]
@@ -167,7 +167,7 @@ def test_single_sequence_variant_matches_hf_through_prefill_catch_up_and_decode(
         seen = seen[:past] + tokens
         feeds = {"input_ids": np.array([tokens], np.int64), "past_len": np.array([past], np.int64),
                  "token_count": np.array([len(tokens)], np.int64)}
-        out, cache = run_file(bundle, variant["file"], feeds, cache)
+        out, cache = run_file(bundle, variant.file, feeds, cache)
         np.testing.assert_allclose(out["logits"][0], hf_last_logits(hf, seen), atol=ATOL)
 
 
@@ -180,7 +180,7 @@ def test_single_sequence_verification_agrees_with_the_standard_graph(bundles, sa
     prefill = {"input_ids": np.array([[5, 17, 33, 2, 9]], np.int64), "past_len": np.zeros(1, np.int64),
                "token_count": np.array([5], np.int64)}
     _, cache = run_file(bundle, "target_forward.onnx", prefill, cache)
-    vocab = bundle.manifest["vocab_size"]
+    vocab = bundle.vocab_size
     for trial in range(5):
         feeds = {"input_ids": rng.integers(0, vocab, (1, 5)), "past_len": np.array([5], np.int64),
                  "draft_len": np.array([4 - trial % 3], np.int64)}  # 4, 3, 2 real drafts
@@ -196,7 +196,7 @@ def test_single_sequence_verification_agrees_with_the_standard_graph(bundles, sa
             greedy, _ = run_file(bundle, "target_forward.onnx", context, empty_cache(bundle.manifest, "target", 1))
             feeds["input_ids"][0, 1] = greedy["next_token"][0]
         standard, _ = run_file(bundle, f"{name}.onnx", feeds, {k: v.copy() for k, v in cache.items()})
-        single = bundle.graph(name)["single_sequence"]["file"]
+        single = bundle.graph(name).single_sequence.file
         fused, _ = run_file(bundle, single, feeds, {k: v.copy() for k, v in cache.items()})
         for key in ("accepted", "next_token", "new_len"):
             assert fused[key].tolist() == standard[key].tolist(), (trial, key)

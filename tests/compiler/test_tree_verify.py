@@ -139,7 +139,7 @@ def numpy_heads(bundle, checkpoints, family, hidden):
 @pytest.mark.parametrize("graph", ["standalone", "session", "batch-1 variant"])
 def test_tree_verification_accepts_and_proposes_as_the_references(family, graph, checkpoints, bundles):
     bundle = open_bundle(bundles(family, "medusa"))
-    if graph == "batch-1 variant" and "single_sequence" not in bundle.graph("target_verify_tree"):
+    if graph == "batch-1 variant" and bundle.graph("target_verify_tree").single_sequence is None:
         pytest.skip(f"{family}: ONNX Runtime's fused kernel does not take this model (no batch-1 variants)")
     prompts = PROMPTS[:1] if graph == "batch-1 variant" else PROMPTS
     cache, lengths, _ = prefill(bundle, prompts)
@@ -156,7 +156,7 @@ def test_tree_verification_accepts_and_proposes_as_the_references(family, graph,
             out = run_session(session(bundle, "target"), bundle, "target", kind, False, run_feeds, dict(cache))
         else:
             entry = bundle.graph(f"target_{kind}")
-            file = entry["single_sequence"]["file"] if graph == "batch-1 variant" else entry["file"]
+            file = entry.single_sequence.file if graph == "batch-1 variant" else entry.file
             sess = ort.InferenceSession(str(bundle.path / file))
             names = {i.name for i in sess.get_inputs()}
             out = run_with_cache(sess, {k: v for k, v in run_feeds.items() if k in names}, dict(cache))

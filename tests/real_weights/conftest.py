@@ -77,7 +77,7 @@ def assert_greedy_is_transformers(bundle: Path, reference: TransformersModel, pr
     from speccompile.bundle import open_bundle
 
     runtime = speccompile.load(bundle)
-    eos = open_bundle(bundle).manifest["tokenizer"]["eos_token_ids"]
+    eos = list(open_bundle(bundle).manifest.tokenizer.eos_token_ids)
     assert runtime.tokenizer.encode(end_of_turn, special_tokens=False)[0] in eos
     plain = runtime.generate(prompts, max_new_tokens=max_new, mode="autoregressive")
     speculative = runtime.generate(prompts, max_new_tokens=max_new)

@@ -30,12 +30,12 @@ FILE = "gemma-3-270m-q4_k_m.gguf"
 
 def test_the_default_build_says_what_it_kept_and_converted(model_file, tmp_path):
     bundle = build_bundle(model_file, None, tmp_path / "bundle", gammas=[4], max_seq=256, max_batch=1)
-    model = open_bundle(bundle).manifest["models"]["target"]
-    assert model["model_type"] == "gemma3_text" and model["matmul_weights"] == "int8"
-    source = model["source_format"]
+    model = open_bundle(bundle).model("target")
+    assert model.model_type == "gemma3_text" and model.matmul_weights == "int8"
+    source = model.source_format
     # the tied embedding's Q8_0 is kept for the LM head; attn_v's Q8_0 layers keep theirs beside Q5_0 q and k
-    assert source["kept"] == {"Q8_0": 10}
-    assert source["converted"] == {"Q4_K": 27, "Q5_0": 81, "Q6_K": 9}
+    assert source.kept == {"Q8_0": 10}
+    assert source.converted == {"Q4_K": 27, "Q5_0": 81, "Q6_K": 9}
 
 
 def test_greedy_output_is_transformers_own_and_speculation_changes_nothing(bundle, reference):

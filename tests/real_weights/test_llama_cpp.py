@@ -94,7 +94,7 @@ def test_q8_0_file_keeps_its_blocks_and_gives_llama_cpps_greedy_output(files, tm
     """Measured: identical on all 4 prompts × 24 tokens (the activations' int8 rounding differs, but no
     step of these paths is a near tie)."""
     bundle, generated = ours(files["Q8_0"], tmp_path)
-    assert bundle.manifest["models"]["target"]["source_format"]["kept"] == {"Q8_0": 16}
+    assert bundle.model("target").source_format.kept == {"Q8_0": 16}
     assert generated == [llama_cpp_greedy(files["Q8_0"], p) for p in PROMPTS]
 
 
@@ -102,13 +102,13 @@ def test_q4_0_file_keeps_its_blocks_and_stays_within_int8_rounding_of_llama_cpp(
     """Measured: 2 of 4 prompts identical over 24 tokens, the others part at tokens 5 and 17, where
     the top two logits are within the 1-2% that each engine's int8 rounding of activations moves them."""
     bundle, generated = ours(files["Q4_0"], tmp_path)
-    assert bundle.manifest["models"]["target"]["source_format"]["kept"] == {"Q4_0": 16}
+    assert bundle.model("target").source_format.kept == {"Q4_0": 16}
     expected = [llama_cpp_greedy(files["Q4_0"], p) for p in PROMPTS]
     assert sum(a == b for a, b in zip(generated, expected)) >= 2
     assert all(a[:4] == b[:4] for a, b in zip(generated, expected))
     prompt = PROMPTS[1]
     feeds = {"input_ids": np.array([prompt]), "past_len": np.zeros(1, np.int64), "token_count": np.array([len(prompt)])}
-    out, _ = run_file(bundle, bundle.graph("target_forward")["single_sequence"]["file"], feeds,
+    out, _ = run_file(bundle, bundle.graph("target_forward").single_sequence.file, feeds,
                       empty_cache(bundle.manifest, "target", 1))
     theirs = llama_cpp_logits(files["Q4_0"], prompt)[:out["logits"].shape[1]]
     assert np.abs(out["logits"][0] - theirs).max() < 0.03 * np.abs(theirs).max()

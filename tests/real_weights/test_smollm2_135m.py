@@ -28,7 +28,7 @@ def test_greedy_output_is_transformers_own_and_speculation_changes_nothing(bundl
 
 def test_the_files_chat_template_renders_and_answers_as_transformers(bundle, reference):
     runtime = speccompile.load(bundle)
-    eos = open_bundle(bundle).manifest["tokenizer"]["eos_token_ids"]
+    eos = list(open_bundle(bundle).manifest.tokenizer.eos_token_ids)
     for messages in CHATS:
         expected = reference.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         text = render_chat(runtime.tokenizer.chat_template(), runtime.tokenizer.special_tokens(), messages)

@@ -24,7 +24,7 @@ def test_auto_runs_the_onnx_graphs_of_a_bundle_without_engines(bundles):
 
 @pytest.mark.skipif(not tensorrt_missing, reason="TensorRT is installed here")
 def test_engines_without_tensorrt_say_so_in_one_line_and_run_on_onnx_runtime(caplog):
-    bundle = SimpleNamespace(manifest={"engines": {"target_forward": {}}}, path="bundle/")
+    bundle = SimpleNamespace(manifest=SimpleNamespace(engines={"target_forward": {}}), path="bundle/")
     with caplog.at_level(logging.WARNING, logger="speccompile"):
         assert resolve_backend(bundle, "auto") == "onnxruntime"
     [line] = [r.getMessage() for r in caplog.records]
