@@ -3,6 +3,7 @@
     import speccompile
     runtime = speccompile.load("bundle/")
     [result] = runtime.generate(["def parse_args(argv):"], max_new_tokens=32)
+    [sampled] = runtime.generate(["def f("], speccompile.GenerationParams(temperature=0.8, seed=1))
     print(result.text, result.stats.acceptance_rate)
 
 Importing this package loads neither torch nor transformers; only `speccompile.compiler` needs them.
@@ -11,7 +12,7 @@ Importing this package loads neither torch nor transformers; only `speccompile.c
 from speccompile.errors import SpecCompileError
 
 __version__ = "0.1.0"
-__all__ = ["SpecCompileError", "load", "build", "__version__"]
+__all__ = ["SpecCompileError", "load", "build", "GenerationParams", "TensorRTOptions", "__version__"]
 
 
 def load(bundle_dir=None, backend: str = "auto", threads: int | None = None,
@@ -47,7 +48,23 @@ def load(bundle_dir=None, backend: str = "auto", threads: int | None = None,
 
 
 def build(target_dir, draft_dir, out_dir, **options):
-    """Compile a target/draft pair of HF checkpoints into a bundle (see compiler.build.build_bundle)."""
+    """Compile a target/draft pair of HF checkpoints (or GGUF files) into a bundle: what `speccompile
+    build` does, TensorRT engines included (backend="tensorrt", made as `tensorrt=TensorRTOptions(...)`
+    says); the options are compiler.build.build_bundle's. Returns the bundle's path."""
     from speccompile.compiler.build import build_bundle
 
     return build_bundle(target_dir, draft_dir, out_dir, **options)
+
+
+def __getattr__(name: str):
+    # imported when asked for, so that `import speccompile` stays light (no numpy, no compiler):
+    # TensorRTOptions lives with the TensorRT build, GenerationParams (a request's options) in core
+    if name == "TensorRTOptions":
+        from speccompile.compiler.tensorrt_build import TensorRTOptions
+
+        return TensorRTOptions
+    if name == "GenerationParams":
+        from speccompile.core.params import GenerationParams
+
+        return GenerationParams
+    raise AttributeError(f"module 'speccompile' has no attribute {name!r}")

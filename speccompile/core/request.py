@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from speccompile.core.params import GenerationParams
 from speccompile.core.processors import Processors
 from speccompile.core.sampling import SamplingParams
 from speccompile.core.stats import GenerationStats
@@ -57,6 +58,7 @@ class Request:
     prompt_logprobs: int | None = None
     # another sample of the same prompt (n samples): its cached prompt is copied, not prefilled again
     shares_prefill_with: "Request | None" = None
+    spec: "GenerationParams | None" = None  # what was asked (core/params.py); the fields above are its resolution
     # -- state, written by the scheduler --
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None

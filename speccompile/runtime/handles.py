@@ -12,6 +12,7 @@ from collections import deque
 from speccompile.core.request import Request
 from speccompile.core.scheduler import Scheduler
 from speccompile.errors import SpecCompileError
+from speccompile.runtime.output import Delta, OutputProcessor
 
 log = logging.getLogger("speccompile")
 
@@ -35,8 +36,8 @@ class RequestHandle(_Handle):
     """A queued request: `.result()` waits for it, `.stream()` yields its tokens as they are
     accepted, `.cancel()` ends it (its slot is freed at the engine's next iteration)."""
 
-    def __init__(self, request: Request, runtime, prompt, stops: list[str] = ()):
-        self.request, self._runtime, self.prompt, self.stops = request, runtime, prompt, list(stops)
+    def __init__(self, request: Request, runtime, output: OutputProcessor):
+        self.request, self._runtime, self.output, self.prompt = request, runtime, output, output.prompt
         self._done = threading.Event()
         self._tokens: queue.Queue | None = None
         self._delivered: list[int] = []  # tokens the edge handed over so far
@@ -47,7 +48,7 @@ class RequestHandle(_Handle):
         if not self._done.wait(timeout):
             raise TimeoutError(f"request not finished after {timeout} s")
         self._raise_its_error()
-        return self._runtime.result(self.request, self.prompt, self.stops)
+        return self.output.result()
 
     def stream(self):
         """Lists of newly accepted token ids, until the request ends. Tokens accepted before the first
@@ -71,7 +72,8 @@ class RequestHandle(_Handle):
     def done(self) -> bool:
         return self._done.is_set()
 
-    def _push(self, tokens: list[int]) -> None:
+    def _push(self, delta: Delta) -> None:
+        tokens = delta.token_ids
         if self._user_sink is not None:
             self._user_sink(tokens)
         with self._lock:
@@ -89,12 +91,13 @@ class RequestHandle(_Handle):
 class AsyncRequestHandle(_Handle):
     """The asyncio counterpart of RequestHandle: results and tokens are handed to the event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, runtime, prompt, stops: list[str] = ()):
-        self._loop, self._runtime, self.prompt, self.stops = loop, runtime, prompt, list(stops)
-        self._tokens: asyncio.Queue = asyncio.Queue()
+    def __init__(self, loop: asyncio.AbstractEventLoop, runtime, output: OutputProcessor, on_tokens=None,
+                 on_finish=None):
+        self._loop, self._runtime, self.output, self.prompt = loop, runtime, output, output.prompt
+        self.request = output.request
+        self._deltas: asyncio.Queue = asyncio.Queue()
         self._done = loop.create_future()
-        self.request: Request | None = None
-        self.user_sink = self.user_finish = None
+        self.user_sink, self.user_finish = on_tokens, on_finish
 
     @property
     def done(self) -> bool:
@@ -103,26 +106,33 @@ class AsyncRequestHandle(_Handle):
     async def result(self):
         await asyncio.shield(self._done)
         self._raise_its_error()
-        return self._runtime.result(self.request, self.prompt, self.stops)
+        return self.output.result()
 
     async def stream(self):
+        """Lists of newly accepted token ids, until the request ends."""
+        async for delta in self.deltas():
+            yield delta.token_ids
+
+    async def deltas(self):
+        """What each delivery adds (output.Delta: token ids, and their text and log-probabilities
+        where the request follows them), until the request ends."""
         while True:
-            tokens = await self._tokens.get()
-            if tokens is None:
+            delta = await self._deltas.get()
+            if delta is None:
                 break
-            yield tokens
+            yield delta
         self._raise_its_error()
 
 
-    def _push(self, tokens: list[int]) -> None:  # the engine or the edge thread
+    def _push(self, delta: Delta) -> None:  # the engine or the edge thread
         if self.user_sink is not None:
-            self.user_sink(tokens)
-        self._loop.call_soon_threadsafe(self._tokens.put_nowait, list(tokens))
+            self.user_sink(delta.token_ids)
+        self._loop.call_soon_threadsafe(self._deltas.put_nowait, delta)
 
     def _finished(self, request: Request) -> None:  # the engine or the edge thread
         if self.user_finish is not None:
             self.user_finish(request)
-        self._loop.call_soon_threadsafe(self._tokens.put_nowait, None)
+        self._loop.call_soon_threadsafe(self._deltas.put_nowait, None)
         self._loop.call_soon_threadsafe(lambda: self._done.done() or self._done.set_result(None))
 
 

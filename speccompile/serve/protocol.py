@@ -1,18 +1,23 @@
 """The request bodies the server accepts: OpenAI's shapes, vLLM's extensions to them, and ours.
 
-Unknown fields are refused (a typo must not pass silently as a default). Ours, per request: `proposer`
-(who drafts: one of the bundle's kinds), `num_speculative_tokens` (γ: a compiled one, "auto", or 0 for
-plain decoding), `p_min` (the draft model's confidence threshold) and `sampling_rule` (coupled or
-rejection, core/request.py).
+Unknown fields are refused (a typo must not pass silently as a default). OpenAI's own fields are
+declared here with OpenAI's defaults and ranges; every other request option is a field of
+core/params.GenerationParams with a body name (vLLM's ignore_eos, min_p, min_tokens,
+repetition_penalty; ours: `proposer`, `num_speculative_tokens` for γ, `p_min`, `sampling_rule`), added
+to `Sampling` from there (unset: the server's default), and checked by GenerationParams itself.
+GenerationParams.from_openai maps a body onto a request.
 
 Structured output (core/grammar.py), one way per request: OpenAI's `response_format` (json_object, or
 json_schema with its schema), vLLM's `structured_outputs` (json, regex, choice, grammar, json_object)
 or its older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 """
 
-from typing import Annotated, Literal
+import typing
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+
+from speccompile.core.params import GenerationParams, openai_constraint, options_in_bodies
 
 # OpenAI's parameters this server does not implement: refused by name, never ignored
 UNSUPPORTED = ("suffix", "functions", "function_call", "audio", "modalities", "prediction", "web_search_options")
@@ -59,8 +64,8 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
 
 
-class Sampling(BaseModel):
-    """What both routes take."""
+class OpenAISampling(BaseModel):
+    """OpenAI's fields both routes take (the rest of Sampling comes from GenerationParams, below)."""
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
@@ -69,24 +74,14 @@ class Sampling(BaseModel):
     top_k: int = Field(0, ge=-1)  # vLLM's extension: 0 or -1 turn it off
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM's: end like EOS (the token is kept in the tokens)
-    ignore_eos: bool = False  # vLLM's: go on past EOS
-    # the logits processors (core/processors.py): OpenAI's, then vLLM's
+    # the logits processors (core/processors.py): OpenAI's
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    min_tokens: int = Field(0, ge=0)
     n: int = Field(1, ge=1, le=MAX_N)  # samples of each prompt (choices prompt 0's first, as OpenAI orders them)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # ours: speculation per request
-    proposer: str | None = None
-    num_speculative_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] | None = None
-    p_min: float | None = Field(None, ge=0.0, le=1.0)
-    sampling_rule: Literal["coupled", "rejection"] | None = None
     # structured output
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -97,21 +92,12 @@ class Sampling(BaseModel):
 
     def constraint(self) -> dict:
         """The runtime's constraint arguments (json_schema, json_object, regex, choice or grammar): {} for none."""
-        asked = {}
-        if self.response_format is not None and self.response_format.type != "text":
-            schema = self.response_format.json_schema
-            asked["response_format"] = {"json_schema": schema.json_schema} if schema else {"json_object": True}
-        if self.structured_outputs is not None:
-            given = self.structured_outputs.model_dump(exclude_none=True)
-            asked["structured_outputs"] = given
-        guided = {key: value for key, value in (("json_schema", self.guided_json), ("regex", self.guided_regex),
-                                                 ("choice", self.guided_choice), ("grammar", self.guided_grammar))
-                  if value is not None}
-        if guided:
-            asked["guided_*"] = guided
-        if len(asked) > 1:
-            raise ValueError(f"give one of {' and '.join(asked)}, not both")
-        return next(iter(asked.values()), {})
+        from speccompile.errors import SpecCompileError
+
+        try:
+            return openai_constraint(self.model_dump(by_alias=True))
+        except SpecCompileError as e:
+            raise ValueError(str(e)) from None
 
     @model_validator(mode="after")
     def _one_constraint(self):
@@ -123,6 +109,28 @@ class Sampling(BaseModel):
     def _top_k_off(cls, value: int) -> int:
         return max(value, 0)
 
+    def params(self, defaults: GenerationParams | None = None, chat: bool = False) -> GenerationParams:
+        """The request this body asks for (its unset options: `defaults`)."""
+        return GenerationParams.from_openai(self.model_dump(by_alias=True), defaults, chat)
+
+
+def _from_params() -> dict:
+    """The body fields GenerationParams declares that OpenAI's do not: each optional (None: the
+    server's default), of the record's type, a list where the record holds a tuple."""
+    hints = typing.get_type_hints(GenerationParams)
+    fields = {}
+    for field, meta in options_in_bodies():
+        if meta.body in OpenAISampling.model_fields:
+            continue
+        kind = hints[field.name]
+        if typing.get_origin(kind) is tuple:
+            kind = list[typing.get_args(kind)[0]]
+        fields[meta.body] = (kind | None, Field(None, description=meta.help))
+    return fields
+
+
+Sampling = create_model("Sampling", __base__=OpenAISampling, **_from_params())
+
 
 class CompletionRequest(Sampling):
     # one prompt (text or token ids) or a batch of them
@@ -130,7 +138,7 @@ class CompletionRequest(Sampling):
     max_tokens: int | None = Field(16, ge=0)  # OpenAI's default; null: what the context has left; 0: echo only
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's, and this many top tokens'
     echo: bool = False  # the prompt before the completion (with logprobs: the prompt's too)
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: the prompt's, with this many top
     best_of: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")

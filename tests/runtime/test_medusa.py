@@ -141,10 +141,12 @@ def test_build_refuses_a_draft_and_heads_together(checkpoints, tmp_path):
 
 
 def test_bench_acceptance_reports_speed_and_deviation(bundles):
+    from speccompile.core.params import GenerationParams
     from speccompile.runtime.bench import ACCEPTANCE_KEYS, bench_acceptance
 
     runtime = speccompile.load(bundles("llama", "medusa"))
-    rows = bench_acceptance(runtime, ["hello world", "def f"], ["exact", "typical"], max_new_tokens=8, repeats=1)
+    rows = [r.to_json() for r in bench_acceptance(runtime, ["hello world", "def f"], ["exact", "typical"],
+                                                  GenerationParams(max_new_tokens=8), repeats=1)]
     assert [list(r) for r in rows] == [ACCEPTANCE_KEYS] * 2
     exact = rows[0]
     assert exact["token_agreement"] == 1.0 and exact["identical_outputs"] == 1.0  # exact is the greedy output

@@ -21,7 +21,7 @@ from tests.tiny_models import make_checkpoint, make_word_tokenizer
 
 VOCAB = 16
 PROMPT = [3, 1, 4]
-BATCH, SEEDS = 500, 8  # 4000 samples per setting
+BATCH, SEEDS = 500, 8  # 4000 samples per setting: call k is seeded k * BATCH, its request i k * BATCH + i
 GAMMA = 3
 Z_0001 = 3.09  # one-sided standard normal quantile for alpha = 0.001
 
@@ -83,7 +83,7 @@ def speculative_samples(bundle, temperature, top_k, top_p, prompt=PROMPT, propos
     samples = []
     for seed in range(SEEDS):
         results = runtime.generate([prompt] * BATCH, max_new_tokens=3, gamma=GAMMA, temperature=temperature,
-                                   top_k=top_k, top_p=top_p, seed=seed, proposer=proposer, p_min=p_min,
+                                   top_k=top_k, top_p=top_p, seed=seed * BATCH, proposer=proposer, p_min=p_min,
                                    sampling_rule=sampling_rule, **controls)
         samples += [r.token_ids for r in results]
         if stats is not None:
@@ -267,6 +267,6 @@ def test_autoregressive_sampling_follows_the_target_distribution(pair, bundle):
     samples = []
     for seed in range(SEEDS):
         samples += [r.token_ids for r in runtime.generate([PROMPT] * BATCH, max_new_tokens=3, mode="autoregressive",
-                                                          temperature=0.7, top_k=5, seed=seed)]
+                                                          temperature=0.7, top_k=5, seed=seed * BATCH)]
     rejected, verdicts = check(np.array(samples), exact_joint(pair[0], 0.7, 5, 1.0))
     assert not rejected, verdicts

@@ -15,7 +15,8 @@ import uvicorn
 
 import speccompile
 from speccompile.errors import SpecCompileError
-from speccompile.serve.app import _safe_prefix, create_app
+from speccompile.runtime.output import safe_prefix as _safe_prefix
+from speccompile.serve.app import create_app
 from speccompile.serve.limits import http_protocol
 
 KEY = "test-key"
