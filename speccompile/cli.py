@@ -1,17 +1,22 @@
-"""The `speccompile` command line: a thin shell over `speccompile.build` and `speccompile.load`."""
+"""The `speccompile` command line: a thin shell over `speccompile.build` and `speccompile.load`.
+
+Commands parse their options (a request's from its spec: cli_options.py), call the Python API and
+print its typed results through present.py, or as their `to_json()` with --json."""
 
 import functools
 import json
 import logging
 import signal
-import sys
 from pathlib import Path
 
 import click
 
+from speccompile import present
+from speccompile.cli_options import generation_options, params_from_cli
+from speccompile.core.params import GenerationParams
 from speccompile.core.proposers import DEFAULT_PROPOSER, PROPOSERS
-from speccompile.core.request import SAMPLING_RULES
 from speccompile.errors import SpecCompileError
+from speccompile.runtime.profile import PROFILE_PARAMS
 
 
 def user_errors(command):
@@ -104,19 +109,13 @@ def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force, tar
           version_compat):
     """Export a target/draft pair to a bundle of ONNX speculative graphs (and TensorRT engines)."""
     from speccompile.compiler.build import build_bundle
+    from speccompile.compiler.tensorrt_build import TensorRTOptions
 
-    if backend == "tensorrt":  # fail before the ONNX export if the TensorRT side cannot run here
-        from speccompile.tensorrt_setup import plugin_library, require_tensorrt
-
-        require_tensorrt()
-        plugin_library(plugin_lib)
+    tensorrt = TensorRTOptions(plugin_lib, timing_cache, hardware_compat, version_compat)
     build_bundle(target_dir, draft_dir, out_dir, gammas=list(gammas), max_seq=max_seq, max_batch=max_batch, force=force,
                  draft_weights=draft_weights, draft_vocab=draft_vocab, draft_vocab_corpus=draft_vocab_corpus,
-                 single_sequence=single_sequence, target_weights=target_weights, medusa_dir=medusa_dir)
-    if backend == "tensorrt":
-        from speccompile.compiler.tensorrt_build import build_tensorrt_engines
-
-        build_tensorrt_engines(out_dir, plugin_lib, timing_cache, hardware_compat, version_compat)
+                 single_sequence=single_sequence, target_weights=target_weights, medusa_dir=medusa_dir,
+                 backend=backend, tensorrt=tensorrt)
 
 
 @main.command()
@@ -189,52 +188,36 @@ def resolve_bundle(bundle):
     return demo_bundle()
 
 
-SAMPLING_RULE_HELP = ("How sampled tokens are verified: coupled (the target draws each position by Gumbel-max "
-                      "with the request's own noise for it, so a seed gives the same tokens at any γ, proposer or "
-                      "load; the default with --seed) or rejection (Leviathan et al.'s: more drafts kept, but its "
-                      "tokens depend on γ and the drafts; the default without).")
 TREE_HELP = ("Medusa bundles: the token tree, 'chain' (each head's top candidate), a number of nodes grown from the "
              "heads' accuracies, or 'auto' (default: the size measured fastest here).")
-ACCEPTANCE_HELP = ("Medusa bundles: 'typical' accepts plausible tokens the target would not have chosen greedily "
-                   "(Medusa-2's typical acceptance): faster, approximate, labelled in the stats.")
+
+
+def constraint_options(command):
+    """Structured output: one of a JSON schema file, a grammar file or a regular expression."""
+    command = click.option("--regex", default=None, help="Generate text matching this regular expression.")(command)
+    command = click.option("--grammar", "grammar_file", type=click.Path(exists=True, dir_okay=False), default=None,
+                           help="Generate text in the grammar in this file: Lark, or llama.cpp's GBNF.")(command)
+    return click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False), default=None,
+                        help="Generate JSON valid against the schema in this file (structured output).")(command)
+
+
+def _constraint(json_schema, grammar_file, regex) -> dict:
+    """GenerationParams.of's constraint keywords for the options given (the files' text)."""
+    given = {"json_schema": Path(json_schema).read_text() if json_schema else None,
+             "grammar": Path(grammar_file).read_text() if grammar_file else None, "regex": regex}
+    return {key: value for key, value in given.items() if value is not None}
 
 
 @main.command()
 @click.argument("bundle", type=click.Path(), required=False)
 @click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text; repeat for a batch.")
-@click.option("--max-new-tokens", type=int, default=64, show_default=True)
-@click.option("--mode", type=click.Choice(["speculative", "autoregressive"]), default=None,
-              help="Run as asked. Default: speculative, or plain decoding where --gamma auto predicts that "
-              "speculation does not pay.")
-@click.option("--gamma", "--num-speculative-tokens", "gamma", default=None,
-              help="Draft tokens per iteration, or 'auto' (the default: the policy's γ each iteration, or plain "
-              "decoding where speculation does not pay).")
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0: off).")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass (1: off).")
-@click.option("--seed", type=int, default=None, help="Random seed: the same seed gives the same tokens.")
-@click.option("--proposer", type=click.Choice(PROPOSERS), default=DEFAULT_PROPOSER, show_default=True,
-              help="Who drafts: the draft model, prompt lookup in the request's own text (ngram), suffix decoding "
-              "over its text and earlier outputs (suffix), the Medusa heads (medusa), or per iteration the one "
-              "predicted fastest (auto).")
-@click.option("--sampling-rule", type=click.Choice(SAMPLING_RULES), default=None, help=SAMPLING_RULE_HELP)
-@click.option("--p-min", type=float, default=None,
-              help="The draft model stops drafting at a token it gives less probability than this (0: never; "
-              "default: the γ profile's measured threshold, else 0).")
+@generation_options
 @click.option("--tree", default=None, help=TREE_HELP)
-@click.option("--acceptance", type=click.Choice(["exact", "typical"]), default="exact", show_default=True,
-              help=ACCEPTANCE_HELP)
-@click.option("--ignore-eos", is_flag=True, help="Go on past the model's end-of-sequence token.")
-@click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Generate JSON valid against the schema in this file (structured output).")
-@click.option("--grammar", "grammar_file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Generate text in the grammar in this file: Lark, or llama.cpp's GBNF.")
-@click.option("--regex", default=None, help="Generate text matching this regular expression.")
+@constraint_options
 @click.option("--json", "as_json", is_flag=True, help="Print results as a JSON list.")
 @backend_option
 @user_errors
-def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, top_p, seed, proposer, sampling_rule,
-             p_min, tree, acceptance, ignore_eos, json_schema, grammar_file, regex, as_json, backend):
+def generate(bundle, prompts, tree, json_schema, grammar_file, regex, as_json, backend, **options):
     """Generate text with speculative decoding (or the target alone).
 
     BUNDLE defaults to the embedded demo pair. With --json-schema, --grammar or --regex the output is
@@ -242,34 +225,28 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
     """
     import speccompile
 
+    params = GenerationParams.of(params_from_cli(options), **_constraint(json_schema, grammar_file, regex))
     runtime = speccompile.load(resolve_bundle(bundle), backend, shared_threads=True)  # the process is ours
     _tree_option(runtime, tree)
-    gamma = _gamma_option(gamma)
-    stream = None if as_json else _Streamer(runtime.tokenizer, list(prompts), max_new_tokens)
-    results = runtime.generate(list(prompts), max_new_tokens=max_new_tokens, mode=mode, gamma=gamma,
-                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, on_tokens=stream,
-                               proposer=proposer, p_min=p_min, acceptance=acceptance, sampling_rule=sampling_rule,
-                               ignore_eos=ignore_eos, regex=regex,
-                               json_schema=Path(json_schema).read_text() if json_schema else None,
-                               grammar=Path(grammar_file).read_text() if grammar_file else None)
+    rows = [prompt for prompt in prompts for _ in range(params.n)]  # each prompt's n samples, in order
+    stream = None if as_json else present.Streamer(runtime.tokenizer, rows, params.max_new_tokens, params.stop)
+    results = runtime.generate(list(prompts), params, on_tokens=stream)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=1))
         return
-    stream.finish()
-    for row, result in enumerate(results):
-        label = f"prompt {row + 1}/{len(results)}" if len(results) > 1 else ""
-        click.echo(_stats_line(result.stats, label), err=True)
+    stream.finish(results)
+    click.echo(present.stats_lines(results), err=True)
+
+
+BENCH_OWN = ("proposer", "acceptance", "mode")  # bench compares proposers and acceptance rules; it runs both modes
 
 
 @main.command()
 @click.argument("bundle", type=click.Path(), required=False)
 @click.option("--prompts", "prompts_file", type=click.Path(), default=None,
               help="JSON list of prompts, or one prompt per line.")
-@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@generation_options(skip=BENCH_OWN)
 @click.option("--repeats", type=int, default=3, show_default=True)
-@click.option("--gamma", "--num-speculative-tokens", "gamma", default=None,
-              help="Draft tokens per iteration, or 'auto' (the default).")
-@click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--concurrency", default=None,
               help="Serve a stream of requests under load at each of these client counts (e.g. 1,2,4,8), "
               "speculative and autoregressive, instead of the batch-1 comparison.")
@@ -286,63 +263,50 @@ def generate(bundle, prompts, max_new_tokens, mode, gamma, temperature, top_k, t
               "(default: BUNDLE/profiles/load.png; with --json, only when given).")
 @click.option("--proposer", "proposers", type=click.Choice(PROPOSERS), multiple=True,
               help="Who drafts (default: auto); repeat to compare proposers against the same plain runs.")
-@click.option("--p-min", type=float, default=None,
-              help="Confidence threshold of the draft model's drafts (see generate --p-min).")
-@click.option("--sampling-rule", type=click.Choice(SAMPLING_RULES), default=None, help=SAMPLING_RULE_HELP)
 @click.option("--tree", default=None, help=TREE_HELP)
 @click.option("--acceptance", "rules", type=click.Choice(["exact", "typical"]), multiple=True,
               help="Medusa bundles: compare acceptance rules (repeat: exact and typical) against the same plain "
               "runs: speedup, agreement with exact greedy output, and the target's log-likelihood of each text.")
-@click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Constrain every request, speculative and autoregressive, to JSON valid against this schema.")
+@constraint_options
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object with the summary keys (with several --proposer or --concurrency: a "
               "JSON list, one object per proposer, or per concurrency and mode).")
 @backend_option
 @user_errors
-def bench(bundle, prompts_file, max_new_tokens, repeats, gamma, temperature, concurrency, requests, rate,
-          always_speculate, proposers, p_min, sampling_rule, tree, rules, plot_path, json_schema, as_json, backend):
+def bench(bundle, prompts_file, repeats, concurrency, requests, rate, always_speculate, plot_path, proposers, tree,
+          rules, json_schema, grammar_file, regex, as_json, backend, **options):
     """Speculative vs autoregressive tokens/s on the same prompts (medians over repeats): at batch 1,
-    or with --concurrency, serving many requests at once (γ auto by default)."""
+    or with --concurrency, serving many requests at once (γ auto by default). Constrained (--json-schema,
+    --grammar, --regex), both sides are, and the grammar engine's time per token is shown."""
     import speccompile
-    from speccompile.runtime.bench import bench as run_bench
+    from speccompile.runtime import bench as benches
 
+    constraint = _constraint(json_schema, grammar_file, regex)
+    own = {"proposer": proposers[0]} if proposers else {}
+    params = GenerationParams.of(params_from_cli(options), **own, **constraint,
+                                 mode="speculative" if always_speculate else None)
     runtime = speccompile.load(resolve_bundle(bundle), backend, shared_threads=True)  # the process is ours
     _tree_option(runtime, tree)
-    constrained = {"json_schema": Path(json_schema).read_text()} if json_schema else {}
-    if constrained:
-        runtime.compile_constraint(**constrained)  # a bad schema: one line, before anything runs
+    if constraint:
+        runtime.compile_constraint(**constraint)  # a bad schema: one line, before anything runs
+    prompts = read_prompts(prompts_file)
     if rules:
-        _bench_acceptance(runtime, read_prompts(prompts_file), list(rules), max_new_tokens, repeats, as_json)
-        return
-    if concurrency is not None:
-        load = {"concurrencies": _int_list(concurrency), "requests": requests, "rate": rate,
-                "max_new_tokens": max_new_tokens, "repeats": repeats, "gamma": _gamma_option(gamma),
-                "always_speculate": always_speculate,
-                "sampling": ({"temperature": temperature, "sampling_rule": sampling_rule} if temperature else {})
-                | _p_min_option(p_min) | constrained,
-                "proposer": proposers[0] if proposers else DEFAULT_PROPOSER}
-        _bench_load(runtime, read_prompts(prompts_file), load, as_json, plot_path)
-        return
-    sampling = ({"temperature": temperature, "seed": 0, "sampling_rule": sampling_rule} if temperature else {}) \
-        | _p_min_option(p_min) | constrained
-    if len(proposers) > 1:
-        _bench_proposers(runtime, read_prompts(prompts_file), list(proposers), max_new_tokens, repeats,
-                         _gamma_option(gamma), sampling, as_json, always_speculate)
-        return
-    summary, details = run_bench(runtime, read_prompts(prompts_file), max_new_tokens, repeats, _gamma_option(gamma),
-                                 sampling, proposer=proposers[0] if proposers else DEFAULT_PROPOSER,
-                                 always_speculate=always_speculate)
-    if as_json:
-        click.echo(json.dumps(summary))
-        return
-    costs = ("target_step_ms", "draft_step_ms", "verify_ms", "overhead_ms_per_iteration", "draft_to_target_step_ratio",
-             "acceptance_by_position") + (("grammar_ms_per_token_autoregressive", "grammar_ms_per_token_speculative")
-                                         if constrained else ())
-    rows = [(k, summary[k]) for k in summary] + [(k, details[k]) for k in costs]
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        click.echo(f"{key:<{width}}  {_bench_value(value)}")
+        _echo(benches.bench_acceptance(runtime, prompts, list(rules), params, repeats), as_json,
+              present.acceptance_table)
+    elif concurrency is not None:
+        load = {"concurrencies": _int_list(concurrency), "requests": requests, "rate": rate, "repeats": repeats}
+        _bench_load(runtime, prompts, params, load, as_json, plot_path)
+    elif len(proposers) > 1:
+        _echo(benches.bench_proposers(runtime, prompts, list(proposers), params, repeats), as_json,
+              present.proposers_table)
+    else:
+        result = benches.bench(runtime, prompts, params, repeats)
+        click.echo(json.dumps(result.to_json()) if as_json else present.bench_table(result, grammar=bool(constraint)))
+
+
+def _echo(records: list, as_json: bool, table) -> None:
+    """A JSON list of the records, or their table."""
+    click.echo(json.dumps([r.to_json() for r in records]) if as_json else table(records))
 
 
 def _tree_option(runtime, tree: str | None) -> None:
@@ -356,52 +320,12 @@ def _tree_option(runtime, tree: str | None) -> None:
     runtime.set_tree(tree)
 
 
-def _bench_acceptance(runtime, prompts, rules, max_new_tokens, repeats, as_json) -> None:
-    from speccompile.runtime.bench import bench_acceptance
-
-    rows = bench_acceptance(runtime, prompts, rules, max_new_tokens, repeats)
-    if as_json:
-        click.echo(json.dumps(rows))
-        return
-    click.echo(f"autoregressive: {rows[0]['ar_tokens_per_s']:.1f} tok/s, exact output's perplexity "
-               f"{rows[0]['exact_perplexity']:.2f}")
-    click.echo(f"{'acceptance':<10} {'tok/s':>8} {'speedup':>8} {'accept len':>10} {'agreement':>9} "
-               f"{'identical':>9} {'perplexity':>10}")
-    for r in rows:
-        click.echo(f"{r['acceptance']:<10} {r['spec_tokens_per_s']:>8.1f} {r['speedup']:>7.2f}x "
-                   f"{r['mean_acceptance_length']:>10.2f} {r['token_agreement']:>9.3f} {r['identical_outputs']:>9.2f} "
-                   f"{r['perplexity']:>10.2f}")
-
-
-def _p_min_option(p_min: float | None) -> dict:
-    """bench's generate arguments for --p-min: none when not given (the runtime's default)."""
-    return {} if p_min is None else {"p_min": p_min}
-
-
-def _bench_proposers(runtime, prompts, proposers, max_new_tokens, repeats, gamma, sampling, as_json,
-                     always_speculate) -> None:
-    """bench with several --proposer: a JSON list of their summaries, or a table."""
-    from speccompile.runtime.bench import bench_proposers
-
-    results = bench_proposers(runtime, prompts, proposers, max_new_tokens, repeats, gamma, sampling, always_speculate)
-    if as_json:
-        click.echo(json.dumps([summary for summary, _ in results]))
-        return
-    click.echo(f"autoregressive: {results[0][0]['ar_tokens_per_s']:.1f} tok/s")
-    click.echo(f"{'proposer':<9} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'accept len':>10}  drafts by proposer")
-    for summary, _ in results:
-        split = ", ".join(f"{name} {p['draft_tokens']} ({p['acceptance_rate']:.2f} kept)"
-                          for name, p in summary["by_proposer"].items())
-        click.echo(f"{summary['proposer']:<9} {summary['spec_tokens_per_s']:>8.1f} {summary['speedup']:>7.2f}x "
-                   f"{summary['acceptance_rate']:>7.2f} {summary['mean_acceptance_length']:>10.2f}  {split}")
-
-
-def _bench_load(runtime, prompts: list[str], options: dict, as_json: bool, plot_path) -> None:
+def _bench_load(runtime, prompts: list[str], params: GenerationParams, load: dict, as_json: bool, plot_path) -> None:
     """bench --concurrency: a JSON list of the rows, or their table; and the plot."""
     from speccompile.runtime.bench import bench_load, save_load_plot
 
-    rows, details = bench_load(runtime, prompts, **options)
-    click.echo(json.dumps(rows) if as_json else _load_table(rows, details))
+    rows = bench_load(runtime, prompts, params, **load)
+    _echo(rows, as_json, present.load_table)
     if as_json and plot_path is None:
         return
     try:
@@ -409,35 +333,6 @@ def _bench_load(runtime, prompts: list[str], options: dict, as_json: bool, plot_
         click.echo(f"plot: {path}", err=as_json)  # stdout stays one JSON document
     except SpecCompileError as e:
         click.echo(f"no plot: {e}", err=True)
-
-
-def _load_table(rows: list[dict], details: list[dict]) -> str:
-    """One line per concurrency and mode; a speculative line also shows its rate over autoregressive's
-    at the same concurrency, and the drafts per request-iteration that it used."""
-    ar_rate = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["mode"] == "autoregressive"}
-    times = ("p50_latency_ms", "p99_latency_ms", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms")
-    head = (f"{'conc':>4} {'mode':<14} {'tok/s':>7} {'vs AR':>6} {'lat p50':>8} {'lat p99':>8} {'ttft p50':>8} "
-            f"{'ttft p99':>8} {'itl p50':>7} {'accept':>6} {'mean γ':>6}  (times in ms)")
-    lines = [head]
-    for row, detail in zip(rows, details):
-        spec = row["mode"] == "speculative"
-        ratio = f"{row['tokens_per_s'] / ar_rate[row['concurrency']]:.2f}x" if spec else ""
-        lat = " ".join(f"{row[k]:>{7 if k == 'p50_itl_ms' else 8}.1f}" for k in times)
-        used = f"  {_gamma_counts(detail['gammas_used'])}" if spec else ""
-        lines.append(f"{row['concurrency']:>4} {row['mode']:<14} {row['tokens_per_s']:>7.1f} {ratio:>6} {lat} "
-                     f"{row['acceptance_rate']:>6.2f} {row['mean_gamma']:>6.2f}{used}")
-    return "\n".join(lines)
-
-
-def _bench_value(value) -> str:
-    if isinstance(value, dict) and all(isinstance(v, dict) for v in value.values()):  # by_proposer
-        return ", ".join(f"{name} {p['draft_tokens']} drafts ({p['acceptance_rate']:.2f} kept)"
-                         for name, p in value.items())
-    if isinstance(value, dict):  # gammas_used: γ -> iterations
-        return _gamma_counts(value)
-    if isinstance(value, list):
-        return ", ".join(f"{v:.3f}" for v in value)
-    return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 DRAIN_S = 30  # serve: how long a shutdown waits for requests in flight
@@ -550,7 +445,7 @@ def verify(bundle):
 
     started = time.perf_counter()
     checked = verify_bundle(resolve_bundle(bundle))
-    files = checked.manifest["files"]
+    files = checked.manifest.files
     size = sum((checked.path / name).stat().st_size for name in files) / 1e6
     click.echo(f"{checked.path}: {len(files)} files, {size:.1f} MB match their sha256 "
                f"({time.perf_counter() - started:.1f} s)")
@@ -563,10 +458,10 @@ def verify(bundle):
 def inspect(bundle, as_json):
     """Graphs, engines, shapes and op counts of a bundle."""
     from speccompile.bundle import open_bundle
-    from speccompile.runtime.inspect import describe, render
+    from speccompile.runtime.inspect import describe
 
     info = describe(open_bundle(resolve_bundle(bundle)))
-    click.echo(json.dumps(info, indent=1) if as_json else render(info))
+    click.echo(json.dumps(info, indent=1) if as_json else present.bundle_summary(info))
 
 
 def _gamma_option(value):
@@ -585,6 +480,9 @@ def _int_list(text: str) -> list[int]:
         raise SpecCompileError(f"expected comma-separated integers, got {text!r}") from None
 
 
+PROFILE_OWN = ("mode", "gamma", "proposer", "p_min", "n", "acceptance")  # what each profile run sets itself
+
+
 @main.command()
 @click.argument("bundle", type=click.Path(), required=False)
 @click.option("--prompts", "prompts_file", type=click.Path(), default=None,
@@ -593,7 +491,7 @@ def _int_list(text: str) -> list[int]:
               help="Comma-separated batch sizes (default: every one from 1 to the bundle's max batch).")
 @click.option("--context-lengths", default="64,256", show_default=True,
               help="Mean context of the runs at each point: prompts of this length minus half the new tokens.")
-@click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Tokens per request in each run.")
+@generation_options(skip=PROFILE_OWN, defaults={"max_new_tokens": PROFILE_PARAMS.max_new_tokens})
 @click.option("--repeats", type=int, default=1, show_default=True,
               help="Passes over all prompts per mode at each batch size and context, per round.")
 @click.option("--rounds", type=int, default=3, show_default=True,
@@ -603,21 +501,19 @@ def _int_list(text: str) -> list[int]:
               help="Where to save PNG plots (default: BUNDLE/profiles).")
 @backend_option
 @user_errors
-def profile(bundle, prompts_file, batch_sizes, context_lengths, max_new_tokens, repeats, rounds, ops, plots_dir,
-            backend):
+def profile(bundle, prompts_file, batch_sizes, context_lengths, repeats, rounds, ops, plots_dir, backend, **options):
     """Measure γ costs and speedups in loop runs on this hardware; store a γ profile in the bundle."""
-    from pathlib import Path
-
     import speccompile
     from speccompile.runtime import gamma_profile
     from speccompile.runtime import profile as prof
 
+    params = params_from_cli(options)
     runtime = speccompile.load(resolve_bundle(bundle), backend, shared_threads=True)  # the process is ours
     batches = _int_list(batch_sizes) if batch_sizes else list(range(1, runtime.max_batch + 1))
-    result = prof.build_profile(runtime, read_prompts(prompts_file), batches, _int_list(context_lengths), repeats,
-                                rounds, max_new_tokens)
+    result = prof.build_profile(runtime, read_prompts(prompts_file), batches, _int_list(context_lengths), params,
+                                repeats, rounds)
     path = gamma_profile.write_profile(runtime.bundle.path, result)
-    click.echo(_profile_table(result))
+    click.echo(present.profile_table(result))
     click.echo(f"profile written to {path}")
     try:
         for png in prof.save_plots(result, Path(plots_dir) if plots_dir else path.parent):
@@ -625,169 +521,7 @@ def profile(bundle, prompts_file, batch_sizes, context_lengths, max_new_tokens, 
     except SpecCompileError as e:
         click.echo(f"no plots: {e}", err=True)
     if ops:
-        from speccompile.bundle import GraphId
-
-        graphs = (GraphId.step("target", sample=False), GraphId.verification(max(runtime.gammas), sample=False))
-        if runtime.draft is not None:
-            graphs += (GraphId.step("draft", sample=False),)
-        for graph in (g.name for g in graphs):
-            click.echo(f"\n{graph}: top ops by share (batch 1, context 32)")
-            for op, ms, share in prof.op_profile(runtime.bundle, graph, prof.graph_feeds(runtime.bundle, graph)):
-                click.echo(f"  {op:<22} {ms:8.3f} ms  {share:6.1%}")
-
-
-def _profile_table(profile) -> str:
-    """Per batch size, context and γ: ms per iteration (target: a plain decoding step; draft: the
-    iteration's γ draft steps; loop: its own work), the γ policy's predicted speedup, the measured
-    one (steady state), end to end (prefill included, as bench), tokens per iteration (expected from
-    the acceptance at that γ over whole runs / measured in steady state), and γ*; then the largest
-    gap between predicted and measured."""
-    lines = ["ms per iteration; speedup over plain decoding: the γ policy's prediction, measured in steady state "
-             "and end to end",
-             f"{'batch':>5} {'context':>7} {'γ':>3} {'target ms':>10} {'draft ms':>9} {'verify ms':>10} {'loop ms':>8} "
-             f"{'predicted':>10} {'measured':>9} {'end to end':>11} {'tokens/it':>10}"]
-    gaps, cost_gaps = [], []
-    for point in profile.points:
-        lines += _profile_rows(point)
-        for g, measured in point.measured_speedup.items():
-            predicted = point.predicted_speedup[g]
-            # the cost model's speedup is proportional to tokens per iteration: with the measured
-            # one instead of the acceptance's, what is left of the gap is the costs'
-            costs_only = predicted * point.tokens_per_iteration[g] / (1 + sum(point.acceptance_by_gamma[g]))
-            gaps.append((abs(predicted / measured - 1), point.batch, point.context, g))
-            cost_gaps.append((abs(costs_only / measured - 1), point.batch, point.context, g))
-    lines += [_largest_gap("predicted vs measured", max(gaps)),
-              _largest_gap("with the measured tokens per iteration (the costs alone)", max(cost_gaps))]
-    if profile.lookup_speedup:
-        first = min(profile.points, key=lambda p: (p.batch, p.context))
-        kept = ", ".join(f"{n}-token match {rate:.2f}" for n, rate in sorted(profile.lookup_priors.items()))
-        lines.append(f"prompt lookup alone at batch {first.batch}, context {first.context}, γ={max(profile.gammas)}: "
-                     f"{profile.lookup_speedup:.2f}x; drafts kept after a {kept or '(no match often enough)'}")
-    if profile.p_min_speedups:
-        first = min(profile.points, key=lambda p: (p.batch, p.context))
-        rates = ", ".join(f"{p:g}: {v:.2f}x" for p, v in sorted(profile.p_min_speedups.items()))
-        lines.append(f"confidence threshold at batch {first.batch}, context {first.context}, γ={first.best_gamma} "
-                     f"(rate over p_min 0): {rates}; default p_min {profile.p_min:g}")
-    return "\n".join(lines)
-
-
-def _largest_gap(label: str, gap: tuple) -> str:
-    size, batch, context, gamma = gap
-    return f"{label}: within {size:.1%} everywhere (the largest gap: batch {batch}, context {context}, γ={gamma})"
-
-
-def _profile_rows(point) -> list[str]:
-    star = {point.best_gamma: " <- γ*"}
-    head = f"{point.batch:>5} {point.context:>7}"
-    rows = [f"{head} {0:>3} {point.target_step_ms:>10.3f} {'':>9} {'':>10} {'':>8} {1.0:>9.2f}x{star.get(0, '')}"]
-    for gamma in sorted(point.measured_speedup):
-        tokens = f"{1 + sum(point.acceptance_by_gamma[gamma]):.2f}/{point.tokens_per_iteration[gamma]:.2f}"
-        rows.append(f"{head} {gamma:>3} {'':>10} {point.draft_ms[gamma]:>9.3f} {point.verify_ms[gamma]:>10.3f} "
-                    f"{point.overhead_ms:>8.3f} {point.predicted_speedup[gamma]:>9.2f}x "
-                    f"{point.measured_speedup[gamma]:>8.2f}x {point.end_to_end_speedup[gamma]:>10.2f}x "
-                    f"{tokens:>10}{star.get(gamma, '')}")
-    return rows
-
-
-class _Streamer:
-    """Prints each prompt and then its continuation as tokens are accepted, one prompt after another.
-
-    A batch runs in lockstep: while one prompt streams, the later ones are held back, and each
-    prints what it has so far once the prompts before it are done (at EOS or max_new_tokens), then
-    streams on. Several prompts are headed `--- prompt i/n`. Each continuation is decoded
-    incrementally after the prompt's own tokens (Tokenizer.stream), so a decoder that drops the
-    leading space of a text's first word (SentencePiece's) does not glue it to the prompt, and a
-    step costs its own tokens, not the whole text again.
-    """
-
-    def __init__(self, tokenizer, prompts: list[str], max_new_tokens: int):
-        self.tokenizer, self.prompts, self.max_new_tokens = tokenizer, prompts, max_new_tokens
-        self.prompt_ids = [tokenizer.encode(p) for p in prompts]
-        self.streams = [tokenizer.stream(ids) for ids in self.prompt_ids]
-        self.tokens: list[list[int]] = [[] for _ in prompts]
-        self.held: list[list[str]] = [[] for _ in prompts]  # decoded, not yet printed (a later prompt waits)
-        self.current, self.printed = 0, None  # printed: characters of the current prompt's text (None: not begun)
-
-    def __call__(self, row: int, token_ids: list[int]) -> None:
-        self.tokens[row].extend(token_ids)
-        self.held[row].append(self.streams[row].add(token_ids))
-        while self.current < len(self.prompts):
-            done = self._done(self.current)
-            self._print_current(final=done)
-            if not done:
-                return
-            self._next()
-
-    def finish(self) -> None:
-        """generate returned: every prompt is done; print whatever is still held back."""
-        while self.current < len(self.prompts):
-            self._print_current(final=True)
-            self._next()
-
-    def _done(self, row: int) -> bool:
-        tokens = self.tokens[row]
-        return len(tokens) >= self.max_new_tokens or (bool(tokens) and tokens[-1] in self.tokenizer.eos_token_ids)
-
-    def _next(self) -> None:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-        self.current, self.printed = self.current + 1, None
-
-    def _print_current(self, final: bool) -> None:
-        row = self.current
-        if self.printed is None:  # begun only once tokens come: a refused request prints nothing
-            header = f"--- prompt {row + 1}/{len(self.prompts)}\n" if len(self.prompts) > 1 else ""
-            sys.stdout.write(header + self.prompts[row])
-            self.printed = 0
-        text = "".join(self.held[row])
-        self.held[row].clear()
-        if final:  # what the stream still holds (an unfinished UTF-8 character) prints as the whole text has it
-            text = self.tokenizer.decode_continuation(self.prompt_ids[row], self.tokens[row])[self.printed:]
-        sys.stdout.write(text)
-        self.printed += len(text)
-        sys.stdout.flush()
-
-
-def _stats_line(stats, label: str = "") -> str:
-    """One line per prompt on stderr; `label` names the prompt when there are several."""
-    head = f"{label}, " if label else ""
-    rate = f"{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tok/s"
-    if stats.mode == "autoregressive":
-        return f"[{head}autoregressive{': γ=auto chose plain decoding' if stats.auto_chose_plain else ''}] {rate}"
-    kind = f"speculative γ={_gammas_shown(stats)}"
-    if "medusa" in stats.by_proposer:
-        nodes = stats.tree_nodes / max(1, stats.by_proposer["medusa"][0])
-        kind = f"speculative, Medusa tree of {nodes:.1f} nodes"
-    if stats.acceptance == "typical":
-        kind += ", TYPICAL acceptance: approximate, not the target's greedy output"
-    return (
-        f"[{head}{kind}] {rate}, "
-        f"acceptance {stats.acceptance_rate:.2f}, mean acceptance length {stats.mean_acceptance_length:.2f} "
-        f"({stats.mean_accepted_drafts:.2f} of {_number(stats.mean_gamma)} drafts kept per verification) over "
-        f"{stats.iterations} verifications, draft {stats.draft_ms:.0f} ms / verify {stats.verify_ms:.0f} ms"
-        + _proposers_shown(stats)
-    )
-
-
-def _proposers_shown(stats) -> str:
-    """Who drafted, when both did: "; drafts: draft 40 (0.80 kept), ngram 12 (0.92 kept)"."""
-    if len(stats.by_proposer) < 2:
-        return ""
-    return "; drafts: " + ", ".join(f"{name} {drafted} ({kept / drafted:.2f} kept)"
-                                    for name, (_, drafted, kept) in sorted(stats.by_proposer.items()))
-
-
-def _gammas_shown(stats) -> str:
-    """The γ asked for; under auto, the iterations run at each γ: "auto (γ=2 ×2, γ=6 ×9)"."""
-    return f"auto ({_gamma_counts(stats.gammas_used)})" if stats.gamma == "auto" else str(stats.gamma)
-
-
-def _gamma_counts(gammas_used: dict) -> str:
-    return ", ".join(f"γ={g} ×{n}" for g, n in sorted(gammas_used.items()))
-
-
-def _number(value: float) -> str:
-    return f"{value:.2f}".rstrip("0").rstrip(".")
+        click.echo(present.op_tables(prof.op_profiles(runtime)))
 
 
 if __name__ == "__main__":

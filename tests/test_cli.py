@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from speccompile.cli import main
+from speccompile.present import Streamer, stats_line
 from speccompile.runtime.tokenizer import Tokenizer
 from tests.tiny_models import make_checkpoint, make_tokenizer
 
@@ -215,9 +216,7 @@ class CharTokenizer(Tokenizer):
 
 
 def test_streaming_prints_prompts_one_after_another_as_they_finish(capsys):
-    from speccompile.cli import _Streamer
-
-    stream = _Streamer(CharTokenizer(), ["A:", "B:"], max_new_tokens=3)
+    stream = Streamer(CharTokenizer(), ["A:", "B:"], max_new_tokens=3)
     stream(0, [ord("x")])
     stream(1, [ord("p"), ord("q")])
     assert capsys.readouterr().out == "--- prompt 1/2\nA:x"  # the second prompt waits for the first
@@ -232,7 +231,6 @@ def test_streaming_prints_prompts_one_after_another_as_they_finish(capsys):
 def test_streaming_prints_what_decoding_the_whole_text_gives(tmp_path, capsys):
     """Byte-level BPE splits characters across tokens; the last token here ends inside one, which
     prints as the whole decode has it (U+FFFD) once the prompt is done."""
-    from speccompile.cli import _Streamer
     from tests.runtime.test_tokenizer import byte_level_bpe
 
     tokenizer = byte_level_bpe(tmp_path)
@@ -240,7 +238,7 @@ def test_streaming_prints_what_decoding_the_whole_text_gives(tmp_path, capsys):
     tokens = tokens[: max(k for k in range(len(tokens)) if tokenizer.decode(tokens[:k]).endswith("\ufffd"))]
     whole = tokenizer.decode_continuation(tokenizer.encode("x"), tokens)
     assert whole.endswith("\ufffd") and "é" in whole
-    stream = _Streamer(tokenizer, ["x"], max_new_tokens=len(tokens))
+    stream = Streamer(tokenizer, ["x"], max_new_tokens=len(tokens))
     for token in tokens:
         stream(0, [token])
     stream.finish()
@@ -248,13 +246,12 @@ def test_streaming_prints_what_decoding_the_whole_text_gives(tmp_path, capsys):
 
 
 def test_stats_line_under_auto_shows_the_gammas_used_and_means():
-    from speccompile.cli import _stats_line
     from speccompile.core.stats import GenerationStats
 
     stats = GenerationStats("speculative", "auto", new_tokens=60)
     for gamma in [2] * 2 + [6] * 9:
         stats.record_iteration(gamma, gamma)
-    line = _stats_line(stats, "prompt 2/3")
+    line = stats_line(stats, "prompt 2/3")
     assert line.startswith("[prompt 2/3, speculative γ=auto (γ=2 ×2, γ=6 ×9)] 60 tokens")
     assert "acceptance 1.00, mean acceptance length 6.27 (5.27 of 5.27 drafts kept per verification) over 11" in line
 
@@ -341,3 +338,107 @@ def test_bench_with_a_json_schema_constrains_both_sides_and_reports_the_grammar_
     (tmp_path / "bad.json").write_text('{"type": 3}')
     code, output = run("bench", bundles("llama", "random"), "--json-schema", tmp_path / "bad.json")
     assert code == 1 and "does not compile" in output and "Traceback" not in output
+
+
+# -- the request's options on the command line -----------------------------------------------------
+
+# a value other than the record's default for every field the command line takes (a new one needs one here)
+NON_DEFAULT = {"max_new_tokens": 5, "temperature": 0.5, "top_k": 7, "top_p": 0.9, "min_p": 0.05, "seed": 11,
+               "stop": ("\n\n", "END"), "stop_token_ids": (3, 4), "ignore_eos": True, "min_tokens": 2,
+               "presence_penalty": 0.5, "frequency_penalty": 0.25, "repetition_penalty": 1.1, "logprobs": 2,
+               "prompt_logprobs": 1, "gamma": 4, "mode": "speculative", "proposer": "ngram", "p_min": 0.2,
+               "sampling_rule": "rejection", "acceptance": "typical", "n": 2}
+
+
+@pytest.fixture
+def asked(monkeypatch):
+    """The params of every Runtime.generate call that passes a record (the CLI's; load's own warm-up
+    request passes keywords), which returns no results."""
+    from speccompile.runtime.runtime import Runtime
+
+    calls = []
+
+    def generate(self, prompts, params=None, **options):
+        if params is not None:
+            calls.append(params)
+        return []
+
+    monkeypatch.setattr(Runtime, "generate", generate)
+    return calls
+
+
+def test_every_request_option_with_a_flag_reaches_the_runtime(bundles, asked):
+    from speccompile.core.params import GenerationParams, options_with_flags
+
+    flags = {spec.name: meta.flag for spec, meta in options_with_flags()}
+    assert flags.keys() == NON_DEFAULT.keys()
+    assert all(getattr(GenerationParams(), name) != value for name, value in NON_DEFAULT.items())
+    args = ["generate", bundles("llama", "random"), "--prompt", "x", "--json"]
+    for name, value in NON_DEFAULT.items():
+        for one in value if isinstance(value, tuple) else (value,):
+            args += [flags[name]] if one is True else [flags[name], one]
+    code, output = run(*args)
+    assert code == 0, output
+    [params] = asked
+    assert {name: getattr(params, name) for name in NON_DEFAULT} == NON_DEFAULT
+
+
+def test_options_not_given_leave_the_record_s_defaults_and_gamma_keeps_its_alias(bundles, asked):
+    from speccompile.core.params import GenerationParams
+
+    for extra in ([], ["--num-speculative-tokens", "auto"], ["--gamma", "0"]):
+        code, output = run("generate", bundles("llama", "random"), "--prompt", "x", "--json", *extra)
+        assert code == 0, output
+    assert asked == [GenerationParams(), GenerationParams(gamma="auto"), GenerationParams(gamma=0)]
+
+
+def test_bench_and_profile_pass_the_request_s_options_to_the_api(bundles, monkeypatch):
+    from speccompile.errors import SpecCompileError
+    from speccompile.runtime import bench, profile
+
+    asked = []
+
+    def capture(runtime, prompts, *args):
+        asked.append(next(a for a in args if hasattr(a, "max_new_tokens")))
+        raise SpecCompileError("captured")
+
+    monkeypatch.setattr(bench, "bench", capture)
+    monkeypatch.setattr(profile, "build_profile", capture)
+    common = [bundles("llama", "random"), "--temperature", 0.7, "--seed", 3, "--stop", "END"]
+    assert run("bench", *common, "--gamma", 4, "--proposer", "ngram", "--always-speculate")[0] == 1
+    assert run("profile", *common)[0] == 1
+    sampled = {"temperature": 0.7, "seed": 3, "stop": ("END",)}
+    assert [{name: getattr(params, name) for name in sampled} for params in asked] == [sampled] * 2
+    assert (asked[0].gamma, asked[0].proposer, asked[0].mode) == (4, "ngram", "speculative")
+    assert asked[1].max_new_tokens == profile.PROFILE_PARAMS.max_new_tokens  # profile's own default
+
+
+def test_n_samples_of_a_prompt_stream_one_after_another(bundles):
+    code, output = run("generate", bundles("llama", "random"), "--prompt", "x", "--n", 2, "--temperature", 0.8,
+                       "--seed", 1, "--max-new-tokens", 3)
+    assert code == 0, output
+    assert "--- prompt 1/2\nx" in output and "--- prompt 2/2\nx" in output
+    assert "[prompt 2/2, " in output
+
+
+def test_streaming_holds_back_what_a_stop_string_may_cut_and_ends_as_the_result(capsys):
+    stream = Streamer(CharTokenizer(), ["A:"], max_new_tokens=10, stops=("xyz",))
+    stream(0, [ord(c) for c in "abx"])
+    assert capsys.readouterr().out == "A:ab"  # "x" may begin the stop string
+    stream(0, [ord(c) for c in "yz"])
+    assert capsys.readouterr().out == ""
+    stream.finish([SimpleNamespace(text="ab")])
+    assert capsys.readouterr().out == "\n"
+
+
+def test_no_function_in_the_cli_is_longer_than_60_lines():
+    """The command line parses options, calls the API and renders (speccompile/present.py)."""
+    import ast
+    from pathlib import Path
+
+    import speccompile.cli
+
+    tree = ast.parse(Path(speccompile.cli.__file__).read_text())
+    lengths = {node.name: node.end_lineno - node.lineno + 1 for node in ast.walk(tree)
+               if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    assert lengths and not {name: n for name, n in lengths.items() if n > 60}

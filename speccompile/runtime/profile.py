@@ -64,14 +64,16 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
+from speccompile.bundle import GraphId
 from speccompile.core.cost_model import LoopCosts
 from speccompile.core.gamma_policy import GammaPolicy, best_gamma
+from speccompile.core.params import GenerationParams, Mode
 from speccompile.core.stats import pooled
 from speccompile.errors import SpecCompileError
 from speccompile.runtime.edge import emitted_at
@@ -82,6 +84,9 @@ logger = logging.getLogger(__name__)
 P_MIN_CANDIDATES = [0.0, 0.05, 0.1, 0.2, 0.3]
 THRESHOLD_MARGIN = 0.03  # a threshold must beat none by this much: runs at one point drift by a few %
 LOOKUP_MIN_REACHED = 20  # draft positions a matched length needs before its measured rate replaces the prior
+# the runs' requests, unless the caller's differ: 48 tokens give every γ steady iterations, and many runs fit
+PROFILE_PARAMS = GenerationParams(max_new_tokens=48)
+WARMUP_TOKENS = 8
 # ---------------------------------------------------------------------------------------------
 # loop runs
 
@@ -137,18 +142,19 @@ def profiled_proposer(runtime) -> str:
     return "draft" if runtime.draft is not None else "ngram"
 
 
-def run_loop(runtime, prompts: list, gamma: int, max_new_tokens: int, p_min: float = 0.0,
+def run_loop(runtime, prompts: list, gamma: int, params: GenerationParams, p_min: float = 0.0,
              proposer: str | None = None) -> LoopRun:
-    """Generate for all `prompts` at once, at `gamma` (0: plain decoding)."""
+    """Generate for all `prompts` at once, at `gamma` (0: plain decoding), each request `params`
+    with this γ, proposer (default: profiled_proposer) and p_min."""
     events = []  # (time, request, tokens): when each request's tokens came out
 
     def on_tokens(row: int, ids: list[int]) -> None:  # the time the engine emitted them
         events.append((emitted_at(), row, len(ids)))
 
-    mode = "speculative" if gamma else "autoregressive"
+    params = GenerationParams.of(params, mode=Mode.SPECULATIVE if gamma else Mode.AUTOREGRESSIVE, gamma=gamma or None,
+                                 proposer=proposer or profiled_proposer(runtime), p_min=p_min)
     start = time.perf_counter()
-    results = runtime.generate(prompts, max_new_tokens, mode=mode, gamma=gamma or None, on_tokens=on_tokens,
-                               proposer=proposer or profiled_proposer(runtime), p_min=p_min)
+    results = runtime.generate(prompts, params, on_tokens=on_tokens)
     wall_ms = (time.perf_counter() - start) * 1e3
     first = min(results, key=lambda r: r.stats.total_ms).stats
     return LoopRun(*steady_state(events, len(prompts)), first.draft_ms, first.verify_ms, first.iterations,
@@ -197,41 +203,43 @@ def prompts_at(tokens: list[list[int]], batch: int, length: int, offset: int) ->
 
 
 def build_profile(runtime, prompts: list[str], batch_sizes: list[int], context_lengths: list[int],
-                  repeats: int = 1, rounds: int = 3, max_new_tokens: int = 48) -> GammaProfile:
+                  params: GenerationParams = PROFILE_PARAMS, repeats: int = 1, rounds: int = 3) -> GammaProfile:
     """Loop runs at every batch size and context, `rounds` times, and the profile they make. At each
     point every round takes every mode through all prompts `repeats` times, b at a time, so every
     batch size sees the same text (a point measured on one group of b prompts sees those prompts'
     acceptance, and at b=2 the demo's two first prompts gave 3.5 tokens per iteration at γ=6 where
     all eight give 4.1). Greedy decoding makes the same tokens each round, so rounds differ only in
     how fast the machine was, and the medians over rounds remove that alone. A machine that slows
-    down for a while spoils one round, not the profile."""
+    down for a while spoils one round, not the profile. params: the runs' requests (max_new_tokens,
+    sampling, ...); each run sets its own mode, γ, proposer and p_min."""
     if runtime.bundle.medusa:
         raise SpecCompileError("profile measures the γ of draft models and prompt lookup; a Medusa bundle sizes its "
                                "token tree by measured cost when it first runs (compare sizes with bench --tree N)")
-    points = run_points(runtime, batch_sizes, context_lengths, repeats, rounds, max_new_tokens)
+    if params.n != 1:
+        raise SpecCompileError(f"profile runs one sample of each prompt, not n={params.n}")
+    points = run_points(runtime, batch_sizes, context_lengths, repeats, rounds, params.max_new_tokens)
     tokens = prompt_tokens(runtime, prompts)
     for b in batch_sizes:
-        _warm_up(runtime, prompts_at(tokens, b, min(points.values()), 0))
+        _warm_up(runtime, prompts_at(tokens, b, min(points.values()), 0), params)
     runs = {(b, c): [] for b in batch_sizes for c in points}  # one {γ: LoopRun} per round
     for r in range(rounds):
         logger.info(f"loop runs, round {r + 1}/{rounds}: batch sizes {batch_sizes}, contexts {list(points)}, "
                     f"γ 0 and {', '.join(map(str, runtime.gammas))}")
         for (b, c), samples in runs.items():
-            samples.append(_run_modes(runtime, prompt_groups(tokens, b, points[c], repeats), max_new_tokens,
-                                      rotation=r))
+            samples.append(_run_modes(runtime, prompt_groups(tokens, b, points[c], repeats), params, rotation=r))
     measured = [point_entry(samples, b, c) for (b, c), samples in runs.items()]
     first = next(p for p in measured if p.batch == min(batch_sizes) and p.context == min(points))
-    thresholds = threshold_speedups(runtime, tokens, first, points[first.context], max_new_tokens, rounds)
-    lookup_speedup, lookup_priors = lookup_runs(runtime, tokens, first, points[first.context], max_new_tokens, rounds)
+    thresholds = threshold_speedups(runtime, tokens, first, points[first.context], params, rounds)
+    lookup_speedup, lookup_priors = lookup_runs(runtime, tokens, first, points[first.context], params, rounds)
     fp = fingerprint(runtime.backend)
     return GammaProfile(fp, fingerprint_key(fp), datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                        runtime.gammas, list(points), max_new_tokens,
+                        runtime.gammas, list(points), params.max_new_tokens,
                         mean_acceptance([p.acceptance_by_position for p in measured]), measured,
                         p_min=best_threshold(thresholds), p_min_speedups=thresholds,
                         lookup_speedup=lookup_speedup, lookup_priors=lookup_priors)
 
 
-def lookup_runs(runtime, tokens, point: ProfilePoint, prompt_length: int, max_new_tokens: int,
+def lookup_runs(runtime, tokens, point: ProfilePoint, prompt_length: int, params: GenerationParams,
                 rounds: int) -> tuple[float, dict[int, float]]:
     """Prompt lookup at the profile's first point: proposing up to the largest γ, through all prompts
     every round, alternating with plain decoding. Returns its steady rate over plain decoding's
@@ -241,7 +249,7 @@ def lookup_runs(runtime, tokens, point: ProfilePoint, prompt_length: int, max_ne
     gamma, ratios, stats = max(runtime.gammas), [], []
     for r in range(rounds):
         summed = summed_runs(groups, rotated([0, gamma], r), lambda group, g: run_loop(
-            runtime, group, g, max_new_tokens, proposer="ngram" if g else None))
+            runtime, group, g, params, proposer="ngram" if g else None))
         ratios.append(summed[gamma].rate / summed[0].rate if summed[gamma].iterations else 0.0)
         stats += summed[gamma].stats
     by_match = pooled(stats).lookup_by_match
@@ -249,7 +257,7 @@ def lookup_runs(runtime, tokens, point: ProfilePoint, prompt_length: int, max_ne
     return statistics.median(ratios), dict(sorted(priors.items()))
 
 
-def threshold_speedups(runtime, tokens, point: ProfilePoint, prompt_length: int, max_new_tokens: int,
+def threshold_speedups(runtime, tokens, point: ProfilePoint, prompt_length: int, params: GenerationParams,
                        rounds: int) -> dict[float, float]:
     """The default p_min's measurement: at the profile's first point (the smallest batch size and
     context) and its γ*, each of P_MIN_CANDIDATES through all prompts, b at a time, every round
@@ -261,7 +269,7 @@ def threshold_speedups(runtime, tokens, point: ProfilePoint, prompt_length: int,
     ratios = {p: [] for p in P_MIN_CANDIDATES}
     for r in range(rounds):
         summed = summed_runs(groups, rotated(P_MIN_CANDIDATES, r),
-                             lambda group, p: run_loop(runtime, group, point.best_gamma, max_new_tokens, p))
+                             lambda group, p: run_loop(runtime, group, point.best_gamma, params, p))
         for p in summed:
             ratios[p].append(summed[p].rate / summed[0.0].rate if summed[p].iterations else 0.0)
     return {p: statistics.median(values) for p, values in ratios.items()}
@@ -288,7 +296,7 @@ def run_points(runtime, batch_sizes, context_lengths, repeats, rounds, max_new_t
             raise SpecCompileError(f"batch size {b} is outside 1..{runtime.max_batch} (the bundle's max batch)")
     if rounds < 1 or repeats < 1:
         raise SpecCompileError(f"--rounds and --repeats must be positive (got {rounds}, {repeats})")
-    if max_new_tokens < 8:
+    if max_new_tokens is None or max_new_tokens < 8:
         raise SpecCompileError(f"--max-new-tokens must be at least 8 to time whole iterations (got {max_new_tokens})")
     half = max_new_tokens // 2
     lengths = sorted({max(1, c - half) for c in context_lengths})
@@ -316,19 +324,19 @@ def summed_runs(groups: list, keys: list, run) -> dict:
     return {key: sum((r[key] for r in runs[1:]), runs[0][key]) for key in keys}
 
 
-def _warm_up(runtime, prompts) -> None:
+def _warm_up(runtime, prompts, params: GenerationParams) -> None:
     """Sessions, bindings and first-run allocations of every mode at this batch size, untimed."""
-    runtime.generate(prompts, 8, mode="autoregressive")
-    for gamma in runtime.gammas:
-        runtime.generate(prompts, 8, mode="speculative", gamma=gamma, proposer=profiled_proposer(runtime))
+    short = GenerationParams.of(params, max_new_tokens=WARMUP_TOKENS)
+    for gamma in (0, *runtime.gammas):
+        run_loop(runtime, prompts, gamma, short)
 
 
-def _run_modes(runtime, groups: list[list], max_new_tokens: int, rotation: int) -> dict[int, LoopRun]:
+def _run_modes(runtime, groups: list[list], params: GenerationParams, rotation: int) -> dict[int, LoopRun]:
     """Every mode (0: plain decoding, then each γ) through every group of prompts, summed per mode.
     Modes alternate group by group, so a slow stretch of the machine hits them alike; their order is
     rotated, so no mode always runs first after another batch size's runs."""
     summed = summed_runs(groups, rotated([0, *runtime.gammas], rotation),
-                         lambda group, g: run_loop(runtime, group, g, max_new_tokens))
+                         lambda group, g: run_loop(runtime, group, g, params))
     for gamma, run in summed.items():
         if not run.iterations:
             raise SpecCompileError(f"no run at γ={gamma} lasted a whole iteration after every request began "
@@ -431,8 +439,45 @@ def _plot_costs(ax, profile: GammaProfile) -> None:
     ax.set(xlabel="γ", ylabel="ms per iteration", title=f"cost per iteration, batch {batch}, context {context}")
 
 
-def op_profile(bundle, graph: str, feeds_for, runs: int = 5, top: int = 8) -> list[tuple[str, float, float]]:
-    """ONNX Runtime's per-op profile of one graph: [(op type, total ms, share)] sorted by share."""
+@dataclass(frozen=True)
+class OpTime:
+    """One op type's time in a graph's run: its kernels' total ms per run, and its share of all of them."""
+
+    op: str
+    ms: float
+    share: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GraphOps:
+    """The op types that took most of one graph's time (batch and context: what its feeds had)."""
+
+    graph: str
+    batch: int
+    context: int
+    ops: tuple[OpTime, ...]  # by share, largest first
+
+    def to_json(self) -> dict:
+        return {"graph": self.graph, "batch": self.batch, "context": self.context,
+                "ops": [op.to_json() for op in self.ops]}
+
+
+def op_profiles(runtime, batch: int = 1, context: int = 32) -> list[GraphOps]:
+    """The per-op profiles of what an iteration runs: the target's plain step, its verification at
+    the largest γ, and the draft's step (a bundle with a draft model)."""
+    graphs = [GraphId.step("target", sample=False), GraphId.verification(max(runtime.gammas), sample=False)]
+    if runtime.draft is not None:
+        graphs.append(GraphId.step("draft", sample=False))
+    return [GraphOps(g.name, batch, context,
+                     tuple(op_profile(runtime.bundle, g.name, graph_feeds(runtime.bundle, g.name, batch, context))))
+            for g in graphs]
+
+
+def op_profile(bundle, graph: str, feeds_for, runs: int = 5, top: int = 8) -> list[OpTime]:
+    """ONNX Runtime's per-op profile of one graph: the `top` op types by share."""
     import onnxruntime as ort
 
     from speccompile.runtime.onnxruntime_engine import session_options, shared_thread_pool
@@ -455,7 +500,7 @@ def op_profile(bundle, graph: str, feeds_for, runs: int = 5, top: int = 8) -> li
             totals[op] = totals.get(op, 0.0) + event["dur"] / 1e3 / runs
     trace.unlink(missing_ok=True)
     total = sum(totals.values()) or 1.0
-    return sorted(((op, ms, ms / total) for op, ms in totals.items()), key=lambda r: -r[1])[:top]
+    return sorted((OpTime(op, ms, ms / total) for op, ms in totals.items()), key=lambda r: -r.ms)[:top]
 
 
 def graph_feeds(bundle, graph: str, batch: int = 1, context: int = 32):
@@ -464,9 +509,9 @@ def graph_feeds(bundle, graph: str, batch: int = 1, context: int = 32):
 
     def feeds_for(session):
         feeds = {}
-        for spec in entry["inputs"]:
-            shape = [batch if d == "batch" else (d if isinstance(d, int) else 1) for d in spec["shape"]]
-            feeds[spec["name"]] = np.zeros(shape, dtype=np.dtype(spec["dtype"]))  # the manifest's numpy names
+        for spec in entry.inputs:
+            shape = [batch if d == "batch" else (d if isinstance(d, int) else 1) for d in spec.shape]
+            feeds[spec.name] = np.zeros(shape, dtype=np.dtype(spec.dtype))  # the manifest's numpy names
         feeds["past_len"] = np.full(batch, context, dtype=np.int64)
         if "token_count" in feeds:
             feeds["token_count"] = np.ones(batch, dtype=np.int64)

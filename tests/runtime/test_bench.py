@@ -11,10 +11,25 @@ from click.testing import CliRunner
 import speccompile
 from speccompile.cli import main
 from speccompile.cli import read_prompts as cli_prompts
+from speccompile.core.params import GenerationParams
 from speccompile.core.stats import GenerationStats
 from speccompile.demo import DEMO_PROMPTS
 from speccompile.errors import SpecCompileError
-from speccompile.runtime.bench import BENCH_KEYS, LOAD_KEYS, bench, bench_load, read_prompts, request_stream
+from speccompile.runtime.bench import BENCH_KEYS, LOAD_KEYS, read_prompts, request_stream
+from speccompile.runtime.bench import bench as bench_result
+from speccompile.runtime.bench import bench_load as load_rows
+
+
+def bench(runtime, prompts, repeats=3, **params):
+    """bench's result as its JSON (the summary) and its costs'."""
+    result = bench_result(runtime, prompts, GenerationParams.of(**params), repeats)
+    return result.to_json(), result.costs.to_json()
+
+
+def bench_load(runtime, prompts, concurrencies, requests, repeats, rate=None, **params):
+    """bench_load's rows and their details, as their JSON."""
+    rows = load_rows(runtime, prompts, GenerationParams.of(**params), concurrencies, requests, rate, repeats)
+    return [r.to_json() for r in rows], [r.details.to_json() for r in rows]
 
 
 class ScriptedRuntime:
@@ -31,7 +46,8 @@ class ScriptedRuntime:
     def __init__(self):
         self.timed_ar_calls = 0
 
-    def generate(self, prompts, max_new_tokens, mode, gamma, **sampling):
+    def generate(self, prompts, params):
+        max_new_tokens, mode, gamma = params.max_new_tokens, params.mode, params.gamma
         stats = GenerationStats(mode, gamma, new_tokens=10)
         if mode == "autoregressive":
             self.timed_ar_calls += max_new_tokens != 8
@@ -82,7 +98,8 @@ def test_suffix_bench_is_cold_whatever_the_repeats(bundles):
 
 def test_copy_draft_bench_accepts_every_draft(bundles):
     runtime = speccompile.load(bundles("llama", "copy"))
-    summary, details = bench(runtime, ["import os", "def f(x):"], max_new_tokens=16, repeats=2, gamma=4)
+    summary, details = bench(runtime, ["import os", "def f(x):"], max_new_tokens=16, repeats=2, gamma=4,
+                             proposer="draft")
     assert list(summary) == BENCH_KEYS
     assert summary["acceptance_rate"] == 1.0 and summary["mean_accepted_drafts"] == 4.0 and summary["gamma"] == 4
     assert summary["mean_acceptance_length"] == 5.0 and list(summary["gammas_used"]) == [4]
@@ -101,7 +118,7 @@ def test_auto_gamma_bench_reports_the_gammas_it_used_and_acceptance_per_drafted_
     schedule = itertools.cycle([1, 4])  # from the first request on (load serves a warm-up request of its own)
     monkeypatch.setattr(GammaPolicy, "choose", lambda self, allow_zero=True: next(schedule))
     summary, details = bench(runtime, ["import os", "def f(x):"], max_new_tokens=16, repeats=1, gamma="auto",
-                             always_speculate=True)  # a copy draft costs a target step: it would not pay
+                             mode="speculative", proposer="draft")  # a copy draft costs a target step: it would not pay
     used = summary["gammas_used"]
     # γ=0: a request's last iteration, when the one token it still needs is the target's own
     assert summary["gamma"] == "auto" and set(used) - {0} == {1, 4} and used.get(0, 0) <= 2
@@ -147,9 +164,9 @@ class PacedRuntime:
     def __init__(self):
         self.sent = []  # (perf_counter, max_new_tokens, mode) per submission
 
-    def submit(self, prompt, max_new_tokens, on_tokens, mode=None, gamma=None, **sampling):
-        self.sent.append((time.perf_counter(), max_new_tokens, mode))
-        return PacedHandle(mode, on_tokens)
+    def submit(self, prompt, params, on_tokens):
+        self.sent.append((time.perf_counter(), params.max_new_tokens, params.mode))
+        return PacedHandle(params.mode, on_tokens)
 
 
 class PacedHandle:
@@ -241,14 +258,14 @@ class Recording:
         self.runtime, self.requests = runtime, []
         self.forget = runtime.forget
 
-    def submit(self, prompt, on_tokens, **kwargs):
-        record = {"mode": kwargs["mode"], "max_new_tokens": kwargs["max_new_tokens"], "sent": time.perf_counter()}
+    def submit(self, prompt, params, on_tokens):
+        record = {"mode": params.mode, "max_new_tokens": params.max_new_tokens, "sent": time.perf_counter()}
 
         def tokens(ids):
             on_tokens(ids)
             record["last"] = time.perf_counter()
 
-        record["handle"] = self.runtime.submit(prompt, on_tokens=tokens, **kwargs)
+        record["handle"] = self.runtime.submit(prompt, params, on_tokens=tokens)
         self.requests.append(record)
         return record["handle"]
 

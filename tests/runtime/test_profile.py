@@ -9,18 +9,21 @@ import pytest
 from click.testing import CliRunner
 
 import speccompile
-from speccompile.cli import _profile_table, main
+from speccompile.cli import main
 from speccompile.core import gamma_policy
 from speccompile.core.cost_model import LoopCosts
 from speccompile.core.gamma_policy import GammaPolicy
+from speccompile.core.params import GenerationParams
 from speccompile.core.stats import GenerationStats
+from speccompile.present import profile_table
 from speccompile.runtime import gamma_profile
 from speccompile.runtime import profile as prof
 from speccompile.runtime.calibration import measure_costs
 from speccompile.runtime.hardware import fingerprint, fingerprint_key
 
 PROMPTS = ["import os", "def f(x):", "class A:"]
-QUICK = {"rounds": 1, "max_new_tokens": 16}  # tiny models: the structure, not the timings
+SHORT = GenerationParams(max_new_tokens=16)
+QUICK = {"rounds": 1, "params": SHORT}  # tiny models: the structure, not the timings
 
 
 @pytest.fixture
@@ -162,7 +165,7 @@ def test_costs_between_contexts_are_interpolated():
 def test_the_table_prints_every_batch_size_context_and_gamma_and_the_largest_gap():
     profile = profile_of([point(1, 64), point(1, 256, measured_speedup={2: 1.55}),
                           point(2, 64, measured_speedup={2: 1.6}, best_gamma=0)])
-    table = _profile_table(profile).splitlines()
+    table = profile_table(profile).splitlines()
     rows = [line.split() for line in table[2:-2]]
     assert [row[:3] for row in rows] == [[b, c, g] for b, c in (("1", "64"), ("1", "256"), ("2", "64"))
                                          for g in ("0", "2")]
@@ -225,7 +228,7 @@ def test_settings_that_cannot_run_are_refused(random_bundle):
     with pytest.raises(SpecCompileError, match="no context length"):
         prof.build_profile(runtime, PROMPTS, [1], [200], **QUICK)  # max_seq 96
     with pytest.raises(SpecCompileError, match="at least 8"):
-        prof.build_profile(runtime, PROMPTS, [1], [16], rounds=1, max_new_tokens=4)
+        prof.build_profile(runtime, PROMPTS, [1], [16], rounds=1, params=GenerationParams(max_new_tokens=4))
     runtime.close()
     # prompts of the context less half the new tokens; a shorter context runs from one token
     assert prof.run_points(runtime, [1], [4, 24, 90], 1, 1, max_new_tokens=16) == {9: 1, 24: 16}
@@ -405,9 +408,9 @@ def test_the_profile_measures_thresholds_and_the_runtime_defaults_to_its_choice(
     bundle = shutil.copytree(bundles("llama", "copy"), tmp_path / "bundle")
     runtime = speccompile.load(bundle)
     tokens = prof.prompt_tokens(runtime, PROMPTS)
-    speedups = prof.threshold_speedups(runtime, tokens, point(1, 16, best_gamma=4), 8, 16, rounds=2)
+    speedups = prof.threshold_speedups(runtime, tokens, point(1, 16, best_gamma=4), 8, SHORT, rounds=2)
     assert speedups.keys() == set(prof.P_MIN_CANDIDATES) and speedups[0.0] == 1.0
-    assert prof.threshold_speedups(runtime, tokens, point(1, 16, best_gamma=0), 8, 16, rounds=1) == {}
+    assert prof.threshold_speedups(runtime, tokens, point(1, 16, best_gamma=0), 8, SHORT, rounds=1) == {}
     runtime.close()
     write_profile_with(bundle, [1.0] * 4, LoopCosts(10.0, {1: 0.1, 4: 0.4}, {1: 11.0, 4: 12.0}, overhead=0.5))
     profile = gamma_profile.find_profile(bundle)
@@ -425,7 +428,7 @@ def test_the_profile_measures_thresholds_and_the_runtime_defaults_to_its_choice(
 def test_the_table_ends_with_the_thresholds_measured():
     profile = profile_of([point(1, 64, best_gamma=2)])
     profile.p_min, profile.p_min_speedups = 0.05, {0.0: 1.0, 0.05: 1.04, 0.1: 0.97}
-    assert _profile_table(profile).splitlines()[-1] == (
+    assert profile_table(profile).splitlines()[-1] == (
         "confidence threshold at batch 1, context 64, γ=2 (rate over p_min 0): 0: 1.00x, 0.05: 1.04x, 0.1: 0.97x; "
         "default p_min 0.05")
 
@@ -435,7 +438,8 @@ def test_the_profile_measures_prompt_lookup_and_auto_starts_from_it(tmp_path, bu
     runtime = speccompile.load(bundle)
     tokens = [[5, 6, 7, 8] * 6, [9, 10, 11] * 8]  # prompts that repeat themselves: some lookups match
     monkeypatch.setattr(prof, "LOOKUP_MIN_REACHED", 1)  # the tiny model's own text rarely repeats
-    speedup, priors = prof.lookup_runs(runtime, tokens, point(1, 16, best_gamma=4), 12, 40, rounds=3)
+    speedup, priors = prof.lookup_runs(runtime, tokens, point(1, 16, best_gamma=4), 12,
+                                       GenerationParams(max_new_tokens=40), rounds=3)
     runtime.close()
     assert speedup > 0 and priors and all(isinstance(n, int) and 0 <= rate <= 1 for n, rate in priors.items())
     # γ auto: lookups believed never kept do not pay (nor are they probed here), believed always kept they do
