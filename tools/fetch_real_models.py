@@ -86,7 +86,6 @@ def fetch_converter() -> Path:
 
 
 def models_dir() -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from speccompile.demo import cache_dir
 
     return cache_dir() / "models"

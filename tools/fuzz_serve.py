@@ -5,7 +5,7 @@ status; every one must be a 2xx or a 4xx in OpenAI's error shape. Prints the cou
 server still answers a normal request. A progress line every --every requests, so a long run that is
 stopped still says how far it got.
 
-    python tools/fuzz_serve.py [--bundle DIR | --tiny] [--requests 20000] [--seed 0]
+    python -m tools.fuzz_serve [--bundle DIR | --tiny] [--requests 20000] [--seed 0]
 
 --tiny serves the suite's tiny llama pair (random target and draft, built into a temporary directory):
 the same server paths at a fraction of the demo pair's cost per request.
@@ -21,16 +21,14 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-import speccompile  # noqa: E402
-from speccompile.serve.app import create_app  # noqa: E402
-from tests.serve.fuzz import MODEL, acceptable, requests  # noqa: E402
-from tests.serve.test_app import TEMPLATE, start, stop  # noqa: E402
-from tests.serve.test_fuzz import send  # noqa: E402
+import speccompile
+from speccompile.serve.app import create_app
+from tests.serve.fuzz import MODEL, acceptable, requests
+from tests.serve.test_app import TEMPLATE, start, stop
+from tests.serve.test_fuzz import send
 
 
 def tiny_bundle(workdir: Path) -> Path:

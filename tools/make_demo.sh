@@ -17,4 +17,4 @@ speccompile distill --target speccompile/demo/target --corpus stdlib --out "$WOR
     --init speccompile/demo/draft --steps 2400 --batch 16 --seq-len 128 --lr 1e-3 --seed 1 \
     --generated-fraction 0.5 --checkpoint-every 50
 python tools/train_demo.py export "$WORK" speccompile/demo/draft --model "$WORK/draft2"
-python tools/measure_demo.py --out "$WORK/measurements.json"
+python -m tools.measure demo --out "$WORK/measurements.json"

@@ -1,16 +1,14 @@
 """Write a tiny random target/draft pair of HF checkpoints (a stand-in until a trained pair is given).
 
-    python tools/make_tiny_pair.py OUT_DIR [--family llama]
+    python -m tools.make_tiny_pair OUT_DIR [--family llama]
 
 Writes OUT_DIR/target and OUT_DIR/draft (same tokenizer; the draft is smaller and unrelated).
 """
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.tiny_models import make_checkpoint, make_tokenizer  # noqa: E402
+from tests.tiny_models import make_checkpoint, make_tokenizer
 
 
 def main():

@@ -1,14 +1,14 @@
 """Which ONNX Runtime formulation of a low-bit weight matmul is fastest at the row counts a
 speculative loop runs (1 row per decode step, γ+1 per verification, times the batch).
 
-    python tools/measure_matmul_kernels.py                 # the 1.1B target's projections
-    python tools/measure_matmul_kernels.py --rows 1 2 5 8 16 --repeats 15
+    python -m tools.measure matmul_kernels                    # the 1.1B target's projections
+    python -m tools.measure matmul_kernels --rows 1 2 5 8 16 --repeats 15
 
 Each formulation runs one graph holding --layers copies of a TinyLlama-1.1B block's four projections
 (QKV 2048x2560, O 2048x2048, gate/up 2048x11264, down 5632x2048), each with its own random weights,
 so the weights stream from memory as in a real model rather than sitting in the 32 MiB cache.
-It prints, per formulation, the median time per block at each row count and each count's cost in
-single-row passes, then a markdown table (the README's).
+Each row: a formulation's median time per block at each row count, and the largest count's cost in
+single-row passes.
 
 The formulations:
 - `float32`: MatMul on float32 weights (the reference).
@@ -23,12 +23,17 @@ The formulations:
   per row in the graph (ReduceMax, Div, Round, Cast), MatMulInteger, then both scales: row-independent.
 """
 
-import argparse
-import statistics
-import time
+import logging
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
+
+from tools.measure.harness import interleaved
+from tools.measure.options import Common
+from tools.measure.record import Column, Measured, Spread, Table
+
+COMMON = Common(repeats=11)
+log = logging.getLogger(__name__)
 
 BLOCK_SHAPES = {"qkv": (2048, 2560), "o": (2048, 2048), "gate_up": (2048, 11264), "down": (5632, 2048)}
 ORT = "com.microsoft"
@@ -111,16 +116,13 @@ def _model(kind: str, layers: int, rng) -> bytes:
     return model.SerializeToString()
 
 
-def _time(session, rows: int, repeats: int) -> float:
+def _time(session, rows: int, repeats: int) -> Spread:
+    """Seconds per run of the graph at `rows` rows, after one untimed run."""
     feed = {"x": np.random.default_rng(rows).standard_normal((rows, 2048), dtype=np.float32),
             "x_down": np.random.default_rng(rows + 1).standard_normal((rows, 5632), dtype=np.float32)}
     session.run(None, feed)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        session.run(None, feed)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    [samples] = interleaved({"run": lambda _: session.run(None, feed)}, repeats).values()
+    return Spread.of(s.seconds for s in samples)
 
 
 FORMULATIONS = ["float32", "nbits8 bs32 acc4", "nbits8 bs32 acc0", "nbits8 bs128 acc4", "nbits8 bs128 acc0",
@@ -128,34 +130,32 @@ FORMULATIONS = ["float32", "nbits8 bs32 acc4", "nbits8 bs32 acc0", "nbits8 bs128
                 "dqmatmul", "matmulinteger rowwise"]
 
 
-def main() -> None:
-    import onnxruntime as ort
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_options(parser) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 8])
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=11)
-    parser.add_argument("--only", nargs="*", help="formulations to run (default: all)")
-    args = parser.parse_args()
+    parser.add_argument("--only", nargs="*", choices=FORMULATIONS, metavar="FORMULATION",
+                        help="formulations to run, each quoted (\"nbits4 bs32 acc4\"); default: all")
+
+
+def per_block_ms(kind: str, args, rng) -> dict[int, Spread]:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    session = ort.InferenceSession(_model(kind, args.layers, rng), options, providers=["CPUExecutionProvider"])
+    return {rows: _time(session, rows, args.repeats).scaled(1000 / args.layers) for rows in args.rows}
+
+
+def run(args) -> Measured:
     rng = np.random.default_rng(0)
-    results = {}
+    first, last = args.rows[0], args.rows[-1]
+    columns = (Column("formulation"), *(Column(f"rows_{m}", "ms", 2, f"M={m}") for m in args.rows),
+               Column("ratio", "×", 2, f"M={last} / M={first}"))
+    rows = []
     for kind in args.only or FORMULATIONS:
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 2
-        session = ort.InferenceSession(_model(kind, args.layers, rng), options, providers=["CPUExecutionProvider"])
-        per_block = {rows: 1000 * _time(session, rows, args.repeats) / args.layers for rows in args.rows}
-        results[kind] = per_block
-        base = per_block[args.rows[0]]
-        print(f"{kind:24s} " + "  ".join(f"M={m}: {t:6.2f} ms ({t / base:.2f}x)" for m, t in per_block.items()),
-              flush=True)
-        del session
-    print(f"\nonnxruntime {ort.__version__}; ms per 1.1B block (4 projections), medians of {args.repeats}")
-    print("| formulation | " + " | ".join(f"M={m}" for m in args.rows) + f" | M={args.rows[-1]} / M={args.rows[0]} |")
-    print("| --- " * (len(args.rows) + 2) + "|")
-    for kind, per_block in results.items():
-        cells = " | ".join(f"{t:.2f}" for t in per_block.values())
-        print(f"| {kind} | {cells} | {per_block[args.rows[-1]] / per_block[args.rows[0]]:.2f}× |")
-
-
-if __name__ == "__main__":
-    main()
+        times = per_block_ms(kind, args, rng)
+        log.info(f"{kind:24s} " + "  ".join(f"M={m}: {t.median:6.2f} ms" for m, t in times.items()))
+        rows.append({"formulation": kind, **{f"rows_{m}": t for m, t in times.items()},
+                     "ratio": times[last].median / times[first].median})
+    title = f"ms per 1.1B block (4 projections), medians of {args.repeats}"
+    return Measured((Table.of("matmul_kernels", columns, rows, title),))

@@ -1,52 +1,57 @@
-"""Measure which grammar engine is fastest for structured (JSON) output under speculative decoding, on CPU.
+"""Which grammar engine is fastest for structured (JSON) output under speculative decoding, on CPU.
+
+    python -m tools.measure grammar_engines [--bundle DIR] [--repeats 20]
+    python -m tools.measure grammar_engines --quick     # smoke test: small corpus, 1 repetition
 
 Engines: llguidance, xgrammar, outlines-core (each must be pip-installed; a missing or failing one is reported).
-Tokenizers: the demo bundle's 8192-token BPE (/root/.cache/speccompile/demo-*/tokenizer/tokenizer.json) and a
-32,000-token byte-level BPE that this tool trains from the Python stdlib's .py files (a larger vocab makes
-masks costlier). Schemas: required fields (string, integer, boolean), an enum field, an array of objects
-(minItems/maxItems), an object nested 3 levels deep, and "any JSON object".
+Tokenizers: the bundle's (the demo bundle's 8192-token BPE by default) and a 32,000-token byte-level BPE that
+this scenario trains from the Python stdlib's .py files (a larger vocab makes masks costlier). Schemas:
+required fields (string, integer, boolean), an enum field, an array of objects (minItems/maxItems), an object
+nested 3 levels deep, and "any JSON object".
 
-For every engine x tokenizer x schema it prints:
-  setup ms    engine's per-tokenizer preprocessing (paid once per tokenizer, not per request)
-  compile ms  schema -> ready matcher (best of up to 3 runs; xgrammar's cache is off). llguidance builds its
+For every engine x tokenizer x schema (the `cells` table):
+  setup       engine's per-tokenizer preprocessing (paid once per tokenizer, not per request)
+  compile     schema -> ready matcher (best of up to 3 runs; xgrammar's cache is off). llguidance builds its
               lexer lazily, so part of its compile cost lands in the first walk: hence
-  1st walk ms the whole first (cold) walk of the instance, mask + consume per token, EOS check excluded
-  mask us     full next-token bitmask, median and p99 over all walks (20 by default) of a valid instance
-  tok us      bitmask + consuming the token (the per-token cost a decoder pays), median
-  spec us     4 x (consume a draft token + bitmask), then roll back 3 (keep 1): median and p99
-then whether the engines' masks allow the same number of tokens at each step (they compile one language, but
-differ in details), and each engine's install footprint: package dir, runtime requirements and their size,
-import time in a fresh interpreter and whether importing it loads torch.
+  first walk  the whole first (cold) walk of the instance, mask + consume per token, EOS check excluded
+  mask        full next-token bitmask, median and p99 over all walks (--repeats) of a valid instance
+  token       bitmask + consuming the token (the per-token cost a decoder pays), median
+  speculative 4 x (consume a draft token + bitmask), then roll back 3 (keep 1): median and p99
+then each engine's geometric mean over its cells (`summary`), whether the engines' masks allow the same number
+of tokens at each step (`agreement`: they compile one language, but differ in details), and each engine's
+install footprint (`footprint`): package dir, runtime requirements and their size, import time in a fresh
+interpreter and whether importing it loads torch.
 Every walk checks that each token of the instance is in the mask, is accepted, and that EOS is allowed at the end.
 Every engine runs single-threaded where it has a knob (RAYON_NUM_THREADS=1, xgrammar max_threads=1,
 torch.set_num_threads(1)). JSON is compact (no whitespace allowed) in all three engines so that they match
 the same language. torch is imported (by xgrammar) only here, never by the speccompile runtime.
-
-Run (from the repository root, about 30 s on 2 cores):
-    python tools/measure_grammar_engines.py
-    python tools/measure_grammar_engines.py --quick     # smoke test: small corpus, 1 repetition
+About 30 s on 2 cores.
 """
 
-import argparse
 import gc
 import glob
 import importlib
 import importlib.metadata
 import json
+import logging
 import os
 import re
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from tools.measure.options import Common, bundle
+from tools.measure.record import Column, Measured, Table
+
+COMMON = Common(bundle=True, repeats=20)
+log = logging.getLogger(__name__)
+
 DRAFT = 4  # draft tokens per speculative step; all but one are rolled back
 BIG_VOCAB = 32000
-DEMO_GLOB = "/root/.cache/speccompile/demo-*/tokenizer/tokenizer.json"
 
 # Each schema comes with one valid instance; the walk replays its tokenization. additionalProperties is
 # explicit so that the engines, whose defaults differ (xgrammar's strict mode), compile the same language.
@@ -157,13 +162,10 @@ def special_ids(path):
         return {t["id"] for t in json.load(f).get("added_tokens", []) if t.get("special")}
 
 
-def demo_tokenizer():
-    paths = sorted(glob.glob(DEMO_GLOB))
-    if not paths:
-        sys.exit(f"no demo tokenizer at {DEMO_GLOB}; build the demo bundle first")
-    path = paths[0]
-    manifest = os.path.join(os.path.dirname(os.path.dirname(path)), "manifest.json")
-    with open(manifest) as f:
+def demo_tokenizer(bundle):
+    """The bundle's tokenizer (the demo bundle's by default)."""
+    path = os.path.join(bundle, "tokenizer", "tokenizer.json")
+    with open(os.path.join(bundle, "manifest.json")) as f:
         info = json.load(f)["tokenizer"]
     return Tok("demo-8k", path, info["size"], info["eos_token_ids"][0], special_ids(path))
 
@@ -207,7 +209,7 @@ def train_big_tokenizer(out_dir, corpus_bytes):
     path = os.path.join(out_dir, "tokenizer.json")
     tok.save(path)
     n_vocab = tok.get_vocab_size()
-    print(f"trained {n_vocab}-token byte-level BPE in {time.perf_counter() - start:.1f} s")
+    log.info(f"trained {n_vocab}-token byte-level BPE in {time.perf_counter() - start:.1f} s")
     return Tok("bpe-32k", path, n_vocab, tok.token_to_id("<|endoftext|>"), special_ids(path))
 
 
@@ -516,19 +518,26 @@ def footprint(engine_name):
     return pkg_mb, runtime, deps_mb
 
 
-# ------------------------------------------------------------------------------------------------ main
+# ------------------------------------------------------------------------------------------------ tables
+
+CELL_COLUMNS = (Column("engine"), Column("tokenizer"), Column("schema"), Column("tokens"),
+                Column("setup_ms", "ms", 0, "setup"), Column("compile_ms", "ms", 2, "compile"),
+                Column("first_walk_ms", "ms", 2, "first walk"), Column("mask_med", "µs", 1, "mask median"),
+                Column("mask_p99", "µs", 1, "mask p99"), Column("tok_med", "µs", 1, "token median"),
+                Column("spec_med", "µs", 1, "speculative median"), Column("spec_p99", "µs", 1, "speculative p99"))
+MEANS = ("compile_ms", "first_walk_ms", "mask_med", "mask_p99", "tok_med", "spec_med", "spec_p99")
+SUMMARY_COLUMNS = (Column("engine"), *(c for c in CELL_COLUMNS if c.name in MEANS))
+AGREEMENT_COLUMNS = (Column("tokenizer"), Column("schema"), Column("differing_steps"), Column("steps"),
+                     Column("first_difference"))
+FOOTPRINT_COLUMNS = (Column("engine"), Column("version"), Column("package", "MB", 1), Column("requires"),
+                     Column("requirements", "MB", 0, "requirements installed"), Column("import_cost"))
 
 
-def fmt_row(cells, widths):
-    return " | ".join(str(c).rjust(w) if i > 2 else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+def add_options(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help="smoke test: small training corpus, 1 repetition")
 
 
-HEADER = ["engine", "tokenizer", "schema", "toks", "setup ms", "compile ms", "1st walk ms", "mask us med",
-          "mask us p99", "tok us med", "spec us med", "spec us p99"]
-WIDTHS = [13, 9, 11, 4, 8, 10, 11, 11, 11, 10, 11, 11]
-
-
-def run_engine(engine_cls, toks, reps, failures, counts):
+def run_engine(engine_cls, toks, reps, failures, counts) -> list[dict]:
     """All tokenizers and schemas for one engine; failures are recorded, not fatal. Fills counts[(tok, schema)]."""
     rows = []
     for tok in toks:
@@ -541,59 +550,48 @@ def run_engine(engine_cls, toks, reps, failures, counts):
             engine.setup(tok)
         except Exception as exc:  # an engine that cannot load a tokenizer is a result, not a crash
             failures.append(f"{engine.name} / {tok.name} / setup: {type(exc).__name__}: {exc}")
-            traceback.print_exc()
+            log.exception(failures[-1])
             continue
         setup_ms = (time.perf_counter() - start) * 1000.0
         for schema_name in SCHEMAS:
+            row = {"engine": engine.name, "tokenizer": tok.name, "schema": schema_name, "setup_ms": setup_ms}
             try:
-                row = measure_cell(engine, tok, schema_name, reps)
+                cell = measure_cell(engine, tok, schema_name, reps)
             except Exception as exc:
                 failures.append(f"{engine.name} / {tok.name} / {schema_name}: {type(exc).__name__}: {exc}")
-                rows.append([engine.name, tok.name, schema_name, "-", f"{setup_ms:.0f}", "FAILED", *["-"] * 6])
+                rows.append({**row, "tokens": None, **{name: None for name in MEANS}})
                 continue
-            counts.setdefault((tok.name, schema_name), {})[engine.name] = row["counts"]
-            rows.append([engine.name, tok.name, schema_name, row["n_tokens"], f"{setup_ms:.0f}",
-                         f"{row['compile_ms']:.2f}", f"{row['first_walk_ms']:.2f}", f"{row['mask_med']:.1f}",
-                         f"{row['mask_p99']:.1f}", f"{row['tok_med']:.1f}", f"{row['spec_med']:.1f}",
-                         f"{row['spec_p99']:.1f}"])
-            print("progress:", fmt_row(rows[-1], WIDTHS), file=sys.stderr, flush=True)
+            counts.setdefault((tok.name, schema_name), {})[engine.name] = cell["counts"]
+            rows.append({**row, "tokens": cell["n_tokens"], **{name: cell[name] for name in MEANS}})
+            log.info(f"{engine.name} / {tok.name} / {schema_name}: mask {cell['mask_med']:.1f} us, "
+                     f"speculative step {cell['spec_med']:.1f} us")
     return rows
 
 
-def print_table(rows):
-    print()
-    print(fmt_row(HEADER, WIDTHS))
-    print("-" * (sum(WIDTHS) + 3 * (len(WIDTHS) - 1)))
-    for row in rows:
-        print(fmt_row(row, WIDTHS))
-
-
-def print_summary(rows):
-    """Geometric mean per engine over its cells: one number per column, no one schema dominating."""
-    print("\nper-engine geometric mean over tokenizers x schemas (cells that failed are left out):")
-    columns = {"compile ms": 5, "1st walk ms": 6, "mask us med": 7, "mask us p99": 8, "tok us med": 9,
-               "spec us med": 10, "spec us p99": 11}
-    print(f"  {'engine':13} " + " ".join(f"{name:>11}" for name in columns))
+def summary(rows: list[dict]) -> list[dict]:
+    """Geometric mean per engine over its cells: one number per column, no one schema dominating.
+    Cells that failed are left out."""
+    means = []
     for engine_cls in ENGINES:
-        cells = [r for r in rows if r[0] == engine_cls.name and r[5] != "FAILED"]
-        if not cells:
-            continue
-        means = [float(np.exp(np.mean(np.log([float(r[i]) for r in cells])))) for i in columns.values()]
-        print(f"  {engine_cls.name:13} " + " ".join(f"{m:11.2f}" for m in means))
+        cells = [r for r in rows if r["engine"] == engine_cls.name and r["compile_ms"] is not None]
+        if cells:
+            means.append({"engine": engine_cls.name,
+                          **{name: float(np.exp(np.mean(np.log([r[name] for r in cells])))) for name in MEANS}})
+    return means
 
 
-def print_agreement(counts):
+def agreement(counts) -> list[dict]:
     """Do the engines allow the same number of tokens at each step? A check that they compiled one language."""
-    print("\nmask agreement (steps of the first walk where the engines' allowed-token counts differ):")
+    rows = []
     for (tok_name, schema_name), per_engine in counts.items():
         names = list(per_engine)
         steps = len(per_engine[names[0]])
-        differ = sum(len({per_engine[n][i] for n in names}) > 1 for i in range(steps))
-        detail = ""
-        if differ:
-            first = next(i for i in range(steps) if len({per_engine[n][i] for n in names}) > 1)
-            detail = f"; first at step {first}: " + ", ".join(f"{n} {per_engine[n][first]}" for n in names)
-        print(f"  {tok_name:9} {schema_name:11} {differ}/{steps}{detail}")
+        differing = [i for i in range(steps) if len({per_engine[n][i] for n in names}) > 1]
+        first = (f"step {differing[0]}: " + ", ".join(f"{n} {per_engine[n][differing[0]]}" for n in names)
+                 if differing else None)
+        rows.append({"tokenizer": tok_name, "schema": schema_name, "differing_steps": len(differing), "steps": steps,
+                     "first_difference": first})
+    return rows
 
 
 IMPORT_PROBE = (
@@ -614,47 +612,38 @@ def import_cost(module):
     return f"import {seconds} s{', imports torch' if torch_loaded == 'True' else ''}"
 
 
-def print_footprints():
-    print("\ninstall footprint (package dir; declared runtime requirements and their installed size; import cost):")
+def footprints() -> list[dict]:
+    rows = []
     for name in PACKAGES:
         try:
             version = importlib.metadata.version(PACKAGES[name])
             pkg_mb, runtime, deps_mb = footprint(name)
         except Exception as exc:
-            print(f"  {name}: not installed ({exc})")
+            rows.append({"engine": name, "version": f"not installed ({exc})", "package": None, "requires": None,
+                         "requirements": None, "import_cost": None})
             continue
-        deps = ", ".join(runtime) if runtime else "none"
-        print(f"  {name} {version}: {pkg_mb:.1f} MB; requires: {deps} ({deps_mb:.0f} MB installed); "
-              f"{import_cost(PACKAGES[name])}")
+        rows.append({"engine": name, "version": version, "package": pkg_mb,
+                     "requires": ", ".join(runtime) if runtime else "none", "requirements": deps_mb,
+                     "import_cost": import_cost(PACKAGES[name])})
+    return rows
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke test: small training corpus, 1 repetition")
-    parser.add_argument("--reps", type=int, default=20, help="walks per cell (default 20)")
-    args = parser.parse_args()
-    reps = 1 if args.quick else args.reps
-
+def run(args) -> Measured:
+    reps = 1 if args.quick else args.repeats
+    demo = demo_tokenizer(str(bundle(args)))
     with tempfile.TemporaryDirectory() as tmp:
         # Trained before RAYON_NUM_THREADS is set, so training may use both cores; it is not measured.
         big = train_big_tokenizer(tmp, 3_000_000 if args.quick else 24_000_000)
         # Each engine's Rust code has its own rayon pool, started on first use: this makes them single-threaded.
         os.environ["RAYON_NUM_THREADS"] = "1"
-        toks = [demo_tokenizer(), big]
-        print(f"tokenizers: {', '.join(f'{t.name} (n_vocab {t.n_vocab}, eos {t.eos})' for t in toks)}")
-        print(f"{reps} walk(s) per cell; speculative step = {DRAFT} x (consume + mask) + rollback({DRAFT - 1})\n")
         rows, failures, counts = [], [], {}
         for engine_cls in ENGINES:
-            rows += run_engine(engine_cls, toks, reps, failures, counts)
-    print_table(rows)
-    print_summary(rows)
-    print_agreement(counts)
-    print_footprints()
-    if failures:
-        print("\nfailures:")
-        for line in failures:
-            print(f"  {line}")
-
-
-if __name__ == "__main__":
-    main()
+            rows += run_engine(engine_cls, [demo, big], reps, failures, counts)
+    title = f"{reps} walk(s) per cell; speculative step = {DRAFT} x (consume + mask) + rollback({DRAFT - 1})"
+    tokenizers = {t.name: {"n_vocab": t.n_vocab, "eos": t.eos} for t in (demo, big)}
+    return Measured((Table.of("cells", CELL_COLUMNS, rows, title),
+                     Table.of("summary", SUMMARY_COLUMNS, summary(rows), "geometric mean per engine over its cells"),
+                     Table.of("agreement", AGREEMENT_COLUMNS, agreement(counts),
+                              "steps of the first walk where the engines' allowed-token counts differ"),
+                     Table.of("footprint", FOOTPRINT_COLUMNS, footprints(), "install footprint")),
+                    {"tokenizers": tokenizers, "failures": failures})

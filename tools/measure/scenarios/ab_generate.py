@@ -1,0 +1,78 @@
+r"""Two versions of speccompile in one process, interleaved: tokens/s of `generate` on the demo prompts,
+speculative and plain, at a batch size, each version on the bundle its format reads; the median of
+the repeats' new/old ratios (fresh processes drift 10-30% on this machine, too much to compare).
+
+    git worktree add /tmp/old <commit>
+    mkdir /tmp/oldpkg && cp -r /tmp/old/speccompile /tmp/oldpkg/speccompile_old
+    grep -rl speccompile /tmp/oldpkg/speccompile_old --include=*.py | xargs sed -i \
+        's/\bspeccompile\./speccompile_old./g; s/from speccompile import/from speccompile_old import/g'
+    PYTHONPATH=/tmp/oldpkg python -m tools.measure ab_generate --old-bundle OLD_BUNDLE [--bundle NEW_BUNDLE] \
+        [--batch 1] [--max-new-tokens 64] [--repeats 7] [--gamma 4|default] [--prompts 8]
+
+--gamma: the speculative calls' γ, or "default": the call with no γ, each version's default.
+"""
+
+from functools import partial
+
+from speccompile.errors import SpecCompileError
+from tools.measure.harness import interleaved
+from tools.measure.options import Common, bundle
+from tools.measure.prompts import demo_prompts
+from tools.measure.record import Column, Measured, Spread, Table
+from tools.measure.scenarios.overhead_ab import load_old
+
+COMMON = Common(bundle=True, prompts=8, max_new_tokens=64, repeats=7)
+COLUMNS = (Column("batch"), Column("mode"), Column("old_tokens_per_s", "tok/s", 0, "old"),
+           Column("new_tokens_per_s", "tok/s", 0, "new"), Column("new_over_old", "×", 3, "new / old"))
+
+
+def add_options(parser) -> None:
+    parser.add_argument("--old-bundle", required=True, help="the bundle the old version reads")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--gamma", default="4", help="the speculative calls' γ, or default: no γ given")
+
+
+def gamma_option(text: str) -> int | str:
+    if text == "default":
+        return text
+    if not text.isdigit():
+        raise SpecCompileError(f"--gamma: a number or default, got {text!r}")
+    return int(text)
+
+
+def generate_options(gamma) -> dict:
+    """γ 0: plain decoding (asked as mode "autoregressive", which both versions read); "default": no γ."""
+    if gamma == "default":
+        return {}
+    return {"gamma": gamma} if gamma else {"mode": "autoregressive"}
+
+
+def tokens(runtime, prompts: list[str], batch: int, max_new_tokens: int, gamma, _repeat: int = 0) -> int:
+    made = 0
+    for start in range(0, len(prompts), batch):
+        results = runtime.generate(prompts[start : start + batch], max_new_tokens=max_new_tokens,
+                                   **generate_options(gamma))
+        made += sum(len(r.token_ids) for r in results)
+    return made
+
+
+def run(args) -> Measured:
+    import speccompile
+
+    speculative = gamma_option(args.gamma)
+    prompts = args.prompts.pick(demo_prompts)
+    runtimes = {"old": load_old(args.old_bundle), "new": speccompile.load(bundle(args))}
+    variants = {f"{name} {gamma}": partial(tokens, runtime, prompts, args.batch, args.max_new_tokens, gamma)
+                for gamma in (speculative, 0) for name, runtime in runtimes.items()}
+    for call in variants.values():  # warm: every graph loaded, the engine threads started
+        call()
+    samples = interleaved(variants, args.repeats, cold=runtimes.values(), alternate=True)
+    rows = []
+    for gamma, mode in ((speculative, f"speculative γ={speculative}"), (0, "plain")):
+        rates = {name: [s.value / s.seconds for s in samples[f"{name} {gamma}"]] for name in runtimes}
+        rows.append({"batch": args.batch, "mode": mode, "old_tokens_per_s": Spread.of(rates["old"]),
+                     "new_tokens_per_s": Spread.of(rates["new"]),
+                     "new_over_old": Spread.of(n / o for n, o in zip(rates["new"], rates["old"]))})
+    for runtime in runtimes.values():
+        runtime.close()
+    return Measured((Table.of("ab_generate", COLUMNS, rows),))

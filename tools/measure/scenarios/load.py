@@ -1,0 +1,77 @@
+"""Time from `speccompile.load()` to the first generated token, split into its parts.
+
+    python -m tools.measure load [--bundle DIR] [--cold] [--repeats 3]
+
+Each repeat runs in a fresh process: import, the bundle's integrity stamp (`open_bundle`), `load()`
+(the tokenizer, each model's session: saved pre-packed or made now, see runtime/prepacked.py), then
+one generated token (prefill of an 8-token prompt and the first step). `--cold` drops the page cache
+before each repeat (root only: `sync; echo 3 > /proc/sys/vm/drop_caches`), so the bundle's bytes
+come from disk. Each part: the median over repeats and the range.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tools.measure.harness import interleaved
+from tools.measure.options import Common, bundle
+from tools.measure.record import Column, Measured, Spread, Table
+
+COMMON = Common(bundle=True, repeats=3)
+COLUMNS = (Column("part"), Column("seconds", "s", 3), Column("session"))
+PARTS = {"import_s": "import speccompile", "integrity_s": "integrity stamp", "load_s": "load()",
+         "first_token_s": "first token", "total_s": "total"}
+
+ONE_LOAD = r"""
+import json, sys, time
+started = time.perf_counter()
+import speccompile
+from speccompile.bundle import open_bundle
+from speccompile.runtime import onnxruntime_engine
+imported = time.perf_counter()
+sessions = []
+make_session = onnxruntime_engine.OrtModel._new_session
+def timed(self, file):
+    began = time.perf_counter()
+    session = make_session(self, file)
+    sessions.append((f"{self.role}_session_s", time.perf_counter() - began, self.session_source))
+    return session
+onnxruntime_engine.OrtModel._new_session = timed
+open_bundle(sys.argv[1])
+opened = time.perf_counter()
+runtime = speccompile.load(sys.argv[1])
+loaded = time.perf_counter()
+runtime.generate([[5, 17, 33, 2, 9, 100, 7, 12]], max_new_tokens=1)
+first = time.perf_counter()
+parts = {"import_s": imported - started, "integrity_s": opened - imported, "load_s": loaded - opened,
+         "first_token_s": first - loaded, "total_s": first - started}
+parts.update({name: seconds for name, seconds, _ in sessions})
+parts["sessions"] = {name: how for name, _, how in sessions}
+print(json.dumps(parts))
+"""
+
+
+def add_options(parser) -> None:
+    parser.add_argument("--cold", action="store_true", help="drop the page cache before each repeat (root)")
+
+
+def one_load(path: Path, cold: bool) -> dict:
+    if cold:
+        subprocess.run(["sync"], check=True)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    out = subprocess.run([sys.executable, "-c", ONE_LOAD, str(path)], capture_output=True, text=True,
+                         check=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def run(args) -> Measured:
+    path = bundle(args)
+    [samples] = interleaved({"load": lambda _: one_load(path, args.cold)}, args.repeats).values()
+    runs = [s.value for s in samples]
+    sessions = runs[-1]["sessions"]  # "saved" or "made" per session, the same in every repeat
+    rows = [{"part": label, "seconds": Spread.of(r[key] for r in runs), "session": None}
+            for key, label in PARTS.items()]
+    rows[3:3] = [{"part": f"{key.removesuffix('_s').replace('_', ' ')} (in load())",
+                  "seconds": Spread.of(r[key] for r in runs), "session": how} for key, how in sessions.items()]
+    return Measured((Table.of("load", COLUMNS, rows),), {"cold": args.cold, "runs": runs})
