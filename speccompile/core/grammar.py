@@ -1,7 +1,7 @@
 """Structured output: what a request's text must match (a JSON schema, any JSON object, a regular
 expression, a choice of strings, or a grammar), and each request's grammar state, over llguidance.
 
-Why llguidance (tools/measure_grammar_engines.py has the figures): it computes a next-token mask
+Why llguidance (python -m tools.measure grammar_engines measures them): it computes a next-token mask
 straight into a caller's int32 bitmask, rolls back any number of tokens in place (what rejected
 drafts need), compiles JSON schemas, regular expressions, Lark and GBNF grammars lazily (no up-front
 automaton over the vocabulary), bounds the work of every step by fuel limits (a hostile schema fails

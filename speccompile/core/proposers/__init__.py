@@ -43,7 +43,7 @@ KINDS = {
 }
 # Free proposers first: they win ties. Suffix decoding joins only where no model drafts: beside the
 # demo pair's draft model it was chosen over drafts that would have been kept more often (auto 2.23x
-# with it, 2.49x without, on held-out completions; tools/measure_suffix.py), while on its own it beats
+# with it, 2.49x without, on held-out completions; python -m tools.measure suffix), while on its own it beats
 # prompt lookup where requests repeat structure (1.79x against 1.34x).
 AUTO_MEMBERS = ("ngram", "suffix", "draft", "medusa")
 PROPOSERS = tuple(KINDS)
