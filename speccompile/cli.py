@@ -228,13 +228,12 @@ def generate(bundle, prompts, tree, json_schema, grammar_file, regex, as_json, b
     params = GenerationParams.of(params_from_cli(options), **_constraint(json_schema, grammar_file, regex))
     runtime = speccompile.load(resolve_bundle(bundle), backend, shared_threads=True)  # the process is ours
     _tree_option(runtime, tree)
-    rows = [prompt for prompt in prompts for _ in range(params.n)]  # each prompt's n samples, in order
-    stream = None if as_json else present.Streamer(runtime.tokenizer, rows, params.max_new_tokens, params.stop)
-    results = runtime.generate(list(prompts), params, on_tokens=stream)
+    handles = runtime.submit_batch(list(prompts), params, stream_text=not as_json)
     if as_json:
-        click.echo(json.dumps([r.to_dict() for r in results], indent=1))
+        click.echo(json.dumps([h.result().to_dict() for h in handles], indent=1))
         return
-    stream.finish(results)
+    rows = [prompt for prompt in prompts for _ in range(params.n)]  # each prompt's n samples, in order
+    results = present.print_streams(handles, rows)
     click.echo(present.stats_lines(results), err=True)
 
 

@@ -2,86 +2,35 @@
 
 Every function here takes a record (GenerationStats, bench's BenchResult / LoadRow / AcceptanceRow,
 profile's GammaProfile and GraphOps) and returns the lines to print; none parses options or writes
-except `Streamer`, which prints continuations as their tokens are accepted. `--json` output is each
+except `print_streams`, which prints continuations as their text comes. `--json` output is each
 record's own `to_json()`, not made here.
 """
 
 import sys
 
 from speccompile.runtime.bench import BENCH_KEYS, AcceptanceRow, BenchResult, Drafts, LoadRow
-from speccompile.runtime.output import safe_prefix
 
 # ---- generate ----------------------------------------------------------------------------------
 
 
-class Streamer:
-    """Prints each prompt and then its continuation as tokens are accepted, one prompt after another.
-
-    A batch runs in lockstep: while one prompt streams, the later ones are held back, and each
-    prints what it has so far once the prompts before it are done (at EOS or max_new_tokens), then
-    streams on. Several prompts are headed `--- prompt i/n`. Each continuation is decoded
-    incrementally after the prompt's own tokens (Tokenizer.stream), so a decoder that drops the
-    leading space of a text's first word (SentencePiece's) does not glue it to the prompt, and a
-    step costs its own tokens, not the whole text again. With stop strings, the text a stop string
-    could still cut is held back, and each prompt's text ends as its result's does (`finish`).
-    """
-
-    def __init__(self, tokenizer, prompts: list[str], max_new_tokens: int | None, stops: tuple[str, ...] = ()):
-        self.tokenizer, self.prompts, self.max_new_tokens, self.stops = tokenizer, prompts, max_new_tokens, stops
-        self.prompt_ids = [tokenizer.encode(p) for p in prompts]
-        self.streams = [tokenizer.stream(ids) for ids in self.prompt_ids]
-        self.tokens: list[list[int]] = [[] for _ in prompts]
-        self.texts = ["" for _ in prompts]  # decoded so far
-        self.current, self.printed = 0, None  # printed: characters of the current prompt's text (None: not begun)
-        self.results = None
-
-    def __call__(self, row: int, token_ids: list[int]) -> None:
-        self.tokens[row].extend(token_ids)
-        self.texts[row] += self.streams[row].add(token_ids)
-        while self.current < len(self.prompts):
-            done = self._done(self.current)
-            self._print_current(final=done)
-            if not done:
-                return
-            self._next()
-
-    def finish(self, results=None) -> None:
-        """generate returned (its results, in prompt order): print whatever is still held back."""
-        self.results = results
-        while self.current < len(self.prompts):
-            self._print_current(final=True)
-            self._next()
-
-    def _done(self, row: int) -> bool:
-        """Whether a prompt's text is whole before generate returns: not with stop strings, which only
-        its result ends for certain."""
-        tokens = self.tokens[row]
-        if self.stops or self.max_new_tokens is None:
-            return False
-        return len(tokens) >= self.max_new_tokens or (bool(tokens) and tokens[-1] in self.tokenizer.eos_token_ids)
-
-    def _next(self) -> None:
-        sys.stdout.write("\n")
+def print_streams(handles: list, prompts: list[str]) -> list:
+    """Print each prompt and then its continuation as its output processor delivers it (runtime
+    submit_batch's handles, made with stream_text): the text no stop string can cut any more, then
+    the rest of its result's text. The requests run at once; a later prompt's text waits for the
+    prompts before it, then prints what it has so far and streams on. Several prompts are headed
+    `--- prompt i/n`. Returns the results, in order."""
+    results = []
+    for row, (handle, prompt) in enumerate(zip(handles, prompts)):
+        sys.stdout.write((f"--- prompt {row + 1}/{len(prompts)}\n" if len(prompts) > 1 else "") + prompt)
+        printed = 0
+        for delta in handle.deltas():
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            printed += len(delta.text)
+        results.append(handle.result())
+        sys.stdout.write(results[-1].text[printed:] + "\n")
         sys.stdout.flush()
-        self.current, self.printed = self.current + 1, None
-
-    def _print_current(self, final: bool) -> None:
-        row = self.current
-        if self.printed is None:  # begun only once tokens come: a refused request prints nothing
-            header = f"--- prompt {row + 1}/{len(self.prompts)}\n" if len(self.prompts) > 1 else ""
-            sys.stdout.write(header + self.prompts[row])
-            self.printed = 0
-        text = self._final_text(row) if final else safe_prefix(self.texts[row], self.stops)
-        sys.stdout.write(text[self.printed:])
-        self.printed = max(self.printed, len(text))
-        sys.stdout.flush()
-
-    def _final_text(self, row: int) -> str:
-        """The whole text: the result's, else decoded whole (an unfinished UTF-8 character prints as
-        decoding the whole text has it)."""
-        if self.results is not None:
-            return self.results[row].text
-        return self.tokenizer.decode_continuation(self.prompt_ids[row], self.tokens[row])
+    return results
 
 
 def stats_lines(results) -> str:

@@ -8,8 +8,10 @@ import pytest
 from click.testing import CliRunner
 
 from speccompile.cli import main
-from speccompile.present import Streamer, stats_line
-from speccompile.runtime.tokenizer import Tokenizer
+from speccompile.core.params import GenerationParams
+from speccompile.core.request import Request
+from speccompile.present import print_streams, stats_line
+from speccompile.runtime.output import Delta, OutputProcessor
 from tests.tiny_models import make_checkpoint, make_tokenizer
 
 
@@ -196,53 +198,52 @@ def test_several_prompts_each_print_their_text_and_a_labelled_stats_line(bundles
     assert lines[1].startswith("[prompt 2/2, speculative γ=1] ")
 
 
-class CharTokenizer(Tokenizer):
-    """One token per character; token 0 is EOS (decode_continuation is the runtime tokenizer's; its
-    stream is tested against whole decoding in tests/runtime/test_tokenizer.py)."""
+class Handle:
+    """A handle whose output processor delivered these texts, and whose result has this text."""
 
-    eos_token_ids = frozenset({0})
+    def __init__(self, texts: list[str], final: str):
+        self.texts, self.final = texts, final
 
-    def __init__(self):
-        pass
+    def deltas(self):
+        yield from (Delta([1], text) for text in self.texts)
 
-    def encode(self, text):
-        return [ord(c) for c in text]
-
-    def decode(self, ids):
-        return "".join(chr(i) for i in ids if i)
-
-    def stream(self, prompt_ids):
-        return SimpleNamespace(add=self.decode)
+    def result(self):
+        return SimpleNamespace(text=self.final)
 
 
-def test_streaming_prints_prompts_one_after_another_as_they_finish(capsys):
-    stream = Streamer(CharTokenizer(), ["A:", "B:"], max_new_tokens=3)
-    stream(0, [ord("x")])
-    stream(1, [ord("p"), ord("q")])
-    assert capsys.readouterr().out == "--- prompt 1/2\nA:x"  # the second prompt waits for the first
-    stream(0, [ord("y"), 0])  # EOS: the first is done, the second prints what it has and streams on
-    assert capsys.readouterr().out == "y\n--- prompt 2/2\nB:pq"
-    stream(1, [ord("r")])
-    assert capsys.readouterr().out == "r\n"
-    stream.finish()
-    assert capsys.readouterr().out == ""
+def test_streaming_prints_prompts_one_after_another_and_ends_each_as_its_result(capsys):
+    results = print_streams([Handle(["x", "y"], "xy"), Handle(["p", "q"], "pqr")], ["A:", "B:"])
+    assert capsys.readouterr().out == "--- prompt 1/2\nA:xy\n--- prompt 2/2\nB:pqr\n"
+    assert [r.text for r in results] == ["xy", "pqr"]
 
 
 def test_streaming_prints_what_decoding_the_whole_text_gives(tmp_path, capsys):
     """Byte-level BPE splits characters across tokens; the last token here ends inside one, which
-    prints as the whole decode has it (U+FFFD) once the prompt is done."""
+    prints as the whole decode has it (U+FFFD) once the request is done."""
     from tests.runtime.test_tokenizer import byte_level_bpe
 
     tokenizer = byte_level_bpe(tmp_path)
     tokens = tokenizer.encode(" = 'héllo 世界'")
     tokens = tokens[: max(k for k in range(len(tokens)) if tokenizer.decode(tokens[:k]).endswith("\ufffd"))]
-    whole = tokenizer.decode_continuation(tokenizer.encode("x"), tokens)
+    prompt = tokenizer.encode("x")
+    whole = tokenizer.decode_continuation(prompt, tokens)
     assert whole.endswith("\ufffd") and "é" in whole
-    stream = Streamer(tokenizer, ["x"], max_new_tokens=len(tokens))
-    for token in tokens:
-        stream(0, [token])
-    stream.finish()
+    request = Request(prompt, len(tokens), gamma=0, spec=GenerationParams())
+    output = OutputProcessor(tokenizer, request, "x", follow_text=True)
+    texts = [output.add([token]).text for token in tokens]
+    request.generated += tokens
+    request.finish("length")
+    print_streams([Handle(texts, output.result().text)], ["x"])
     assert capsys.readouterr().out == "x" + whole + "\n"
+
+
+def test_generate_streams_text_that_a_stop_string_ends_as_its_result_does(bundles):
+    args = ["generate", str(bundles("llama", "random")), "--prompt", "x y x", "--max-new-tokens", "12",
+            "--stop", " y", "--stop", "x x"]
+    [expected] = json.loads(CliRunner().invoke(main, args + ["--json"]).stdout)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "x y x" + expected["text"] + "\n"
 
 
 def test_stats_line_under_auto_shows_the_gammas_used_and_means():
@@ -352,18 +353,19 @@ NON_DEFAULT = {"max_new_tokens": 5, "temperature": 0.5, "top_k": 7, "top_p": 0.9
 
 @pytest.fixture
 def asked(monkeypatch):
-    """The params of every Runtime.generate call that passes a record (the CLI's; load's own warm-up
-    request passes keywords), which returns no results."""
+    """The params of every Runtime.submit_batch call that passes a record (the CLI's generate, and
+    Runtime.generate's for bench and profile; load's own warm-up request passes keywords), which
+    queues nothing."""
     from speccompile.runtime.runtime import Runtime
 
     calls = []
 
-    def generate(self, prompts, params=None, **options):
+    def submit_batch(self, prompts, params=None, **options):
         if params is not None:
             calls.append(params)
         return []
 
-    monkeypatch.setattr(Runtime, "generate", generate)
+    monkeypatch.setattr(Runtime, "submit_batch", submit_batch)
     return calls
 
 
@@ -419,16 +421,6 @@ def test_n_samples_of_a_prompt_stream_one_after_another(bundles):
     assert code == 0, output
     assert "--- prompt 1/2\nx" in output and "--- prompt 2/2\nx" in output
     assert "[prompt 2/2, " in output
-
-
-def test_streaming_holds_back_what_a_stop_string_may_cut_and_ends_as_the_result(capsys):
-    stream = Streamer(CharTokenizer(), ["A:"], max_new_tokens=10, stops=("xyz",))
-    stream(0, [ord(c) for c in "abx"])
-    assert capsys.readouterr().out == "A:ab"  # "x" may begin the stop string
-    stream(0, [ord(c) for c in "yz"])
-    assert capsys.readouterr().out == ""
-    stream.finish([SimpleNamespace(text="ab")])
-    assert capsys.readouterr().out == "\n"
 
 
 def test_no_function_in_the_cli_is_longer_than_60_lines():

@@ -34,14 +34,15 @@ class _Handle:
 
 class RequestHandle(_Handle):
     """A queued request: `.result()` waits for it, `.stream()` yields its tokens as they are
-    accepted, `.cancel()` ends it (its slot is freed at the engine's next iteration)."""
+    accepted, `.deltas()` what its output processor makes of them, `.cancel()` ends it (its slot is
+    freed at the engine's next iteration)."""
 
     def __init__(self, request: Request, runtime, output: OutputProcessor):
         self.request, self._runtime, self.output, self.prompt = request, runtime, output, output.prompt
         self._done = threading.Event()
-        self._tokens: queue.Queue | None = None
-        self._delivered: list[int] = []  # tokens the edge handed over so far
-        self._lock = threading.Lock()  # between the thread delivering and a first `stream` call
+        self._deltas: queue.Queue | None = None
+        self._delivered: list[Delta] = []  # what the edge handed over before anyone asked
+        self._lock = threading.Lock()  # between the thread delivering and a first `deltas` call
         self._user_sink = request.on_tokens  # the edge calls _push and _finished (edge.py)
 
     def result(self, timeout: float | None = None):
@@ -53,38 +54,42 @@ class RequestHandle(_Handle):
     def stream(self):
         """Lists of newly accepted token ids, until the request ends. Tokens accepted before the first
         call are yielded first. One consumer."""
-        with self._lock:
-            if self._tokens is None:
-                self._tokens = queue.Queue()
-                self._tokens.put(list(self._delivered))  # what came before
-                if self._done.is_set():
-                    self._tokens.put(None)
-        while True:
-            tokens = self._tokens.get()
-            if tokens is None:
-                break
-            if tokens:
-                yield tokens
-        self._raise_its_error()
+        for delta in self.deltas():
+            if delta.token_ids:
+                yield delta.token_ids
 
+    def deltas(self):
+        """What each delivery adds (output.Delta: token ids, and their text and log-probabilities
+        where the request follows them: submit(..., stream_text=True)), until the request ends.
+        Deliveries before the first call come first. One consumer."""
+        with self._lock:
+            if self._deltas is None:
+                self._deltas = queue.Queue()
+                for delta in self._delivered:
+                    self._deltas.put(delta)
+                if self._done.is_set():
+                    self._deltas.put(None)
+        while (delta := self._deltas.get()) is not None:
+            yield delta
+        self._raise_its_error()
 
     @property
     def done(self) -> bool:
         return self._done.is_set()
 
     def _push(self, delta: Delta) -> None:
-        tokens = delta.token_ids
         if self._user_sink is not None:
-            self._user_sink(tokens)
+            self._user_sink(delta.token_ids)
         with self._lock:
-            self._delivered.extend(tokens)
-            if self._tokens is not None:
-                self._tokens.put(tokens)
+            if self._deltas is not None:
+                self._deltas.put(delta)
+            else:
+                self._delivered.append(delta)
 
     def _finished(self, request: Request) -> None:
         with self._lock:
-            if self._tokens is not None:
-                self._tokens.put(None)
+            if self._deltas is not None:
+                self._deltas.put(None)
             self._done.set()
 
 

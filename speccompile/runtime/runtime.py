@@ -125,17 +125,16 @@ class Runtime:
 
     def speculative_config(self) -> dict:
         """What speculates here, for a client to see: the compiled γ, the default (γ auto, priors from
-        a γ profile of this hardware or from the calibration at load), the proposers a
-        request may ask for, the draft model's and Medusa heads' presence, the sampling rules."""
+        a γ profile of this hardware or the calibration at load), the proposers, the sampling rules."""
         return {"gammas": self.gammas, "default_gamma": "auto", "gamma_profile": self.profile is not None,
-                "proposers": self.proposers.available(),
-                "default_proposer": DEFAULT_PROPOSER, "draft_model": self.draft is not None,
+                "proposers": self.proposers.available(), "default_proposer": DEFAULT_PROPOSER,
+                "draft_model": self.draft is not None,
                 "medusa_heads": self.bundle.medusa["num_heads"] if self.bundle.medusa else 0,
                 "sampling_rules": [rule.value for rule in SamplingRule], "backend": self.backend}
 
     # -- requests ---------------------------------------------------------------------------------
     def submit(self, prompt, params: GenerationParams | None = None, *, on_tokens=None, same_prompt_as=None,
-               **options) -> RequestHandle:
+               stream_text: bool = False, **options) -> RequestHandle:
         """Queue one request (a string or token ids) and return its handle at once. Thread-safe.
 
         params: what it asks (core/params.GenerationParams: sampling, stops, processors, logprobs,
@@ -144,20 +143,18 @@ class Runtime:
         on_tokens(token_ids) is called as tokens are accepted, from the engine thread (from the
         runtime's edge thread for a request with stop strings). same_prompt_as: the handle of an
         earlier request of the same prompt (another of n samples): this one copies its cached prompt
-        instead of prefilling it again."""
+        instead of prefilling it again. stream_text: its text is decoded as it comes, for
+        `handle.deltas()` (output.Delta: the text no stop string can cut any more)."""
         params = GenerationParams.of(params, **options)
         request = make_request(self, prompt, params, on_tokens, shares_prefill_with=_request_of(same_prompt_as))
-        handle = RequestHandle(request, self, OutputProcessor(self.tokenizer, request, prompt))
+        handle = RequestHandle(request, self, OutputProcessor(self.tokenizer, request, prompt, stream_text))
         self._queue(handle)
         return handle
 
     def submit_async(self, prompt, params: GenerationParams | None = None, *, on_tokens=None, on_finish=None,
                      same_prompt_as=None, stream_text: bool = False, **options) -> AsyncRequestHandle:
-        """`submit` for asyncio code: call it in the event loop; await `.result()`, iterate
-        `async for tokens in handle.stream()`, or with stream_text `async for delta in
-        handle.deltas()` (output.Delta: the text no stop string can cut any more, and log-probabilities).
-        on_finish(request) is called when the request ends, however it ends (from the thread its
-        tokens came from)."""
+        """`submit` for asyncio code, in the event loop: await `.result()`, `async for` over `.stream()`
+        or `.deltas()`. on_finish(request) is called when the request ends, however it ends."""
         params = GenerationParams.of(params, **options)
         request = make_request(self, prompt, params, shares_prefill_with=_request_of(same_prompt_as))
         output = OutputProcessor(self.tokenizer, request, prompt, follow_text=stream_text)
@@ -168,12 +165,15 @@ class Runtime:
     def generate(self, prompts, params: GenerationParams | None = None, *, on_tokens=None,
                  **options) -> list[GenerationResult]:
         """Generate for a list of prompts (strings or token-id lists); params.n results per prompt (n
-        samples of it: the first prefills the prompt and the others copy its cache), in order.
+        samples of it), in order: `submit_batch`'s requests' results. on_tokens(i, token_ids) is
+        called as request i's tokens are accepted. Each result's stats are its own request's."""
+        return [handle.result() for handle in self.submit_batch(prompts, params, on_tokens=on_tokens, **options)]
 
-        Each is one request (see `submit`); all are checked before any is queued. The i-th request
-        is seeded seed + i (GenerationParams.for_sample), so generate([p], seed=s) is submit(p,
-        seed=s). on_tokens(i, token_ids) is called as tokens are accepted, for streaming. Each
-        result's stats are its own request's (see core/stats.py)."""
+    def submit_batch(self, prompts, params: GenerationParams | None = None, *, on_tokens=None,
+                     stream_text: bool = False, **options) -> list[RequestHandle]:
+        """Queue params.n requests per prompt, all checked before any is queued, and return their
+        handles in order. Request i is seeded seed + i (GenerationParams.for_sample), so
+        generate([p], seed=s) is submit(p, seed=s); a prompt's later samples copy its first's prefill."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or (
                 prompts and isinstance(prompts[0], int)):
             raise SpecCompileError("prompts must be a list of strings or a list of token-id lists")
@@ -187,10 +187,11 @@ class Runtime:
             sink = (lambda ids, i=i: on_tokens(i, ids)) if on_tokens else None
             requests.append(make_request(self, prompt, params.for_sample(i), sink, warn=i == 0,
                                          shares_prefill_with=first))
-        handles = [RequestHandle(r, self, OutputProcessor(self.tokenizer, r, p)) for r, p in zip(requests, prompts)]
+        handles = [RequestHandle(r, self, OutputProcessor(self.tokenizer, r, p, stream_text))
+                   for r, p in zip(requests, prompts)]
         for handle in handles:
             self._queue(handle, batched=len(requests) > 1)
-        return [h.result() for h in handles]
+        return handles
 
     def close(self) -> None:
         """Stop the engine thread; requests still in flight or waiting end as cancelled."""
@@ -210,9 +211,8 @@ class Runtime:
 
     # -- the engine thread ------------------------------------------------------------------------
     def _queue(self, handle, batched: bool | None = None) -> None:
-        """Hand a checked request to the engine thread, its tokens routed through the edge to its
-        handle. batched: whether it will run alongside others (default: whether others are in
-        flight now)."""
+        """Hand a checked request to the engine thread, its tokens routed through the edge to its handle.
+        batched: whether it will run alongside others (default: whether others are in flight now)."""
         request = handle.request
         with self._submitting:  # threads submitting at once must not start two engines on one scheduler
             self._load_graphs(request, not self.scheduler.idle if batched is None else batched)
