@@ -8,7 +8,8 @@ from pathlib import Path
 from speccompile.core.proposers import KINDS
 
 PACKAGE = Path(__file__).resolve().parents[1] / "speccompile"
-ALLOWED = {"core/proposers/__init__.py", "cli.py", "present.py", "bundle.py"}  # bundle.py: "draft" is a model's role there
+# bundle.py: "draft" is a model's role there
+ALLOWED = {"core/proposers/__init__.py", "cli.py", "present.py", "bundle.py"}
 NAMES = set(KINDS) - {"auto"}
 
 
