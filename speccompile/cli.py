@@ -460,7 +460,7 @@ def inspect(bundle, as_json):
     from speccompile.runtime.inspect import describe
 
     info = describe(open_bundle(resolve_bundle(bundle)))
-    click.echo(json.dumps(info, indent=1) if as_json else present.bundle_summary(info))
+    click.echo(json.dumps(info.to_json(), indent=1) if as_json else present.bundle_summary(info))
 
 
 def _gamma_option(value):

@@ -229,48 +229,47 @@ def op_tables(graphs) -> str:
 # ---- inspect -----------------------------------------------------------------------------------
 
 
-def bundle_summary(info: dict) -> str:
-    """inspect: a bundle's models, memory, graphs and engines (runtime/inspect.describe's JSON)."""
-    lines = [f"bundle {info['path']}  ({info['size_mb']} MB, format {info['format_version']})",
-             f"γ {info['gammas']}  max_seq {info['max_seq']}  max_batch {info['max_batch']}  "
-             f"vocab {info['vocab_size']}"]
-    for role, model in info["models"].items():
-        lines.append(f"{role}: {model['model_type']}, {model['num_params'] / 1e6:.2f}M params, "
-                     f"{model['num_layers']} layers, hidden {model['hidden_size']}, {model['num_heads']} heads / "
-                     f"{model['num_kv_heads']} KV heads{_source(model['source_format'])}")
-    for role, mem in info["memory"].items():
-        folded = ", float32 in memory" if mem["matmul_weights"] in ("float16", "bfloat16") else ""
-        lines.append(f"{role} memory: weights {mem['weights_bytes'] / 1e6:.1f} MB "
-                     f"({mem['matmul_weights']} matmuls{folded}), {mem['weight_copies']} copy at run time; "
-                     f"KV cache {mem['kv_cache_bytes_per_sequence'] / 1e6:.1f} MB per sequence, "
-                     f"{mem['kv_cache_bytes_at_max_batch'] / 1e6:.1f} MB at max_batch")
+def bundle_summary(info) -> str:
+    """inspect: a bundle's models, memory, graphs and engines (runtime/inspect.BundleInfo)."""
+    lines = [f"bundle {info.path}  ({info.size_mb} MB, format {info.format_version})",
+             f"γ {info.gammas}  max_seq {info.max_seq}  max_batch {info.max_batch}  vocab {info.vocab_size}"]
+    for role, model in info.models.items():
+        lines.append(f"{role}: {model.model_type}, {model.num_params / 1e6:.2f}M params, "
+                     f"{model.num_layers} layers, hidden {model.hidden_size}, {model.num_heads} heads / "
+                     f"{model.num_kv_heads} KV heads{_source(model.source_format)}")
+    for role, mem in info.memory.items():
+        folded = ", float32 in memory" if mem.matmul_weights in ("float16", "bfloat16") else ""
+        lines.append(f"{role} memory: weights {mem.weights_bytes / 1e6:.1f} MB "
+                     f"({mem.matmul_weights} matmuls{folded}), {mem.weight_copies} copy at run time; "
+                     f"KV cache {mem.kv_cache_bytes_per_sequence / 1e6:.1f} MB per sequence, "
+                     f"{mem.kv_cache_bytes_at_max_batch / 1e6:.1f} MB at max_batch")
     lines.append("graphs (the KV cache inputs/outputs past_*/present_* are omitted):")
-    for name, graph in info["graphs"].items():
+    for name, graph in info.graphs.items():
         lines += _graph_lines(name, graph)
-    return "\n".join(lines + _engine_lines(info["engines"]))
+    return "\n".join(lines + _engine_lines(info.engines))
 
 
-def _source(source: dict | None) -> str:
+def _source(source) -> str:
     """", from GGUF: kept 12 Q8_0; dequantized 30 Q4_K" for a GGUF source; nothing for safetensors."""
-    if not source or source["format"] != "gguf":
+    if source is None or source.format != "gguf":
         return ""
-    kept = ", ".join(f"{n} {kind}" for kind, n in sorted(source["kept"].items())) or "nothing"
-    converted = ", ".join(f"{n} {kind}" for kind, n in sorted(source["converted"].items())) or "nothing"
+    kept = ", ".join(f"{n} {kind}" for kind, n in sorted(source.kept.items())) or "nothing"
+    converted = ", ".join(f"{n} {kind}" for kind, n in sorted(source.converted.items())) or "nothing"
     return f"; from GGUF: kept {kept} as blocks, dequantized {converted}"
 
 
-def _graph_lines(name: str, graph: dict) -> list[str]:
-    top = ", ".join(f"{op} {n}" for op, n in sorted(graph["op_counts"].items(), key=lambda kv: -kv[1])[:6])
-    plugin = "  [TensorRT: plugin needed]" if graph["tensorrt_needs_plugin"] else ""
-    variant = graph["single_sequence_nodes"]
+def _graph_lines(name: str, graph) -> list[str]:
+    top = ", ".join(f"{op} {n}" for op, n in sorted(graph.op_counts.items(), key=lambda kv: -kv[1])[:6])
+    plugin = "  [TensorRT: plugin needed]" if graph.tensorrt_needs_plugin else ""
+    variant = graph.single_sequence_nodes
     single = "" if variant is None else f"; batch-1 variant {variant} nodes"
-    return [f"  {name}: {graph['nodes']} nodes ({top}){plugin}{single}",
-            "    in:  " + "; ".join(f"{k} {v[0]}{v[1]}" for k, v in graph["inputs"].items()),
-            "    out: " + "; ".join(f"{k} {v[0]}{v[1]}" for k, v in graph["outputs"].items())]
+    return [f"  {name}: {graph.nodes} nodes ({top}){plugin}{single}",
+            "    in:  " + "; ".join(f"{k} {v[0]}{v[1]}" for k, v in graph.inputs.items()),
+            "    out: " + "; ".join(f"{k} {v[0]}{v[1]}" for k, v in graph.outputs.items())]
 
 
 def _engine_lines(engines: dict) -> list[str]:
     if not engines:
         return ["TensorRT engines: none (build with --backend tensorrt on an NVIDIA machine)"]
-    return ["TensorRT engines:"] + [f"  {name}: {e['file']} (TensorRT {e['tensorrt_version']}, {e['gpu']}, "
-                                    f"sm {e['compute_capability']})" for name, e in engines.items()]
+    return ["TensorRT engines:"] + [f"  {name}: {e.file} (TensorRT {e.tensorrt_version}, {e.gpu}, "
+                                    f"sm {e.compute_capability})" for name, e in engines.items()]
