@@ -62,14 +62,24 @@ ROLES = ("target", "draft")
 OUTPUT_TYPES = {"next_token": ("int64", None), "confidence": ("float32", None), "probs": ("float32", "vocab"),
                 "accepted": ("int64", None), "new_len": ("int64", None), "best_node": ("int64", None),
                 "next_tree": ("int64", "tree"), "token_logprob": ("float32", "positions"),
-                "top_logprobs": ("float32", "top"), "top_ids": ("int64", "top")}
+                "top_logprobs": ("float32", "top"), "top_ids": ("int64", "top"), "aux_hidden": ("float32", "hidden")}
+# An output only a bundle built for an EAGLE-3 head has (ModelEntry.eagle_aux_layers), in the target's
+# graphs of AUX_KINDS and its session graph: at every input position (all T of a prefill chunk or a
+# step, all γ+1 of a verification), the residual stream entering each of those layers, side by side in
+# their order: [B, T, len(eagle_aux_layers) * hidden_size]. Not in GRAPH_OUTPUTS, which every bundle's
+# graphs have: Manifest.read_back says which graphs return it.
+AUX_HIDDEN = "aux_hidden"
+AUX_KINDS = (*STEP_KINDS, *CHAIN_KINDS)
 
 
-def output_array(name: str, batch: int, vocab_size: int, tree_size: int = 0, positions: int = 1):
-    """(shape, numpy dtype name) of a read-back output for a batch."""
+def output_array(name: str, batch: int, vocab_size: int, tree_size: int = 0, positions: int = 1, hidden: int = 0):
+    """(shape, numpy dtype name) of a read-back output for a batch. For aux_hidden, `positions` is
+    the call's input width T (every position, whatever the kind) and `hidden` the output's last
+    dimension, len(eagle_aux_layers) * hidden_size (ModelEntry.aux_hidden_width)."""
     dtype, width = OUTPUT_TYPES[name]
     shapes = {None: (batch,), "vocab": (batch, vocab_size), "tree": (batch, tree_size),
-              "positions": (batch, positions), "top": (batch, positions, TOP_LOGPROBS)}
+              "positions": (batch, positions), "top": (batch, positions, TOP_LOGPROBS),
+              "hidden": (batch, positions, hidden)}
     return shapes[width], dtype
 
 
@@ -186,10 +196,10 @@ class _Object:
             raise _refused(f"{self.where} has no {key!r}")
         return _checked(self.data[key], kind, f"{self.where}.{key}")
 
-    def items(self, key: str, kind) -> tuple:
-        """A list field whose items are all of `kind`, as a tuple."""
-        where = f"{self.where}.{key}"
-        return tuple(_checked(item, kind, f"{where}[{i}]") for i, item in enumerate(self.take(key, list)))
+    def items(self, key: str, kind, optional: bool = False) -> tuple | None:
+        """A list field whose items are all of `kind`, as a tuple; None for an optional field that is absent."""
+        where, values = f"{self.where}.{key}", self.take(key, list, optional)
+        return None if values is None else tuple(_checked(item, kind, f"{where}[{i}]") for i, item in enumerate(values))
 
     def mapping(self, key: str, read, optional: bool = False) -> dict | None:
         """An object field: name -> read(value, where) for each of its entries."""
@@ -356,22 +366,37 @@ class ModelEntry:
     scored_vocab: int  # fewer than vocab_size with --draft-vocab
     config: dict
     session: SessionEntry | None = None
+    # the target's layers whose incoming residual stream its graphs of AUX_KINDS (and its session
+    # graph) output as aux_hidden, for an EAGLE-3 head; () in a bundle built without them
+    eagle_aux_layers: tuple[int, ...] = ()
 
     SHAPE = ("num_params", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size")
 
     @classmethod
     def from_json(cls, data, where: str) -> "ModelEntry":
         o = _Object(data, where)
-        return cls(o.take("source", str), o.record("source_format", SourceFormat), o.take("model_type", str),
-                   *(o.take(key, int) for key in cls.SHAPE), weights_file=o.take("weights_file", str),
-                   matmul_weights=o.take("matmul_weights", str), scored_vocab=o.take("scored_vocab", int),
-                   config=o.take("config", dict), session=o.record("session", SessionEntry, optional=True))
+        layers = o.items("eagle_aux_layers", int, optional=True)
+        entry = cls(o.take("source", str), o.record("source_format", SourceFormat), o.take("model_type", str),
+                    *(o.take(key, int) for key in cls.SHAPE), weights_file=o.take("weights_file", str),
+                    matmul_weights=o.take("matmul_weights", str), scored_vocab=o.take("scored_vocab", int),
+                    config=o.take("config", dict), session=o.record("session", SessionEntry, optional=True),
+                    eagle_aux_layers=layers or ())
+        if layers is not None and (not layers or not all(0 <= i < entry.num_layers for i in layers)):
+            raise _refused(f"{where}.eagle_aux_layers {list(layers)!r:.60} are not layers 0..{entry.num_layers - 1} "
+                           "of the model")
+        return entry
 
     def to_json(self) -> dict:
         data = {"source": self.source, "source_format": self.source_format.to_json(), "model_type": self.model_type,
                 **{key: getattr(self, key) for key in self.SHAPE}, "weights_file": self.weights_file,
                 "matmul_weights": self.matmul_weights, "scored_vocab": self.scored_vocab, "config": self.config}
-        return data | ({"session": self.session.to_json()} if self.session else {})
+        data |= {"session": self.session.to_json()} if self.session else {}
+        return data | ({"eagle_aux_layers": list(self.eagle_aux_layers)} if self.eagle_aux_layers else {})
+
+    @property
+    def aux_hidden_width(self) -> int:
+        """The last dimension of the aux_hidden output: 0 without eagle_aux_layers."""
+        return len(self.eagle_aux_layers) * self.hidden_size
 
 
 @dataclass(frozen=True)
@@ -505,12 +530,32 @@ class Manifest:
                 raise _refused(f"graph {name!r:.60} records itself as {graph.id.name}")
             if graph.id.model not in self.models:
                 raise _refused(f"graph {name} is the {graph.id.model}'s, a model it does not hold")
+        self._check_aux_hidden()
         if min(self.max_seq, self.max_batch, self.vocab_size) < 1:
             raise _refused(f"its max_seq {self.max_seq}, max_batch {self.max_batch} or vocab_size {self.vocab_size} "
                            "is not positive")
         if not self.gammas or min(self.gammas) < 1 or self.default_gamma not in self.gammas:
             raise _refused(f"its γ values {list(self.gammas)!r:.60} are not all positive or lack its default γ "
                            f"{self.default_gamma}")
+
+    def _check_aux_hidden(self) -> None:
+        """aux_hidden is where the target's eagle_aux_layers say (read_back), of their width, and nowhere else."""
+        if "draft" in self.models and self.models["draft"].eagle_aux_layers:
+            raise _refused("its draft records eagle_aux_layers, which only the target's graphs output")
+        for name, graph in self.graphs.items():
+            widths = [spec.shape[-1:] for spec in graph.outputs if spec.name == AUX_HIDDEN]
+            expected = [(self.models[graph.id.model].aux_hidden_width,)] if AUX_HIDDEN in self.read_back(graph.id) \
+                else []
+            if widths != expected:
+                raise _refused(f"graph {name}'s aux_hidden outputs {widths!r:.60} are not what its model's "
+                               f"eagle_aux_layers make ({expected})")
+
+    def read_back(self, graph: GraphId) -> tuple[str, ...]:
+        """The outputs a runtime may read back from `graph` (all else it returns is the KV cache): its
+        kind's (GraphId.outputs), and aux_hidden from the target's graphs of AUX_KINDS when the bundle
+        was built with eagle_aux_layers (the target's session graph returns it too, for every kind)."""
+        aux = graph.model == "target" and graph.kind in AUX_KINDS and self.models["target"].eagle_aux_layers
+        return graph.outputs + ((AUX_HIDDEN,) if aux else ())
 
     def to_json(self) -> dict:
         data = {"format_version": self.format_version, "speccompile_version": self.speccompile_version,

@@ -19,6 +19,7 @@ from pathlib import Path
 import onnx
 
 from speccompile.bundle import (
+    AUX_KINDS,
     FORMAT_VERSION,
     TREE_KINDS,
     GraphEntry,
@@ -67,7 +68,8 @@ logger = logging.getLogger(__name__)
 def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 1024, max_batch: int = 8,
                  force: bool = False, draft_weights: str = "int8", draft_vocab: int | None = None,
                  draft_vocab_corpus=None, single_sequence: bool = True, target_weights: str | None = None,
-                 medusa_dir=None, backend: str = "onnxruntime", tensorrt: TensorRTOptions | None = None) -> Path:
+                 medusa_dir=None, backend: str = "onnxruntime", tensorrt: TensorRTOptions | None = None,
+                 eagle_aux_layers: tuple[int, ...] | None = None) -> Path:
     """`target_weights` / `draft_weights`: how each model's projection and LM-head weights are stored:
     "float32", "float16", "bfloat16" (both computed in fp32), "int8" (weight-only, per output
     column) or "int4" (weight-only, blocks of 128 along the input; see GraphBuilder.matmul). The
@@ -87,7 +89,11 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     `backend`: "onnxruntime" (or "onnx"), the ONNX graphs alone; "tensorrt", also a TensorRT engine
     per graph, from the same graphs, made as `tensorrt` says (default: TensorRTOptions()). Whether
     TensorRT and its plugin library are here is checked before any checkpoint is read, and whether
-    TensorRT takes the weights' formats before any graph is exported."""
+    TensorRT takes the weights' formats before any graph is exported.
+    `eagle_aux_layers`: three of the target's layer ids, for an EAGLE-3 head: the target's step and
+    chain-verification graphs (and its session graph) also output aux_hidden, the residual stream
+    entering those layers at every position (transformer._aux_hidden; bundle.AUX_HIDDEN), and the
+    manifest's target records them. None: the bundle is what it was without the option."""
     out_dir, tensorrt = Path(out_dir), tensorrt or TensorRTOptions()
     engines = _builds_engines(backend, tensorrt)
     gammas = _check_options(out_dir, list(gammas), max_seq, max_batch, force, draft_vocab, draft_vocab_corpus)
@@ -100,6 +106,7 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
 
     progress.step("load target")
     target = load_checkpoint(target_dir)
+    aux_layers = _check_aux_layers(eagle_aux_layers, target)
     target_tok = load_tokenizer(target.files)
     progress.step("load draft")
     if draft_dir is not None and medusa_dir is not None:
@@ -135,9 +142,10 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     progress.step("export graphs")
     weights = {"target": target_weights, "draft": draft_weights}
     heads = medusa[1] if medusa else None
-    graphs = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids, heads=heads)
+    graphs = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids, heads=heads,
+                            aux_layers=aux_layers)
     variants = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids, single_sequence=True,
-                              heads=heads) if single_sequence else {}
+                              heads=heads, aux_layers=aux_layers) if single_sequence else {}
     for name, (builder, _) in graphs.items():
         variant = f", batch-1 variant {len(variants[name][0].nodes)}" if name in variants else ""
         logger.info(f"  {name}: {len(builder.nodes)} nodes{variant}")
@@ -146,7 +154,7 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.build-{os.getpid()}-", suffix=".partial",
                                     dir=out_dir.parent))
     try:
-        sessions = _session_graphs(target, draft, max_seq, vocab_out, weights, vocab_ids, heads)
+        sessions = _session_graphs(target, draft, max_seq, vocab_out, weights, vocab_ids, heads, aux_layers)
         weight_files = _write_graphs(staging, graphs, variants, sessions)
         progress.step("check graphs")
         for builder, _ in sessions.values():
@@ -161,7 +169,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         progress.step("write bundle")
         save_tokenizer(target_tok, staging / "tokenizer")
         scored = {"target": vocab_out, "draft": vocab_out if vocab_ids is None else len(vocab_ids)}
-        models = {role: _model_entry(spec, weight_files[role], weights[role], scored[role], sessions[role])
+        models = {role: _model_entry(spec, weight_files[role], weights[role], scored[role], sessions[role],
+                                     aux_layers if role == "target" else ())
                   for role, spec, _ in _models(target, draft, vocab_ids)}
         graph_entries = {name: _graph_entry(staging, graph, needs_plugin[name], name in variants)
                          for name, (_, graph) in graphs.items()}
@@ -216,6 +225,22 @@ def _check_options(out_dir: Path, gammas: list[int], max_seq: int, max_batch: in
     return list(dict.fromkeys(gammas))  # unique, in the order given
 
 
+EAGLE_AUX_LAYERS = 3  # an EAGLE-3 head reads the target's residual stream at three layers (low, middle, high)
+
+
+def _check_aux_layers(layers, target: ModelSpec) -> tuple[int, ...]:
+    """The layer ids as a tuple (() for None), if they are three layers of the target. Any order and
+    repeats are taken: aux_hidden concatenates them as listed, as the head was trained to read them."""
+    if layers is None:
+        return ()
+    count = target.hp["num_layers"]
+    layers = tuple(layers)
+    if len(layers) != EAGLE_AUX_LAYERS or not all(type(i) is int and 0 <= i < count for i in layers):
+        raise SpecCompileError(f"EAGLE-3 aux layers must be {EAGLE_AUX_LAYERS} layer ids of the target's {count} "
+                               f"(0..{count - 1}), got {list(layers)}")
+    return layers
+
+
 def _warn_draft_size(target: ModelSpec, draft: ModelSpec) -> None:
     """A warning, not an error: the bundle is still exact (the target decides every token), and a
     draft's steps can be cheaper than its size says (int8 weights, --draft-vocab), but a draft larger
@@ -263,10 +288,12 @@ def _medusa_entry(config: dict, medusa_dir) -> MedusaEntry:
 
 
 def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_out, matmul_weights: dict[str, str],
-                   vocab_ids=None, single_sequence: bool = False, heads: list | None = None) -> dict:
+                   vocab_ids=None, single_sequence: bool = False, heads: list | None = None,
+                   aux_layers: tuple[int, ...] = ()) -> dict:
     """name -> (GraphBuilder, GraphId); with single_sequence, the batch-1 variants under the same names,
     for the models ONNX Runtime's fused attention kernel accepts. Graphs hold lazy weights only.
-    `heads`: Medusa heads, read by token-tree verification graphs."""
+    `heads`: Medusa heads, read by token-tree verification graphs. `aux_layers`: output by the
+    target's graphs of AUX_KINDS (bundle.py)."""
     graphs = {}
     for role, spec, ids in _models(target, draft, vocab_ids):
         weights = matmul_weights[role]
@@ -276,14 +303,16 @@ def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_o
             graphs[graph.name] = (build_forward_graph(spec, graph.name, max_seq, vocab_out, sample=graph.sampling,
                                                       matmul_weights=weights,
                                                       vocab_ids=None if graph.sampling else ids,
-                                                      single_sequence=single_sequence), graph)
+                                                      single_sequence=single_sequence,
+                                                      aux_layers=_aux_of(graph, aux_layers)), graph)
     if single_sequence and not fused_attention_supported(target):
         return graphs
     for gamma in gammas:
         for graph in (GraphId.verification(gamma, sample=False), GraphId.verification(gamma, sample=True)):
             graphs[graph.name] = (build_verify_graph(target, graph.name, gamma, max_seq, vocab_out,
                                                      sample=graph.sampling, single_sequence=single_sequence,
-                                                     matmul_weights=matmul_weights["target"]), graph)
+                                                     matmul_weights=matmul_weights["target"],
+                                                     aux_layers=_aux_of(graph, aux_layers)), graph)
     graphs[GraphId.score().name] = (build_score_graph(target, GraphId.score().name, max_seq, vocab_out,
                                                       single_sequence=single_sequence,
                                                       matmul_weights=matmul_weights["target"]), GraphId.score())
@@ -296,6 +325,11 @@ def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_o
     return graphs
 
 
+def _aux_of(graph: GraphId, aux_layers: tuple[int, ...]) -> tuple[int, ...]:
+    """The aux layers a graph outputs: the target's, in its graphs of AUX_KINDS."""
+    return aux_layers if graph.model == "target" and graph.kind in AUX_KINDS else ()
+
+
 SINGLE_SEQUENCE = "_b1"  # file suffix of the batch-1 ONNX Runtime variants
 
 
@@ -304,15 +338,17 @@ def variant_file(name: str) -> str:
 
 
 def _session_graphs(target: ModelSpec, draft: ModelSpec, max_seq, vocab_out, matmul_weights: dict[str, str],
-                    vocab_ids=None, heads: list | None = None) -> dict:
-    """role -> (the model's session graph, {kind: id}): what the ONNX Runtime backend runs (session_graph.py)."""
+                    vocab_ids=None, heads: list | None = None, aux_layers: tuple[int, ...] = ()) -> dict:
+    """role -> (the model's session graph, {kind: id}): what the ONNX Runtime backend runs (session_graph.py).
+    The target's outputs aux_hidden where its graphs of AUX_KINDS do."""
     sessions = {}
     for role, spec, ids in _models(target, draft, vocab_ids):
         kinds = ["forward", "sample"]
         if role == "target":
             kinds = [k for k in KINDS if heads or k not in TREE_KINDS]
         builder = build_session_graph(spec, f"{role}_session", max_seq, vocab_out, kinds, matmul_weights[role], ids,
-                                      heads=heads if role == "target" else None)
+                                      heads=heads if role == "target" else None,
+                                      aux_layers=aux_layers if role == "target" else ())
         sessions[role] = (builder, {kind: KINDS[kind] for kind in kinds})
     return sessions
 
@@ -377,7 +413,7 @@ def _op_summary(model: onnx.ModelProto) -> tuple[dict[str, int], int]:
 
 
 def _model_entry(spec: ModelSpec, weight_file: WeightFile, matmul_weights: str, scored_vocab: int,
-                 session: tuple) -> ModelEntry:
+                 session: tuple, aux_layers: tuple[int, ...] = ()) -> ModelEntry:
     hp, (builder, kinds) = spec.hp, session
     return ModelEntry(
         source=str(spec.path.resolve()),
@@ -387,7 +423,7 @@ def _model_entry(spec: ModelSpec, weight_file: WeightFile, matmul_weights: str, 
         num_heads=hp["num_heads"], num_kv_heads=hp["num_kv_heads"], head_dim=hp["head_dim"],
         hidden_size=hp["hidden_size"], vocab_size=hp["vocab_size"], weights_file=weight_file.filename,
         matmul_weights=matmul_weights, scored_vocab=scored_vocab, config=spec.config,
-        session=SessionEntry(f"{builder.name}.onnx", kinds),
+        session=SessionEntry(f"{builder.name}.onnx", kinds), eagle_aux_layers=aux_layers,
     )
 
 

@@ -173,13 +173,17 @@ class GraphBuilder:
         return key
 
     # -- nodes --------------------------------------------------------------------------------
-    def op(self, op_type: str, *inputs: str, outputs: int = 1, domain: str = "", out=None, **attrs):
+    def op(self, op_type: str, *inputs: str, outputs: int = 1, domain: str = "", out=None, node: str | None = None,
+           **attrs):
         """Add one node; returns its output name (or list of names when outputs > 1).
 
-        `out` names the output(s) explicitly (e.g. graph outputs, to avoid an Identity).
+        `out` names the output(s) explicitly (e.g. graph outputs, to avoid an Identity). `node` names
+        the node instead of the running count, which it leaves as it is: a node made only on request
+        (an optional output) then renames none of the others.
         """
-        self._count += 1
-        node_name = f"{self.scope}{op_type}_{self._count}"
+        if node is None:
+            self._count += 1
+        node_name = node or f"{self.scope}{op_type}_{self._count}"
         names = [f"{node_name}/out{k}" if outputs > 1 else f"{node_name}/out" for k in range(outputs)]
         if out is not None:
             names = [out] if isinstance(out, str) else list(out)

@@ -13,6 +13,7 @@ So the graph itself serves every call, with all weights in its main body:
 
     input_ids [B, T], past_len [B], token_count [B], kind [], fused []  (+ the kind's own inputs)
       -> next_token [B], probs [B, V], accepted [B], new_len [B]   (those `kind` makes; others empty)
+         (+ aux_hidden [B, T, n·H] for every kind, where the target's graphs have it)
 
 - `kind` says which call this is (KINDS): a forward step (greedy or sampled: the LM head reads each
   row's last real token) or a verification of T = γ+1 tokens (any γ: the LM head reads all T, and
@@ -60,8 +61,11 @@ def read_back(kinds: list[str]) -> dict[str, int]:
 
 def build_session_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int, kinds: list[str],
                         matmul_weights: str = "float32", vocab_ids: np.ndarray | None = None,
-                        heads: list | None = None) -> GraphBuilder:
-    """`heads`: the Medusa heads of the tree kinds (verify_tree*), which must come last in KINDS."""
+                        heads: list | None = None, aux_layers: tuple[int, ...] = ()) -> GraphBuilder:
+    """`heads`: the Medusa heads of the tree kinds (verify_tree*), which must come last in KINDS.
+    `aux_layers`: also output aux_hidden [B, T, len(aux_layers) * H] as the graphs of each kind do
+    (transformer._aux_hidden): made before the LM head, so one output at the top level serves every
+    kind, over all T input positions, whichever positions the kind's LM head reads."""
     g = GraphBuilder(name, matmul_weights, quantized_kernel="MatMulNBits")
     ids = g.input("input_ids", INT64, ["batch", "tokens"])
     past_len = g.input("past_len", INT64, ["batch"])
@@ -73,7 +77,7 @@ def build_session_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int
     assert not trees or heads, "tree kinds read the Medusa heads"
     # the tree kinds are the last kinds: one comparison tells a tree call (positions, mask) from the others
     tree_flag = g.op("GreaterOrEqual", kind, g.const(min(KINDS[k] for k in trees))) if trees else None
-    hidden = _decoder(g, spec, ids, past_len, max_seq, fused_flag=fused, tree_flag=tree_flag)
+    hidden = _decoder(g, spec, ids, past_len, max_seq, fused_flag=fused, tree_flag=tree_flag, aux_layers=aux_layers)
     rows = _head_rows(g, hidden, token_count, kind)  # [B, L, H]
     subset = vocab_ids is not None
     # the greedy forward kind of a cut-vocabulary draft scores its subset; every other call the whole head

@@ -17,6 +17,10 @@ the runtime binds the same memory as input and output; attention reads positions
 and masks each query to keys at positions <= its own. So entries beyond a sequence's length are
 never read, and rolling back a rejected draft is just passing a smaller past_len next time.
 
+With `aux_layers` (the target's step and verification graphs, for an EAGLE-3 head), a graph also
+outputs aux_hidden [B, T, len(aux_layers) * H]: the residual stream entering each of those layers at
+every input position (see _aux_hidden). Without them the graphs are as if the option did not exist.
+
 Each graph also has a single-sequence variant for ONNX Runtime (`single_sequence=True`, batch 1):
 the same interface and cache, with each block's attention in ONNX Runtime's fused
 GroupQueryAttention kernel, which reads the cache in place (see _fused_attention).
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from speccompile.bundle import LOGPROBS, TOP_LOGPROBS, kv_cache_shape
+from speccompile.bundle import AUX_HIDDEN, LOGPROBS, TOP_LOGPROBS, kv_cache_shape
 from speccompile.compiler.checkpoint import ModelSpec
 from speccompile.compiler.logits import (
     constrained,
@@ -53,18 +57,19 @@ from speccompile.compiler.tensors import columns, concatenated
 
 def build_forward_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int, sample: bool = False,
                         matmul_weights: str = "float32", vocab_ids: np.ndarray | None = None,
-                        single_sequence: bool = False) -> GraphBuilder:
+                        single_sequence: bool = False, aux_layers: tuple[int, ...] = ()) -> GraphBuilder:
     """Greedy (`next_token` = argmax) or, with sample=True, sampled from the transformed
     distribution with a supplied uniform per sequence (outputs `next_token` and `probs`).
     `matmul_weights`: how the projection and LM-head weights are stored (see GraphBuilder.matmul).
     `vocab_ids` (sorted token ids, see draft_vocab; greedy graphs only) restricts the LM head to
     those tokens: `logits` are then over the subset, `next_token` is a token id as always.
-    `single_sequence`: the batch-1 ONNX Runtime variant (see _fused_attention)."""
+    `single_sequence`: the batch-1 ONNX Runtime variant (see _fused_attention).
+    `aux_layers`: also output `aux_hidden` at every position (see _aux_hidden)."""
     g = GraphBuilder(name, matmul_weights)
     ids = g.input("input_ids", INT64, ["batch", "tokens"])
     past_len = g.input("past_len", INT64, ["batch"])
     token_count = g.input("token_count", INT64, ["batch"])
-    hidden = _decoder(g, spec, ids, past_len, max_seq, single_sequence)
+    hidden = _decoder(g, spec, ids, past_len, max_seq, single_sequence, aux_layers=aux_layers)
     # Only each sequence's last real token needs logits: gather it before the LM head.
     last = g.op("Unsqueeze", g.op("Sub", token_count, g.const(1)), g.const([1]))
     hidden_last = g.op("GatherND", hidden, last, batch_dims=1)  # [B, H]
@@ -93,13 +98,15 @@ OUTPUT_SHAPES = {
 
 
 def build_verify_graph(spec: ModelSpec, name: str, gamma: int, max_seq: int, vocab_out: int, sample: bool = False,
-                       single_sequence: bool = False, matmul_weights: str = "float32") -> GraphBuilder:
+                       single_sequence: bool = False, matmul_weights: str = "float32",
+                       aux_layers: tuple[int, ...] = ()) -> GraphBuilder:
     """Score [last, d_1..d_γ] and apply SpecAccept: greedy on logits, or (sample=True) the
-    rejection-sampling rule on the transformed target probabilities and the draft's."""
+    rejection-sampling rule on the transformed target probabilities and the draft's.
+    `aux_layers`: also output `aux_hidden` at all γ+1 positions (see _aux_hidden)."""
     g = GraphBuilder(name, matmul_weights)
     ids = g.input("input_ids", INT64, ["batch", gamma + 1])
     past_len = g.input("past_len", INT64, ["batch"])
-    hidden = _decoder(g, spec, ids, past_len, max_seq, single_sequence)
+    hidden = _decoder(g, spec, ids, past_len, max_seq, single_sequence, aux_layers=aux_layers)
     logits = _lm_head(g, spec, hidden, vocab_out)  # [B, γ+1, V]: stays inside the graph
     for tensor, output in zip(accept(g, logits, ids, past_len, gamma, vocab_out, sample), (*OUTPUTS, *LOGPROBS)):
         g.output(tensor, output, *OUTPUT_SHAPES[output](vocab_out, gamma + 1))
@@ -276,13 +283,15 @@ def cache_shape(spec: ModelSpec, max_seq: int) -> list:
 
 
 def _decoder(g: GraphBuilder, spec: ModelSpec, ids: str, past_len: str, max_seq: int, single_sequence: bool = False,
-             fused_flag: str | None = None, tree: bool = False, tree_flag: str | None = None) -> str:
+             fused_flag: str | None = None, tree: bool = False, tree_flag: str | None = None,
+             aux_layers: tuple[int, ...] = ()) -> str:
     """Embeddings, all blocks and the cache I/O; returns the last block's output [B, T, H].
 
     Attention runs the standard ONNX ops, or with `single_sequence` ONNX Runtime's fused kernel, or
     with `fused_flag` (a boolean scalar tensor) whichever the flag says, per call (session graphs).
     `tree`: the T tokens are a token tree (core/tree.py) whose depths and ancestor mask are inputs;
-    `tree_flag` (a boolean scalar tensor): they are one when the flag says, per call (session graphs)."""
+    `tree_flag` (a boolean scalar tensor): they are one when the flag says, per call (session graphs).
+    `aux_layers`: also the `aux_hidden` output (_aux_hidden); none: the graph has no trace of it."""
     hp, w = spec.hp, spec.weights
     num_tokens = g.op("Gather", g.op("Shape", ids), g.const(1))  # scalar T
     positions = None
@@ -303,11 +312,28 @@ def _decoder(g: GraphBuilder, spec: ModelSpec, ids: str, past_len: str, max_seq:
         if fused_flag is not None and fused_attention_supported(spec):
             fused = _fused_attention(g, spec, past_len, num_tokens, layers, max_seq)
             core = _either_attention(g, spec, max_seq, fused_flag, fused, core)
+    entering = []  # the residual stream entering each block
     for i in range(hp["num_layers"]):
         g.scope = f"layer{i}/"
+        entering.append(x)
         x = _block(g, spec, i, x, core)
     g.scope = ""
+    if aux_layers:
+        assert all(0 <= i < len(entering) for i in aux_layers), f"aux layers {aux_layers} of {len(entering)} layers"
+        _aux_hidden(g, spec, ids, [entering[i] for i in aux_layers])
     return x
+
+
+def _aux_hidden(g: GraphBuilder, spec: ModelSpec, ids: str, states: list[str]) -> str:
+    """Output `aux_hidden` [B, T, len(states) * H]: at every position of ids [B, T], the residual
+    stream entering each listed block, side by side in the listed order. It is HF's
+    `hidden_states[i]` (embeddings for i = 0; never the final-normed last one), the features an
+    EAGLE-3 head drafts from (vLLM's llama.py collects `hidden_states + residual` before block i)."""
+    [tokens] = [value.type.tensor_type.shape.dim[1] for value in g.inputs if value.name == ids]
+    width = len(states) * spec.hp["hidden_size"]
+    # its own node name, so that the graph's other nodes are named as without it
+    aux = g.op("Concat", *states, axis=-1, out=AUX_HIDDEN, node=f"{AUX_HIDDEN}/Concat")
+    return g.output(aux, AUX_HIDDEN, FLOAT, ["batch", tokens.dim_param or tokens.dim_value, width])
 
 
 def _embedding(g, embed, ids) -> str:
