@@ -86,6 +86,8 @@ class Scheduler:
         self.fallback_gamma = max(self.gammas) if fallback_gamma is None else fallback_gamma
         self.proposers = proposers or Proposers(DraftRunner(draft, max_seq) if draft is not None else None)
         self.runners = self.proposers.runners
+        # runners that read the target's features of every position it caches (EAGLE-3): after each call
+        self.feature_readers = [runner for runner in self.runners if runner.reads_target_features]
         self.waiting: deque[Request] = deque()  # appended by any thread; popped here only
         self.decoding: list[Request] = []  # slot i holds decoding[i]
         self.joining: Request | None = None  # partly prefilled, in slot len(decoding)
@@ -226,6 +228,7 @@ class Scheduler:
         began = time.perf_counter()
         complete = start + count == len(request.prompt)
         feed = not self._model_declined(request)
+        before = self.target.cache_lengths[slot : slot + 1].copy()
         for runner in self.runners:
             runner.prefill(request, tokens, counts, slot, complete, feed)
         options = {"processing": processing_inputs([request], self.target.vocab_size),
@@ -243,6 +246,7 @@ class Scheduler:
         request.prefilled += count
         if complete:
             request.emit(token, self.eos_ids, self._scores([request], 0, 1))
+        self._features_read([request], slot, before, scored=scoring)
         request.stats.prefill_ms += (time.perf_counter() - began) * 1e3
         return count
 
@@ -362,9 +366,11 @@ class Scheduler:
             timing.target_ms = self._plain_iteration(rows, began)
             return timing
         gamma = self.last_gamma = min(g for g in self.gammas if g >= drafts.max())  # fewer drafts: a shorter one
+        before = self.target.cache_lengths[: len(rows)].copy()
         accepted, next_token = self._verify(rows, offers, drafts, gamma, proposed, q)
         verify_ms = (time.perf_counter() - drafted) * 1e3
         self.update(plan, drafts, proposed, accepted, next_token, (draft_ms, verify_ms))
+        self._features_read(rows, 0, before)
         timing.gamma, timing.target_ms = gamma, verify_ms
         return timing
 
@@ -420,6 +426,7 @@ class Scheduler:
         Returns the target call's ms."""
         last = np.array([[r.tokens[-1]] for r in rows], dtype=np.int64)
         one = np.ones(len(rows), dtype=np.int64)
+        before = self.target.cache_lengths[: len(rows)].copy()
         called = time.perf_counter()
         if all(r.params.greedy for r in rows):
             next_token = self.target.forward(last, one, **self._options(rows))
@@ -431,7 +438,18 @@ class Scheduler:
             request.emit([next_token[row]], self.eos_ids, self._scores(rows, row, 1))
             request.stats.decode_ms += (done - began) * 1e3
             request.stats.record_iteration(0, 0)
+        self._features_read(rows, 0, before)
         return (done - called) * 1e3
+
+    def _features_read(self, rows: list[Request], first: int, before: np.ndarray, scored: bool = False) -> None:
+        """The runners that read the target's features (EAGLE-3) read those of the call just made over
+        slots first.., of the positions it kept; a scoring call returns none."""
+        if not self.feature_readers:
+            return
+        after = self.target.cache_lengths[first : first + len(rows)].copy()
+        features = None if scored else getattr(self.target, "last_aux_hidden", None)
+        for runner in self.feature_readers:
+            runner.after_target(rows, first, before, after, features)
 
     def _tree_iteration(self, rows: list[Request]) -> None:
         """Medusa: one target pass verifies each row's token tree (the heads' proposal of the last

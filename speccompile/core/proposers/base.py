@@ -80,6 +80,7 @@ class Runner(Protocol):
     """Shared work behind the proposers that run a model (one per runtime): it keeps that model's
     cache in step with the target's slots, and drafts for its rows of a plan, batched."""
 
+    reads_target_features: bool  # the scheduler calls after_target(rows, first, before, after, features)
     steps: int  # model steps the last `draft` ran
     catch_up_ms: float  # of its time, what feeding the model the tokens it had missed took (after plain steps)
 

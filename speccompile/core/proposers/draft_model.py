@@ -28,6 +28,8 @@ DRAFT_PRIOR, DRAFT_PRIOR_WEIGHT = 0.7, 2.0
 class DraftRunner:
     """Runs the draft model for the rows of a plan whose proposer drafts with it."""
 
+    reads_target_features = False  # it reads the tokens, not the target's features
+
     def __init__(self, engine: DecoderEngine, max_seq: int):
         self.engine, self.max_seq = engine, max_seq
         self.steps, self.catch_up_ms = 0, 0.0  # of the last `draft`: model steps, and ms spent catching up

@@ -1,0 +1,119 @@
+"""The EAGLE-3 proposer's bookkeeping on fake engines: the head reads the target's features of every
+position the target keeps, each with the token after it, and rolls back what it read of its own
+drafts. A head that sees its inputs right drafts exactly what the target then chooses; one that is
+off by a position drafts nothing that is kept; and the output is the target's either way."""
+
+import numpy as np
+import pytest
+
+from speccompile.core.proposers import Proposers
+from speccompile.core.proposers.eagle import EagleRunner
+from speccompile.core.request import Request
+from speccompile.core.scheduler import Scheduler
+from tests.core.fake_engines import FakeEngine, next_token_of
+from tests.core.test_scheduler import PROMPTS, VOCAB, reference, run
+
+
+class FeatureTarget(FakeEngine):
+    """A fake target whose 'features' at a position are the token it cached there."""
+
+    last_aux_hidden = None
+
+    def _append(self, tokens, first):
+        self.last_aux_hidden = tokens[:, :, None].astype(np.float32)
+        return super()._append(tokens, first)
+
+
+class FakeHead:
+    """A head whose position t reads (the token behind the target's features at t, the token at t + 1)
+    and predicts, as the target would, the token after them: it is right exactly when it is fed right.
+    A fed-back step reads (its own output: the token it predicted before, the draft given)."""
+
+    def __init__(self, capacity: int = 256, skew: int = 0):
+        self.capacity, self.skew = capacity, skew
+        self.catch_ups = self.steps = 0
+
+    def start(self, slots):
+        self.cache = np.full((slots, self.capacity + 1), -1, dtype=np.int64)  # cache[s, t]: the token at t
+        self.cache_lengths = np.zeros(slots, dtype=np.int64)
+
+    def _read(self, slot: int, feature_token: int, next_token: int) -> int:
+        t = self.cache_lengths[slot]
+        assert t == 0 or (self.cache[slot, :t] >= 0).all(), "read of an unwritten cache entry"
+        self.cache[slot, t], self.cache[slot, t + 1] = feature_token, next_token
+        self.cache_lengths[slot] += 1
+        return next_token_of(self.cache[slot, : t + 2 + self.skew], VOCAB, 0)
+
+    def catch_up(self, tokens, features, counts, first=0):
+        self.catch_ups += 1
+        out = np.zeros(len(tokens), dtype=np.int64)
+        for b in range(len(tokens)):
+            for t in range(int(counts[b])):
+                out[b] = self._read(first + b, int(features[b, t, 0]), int(tokens[b, t]))
+        return out, np.ones(len(tokens), np.float32), out[:, None].astype(np.float32)
+
+    def step(self, tokens, hidden, first=0):
+        self.steps += 1
+        out = np.array([self._read(first + b, int(self.cache[first + b, self.cache_lengths[first + b]]),
+                                   int(tokens[b, 0])) for b in range(len(tokens))], dtype=np.int64)
+        return out, np.ones(len(tokens), np.float32), out[:, None].astype(np.float32)
+
+    def move(self, source, destination):
+        self.cache[destination] = self.cache[source]
+        self.cache_lengths[destination] = self.cache_lengths[source]
+
+
+def eagle_scheduler(head: FakeHead, gammas=(1, 2, 4), max_batch=4, **kw) -> Scheduler:
+    proposers = Proposers(eagle=EagleRunner(head, 256))
+    return Scheduler(FeatureTarget(capacity=256), None, max_batch, 256, list(gammas), set(), policy_for=None,
+                     proposers=proposers, **kw)
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 4])
+def test_a_head_fed_right_drafts_what_the_target_chooses(gamma):
+    requests = [Request(p, 17, gamma=gamma, proposer="eagle") for p in PROMPTS]
+    scheduler = eagle_scheduler(FakeHead())
+    for request in requests:
+        request.proposer = scheduler.proposers.make("eagle")
+    run(scheduler, requests)
+    for request, prompt in zip(requests, PROMPTS):
+        assert request.generated == reference(prompt, 17)
+        assert request.stats.draft_tokens > 0 and request.stats.accepted_tokens == request.stats.draft_tokens
+
+
+def test_a_head_off_by_a_position_is_never_kept_and_the_output_is_still_the_target_s():
+    requests = [Request(p, 17, gamma=4) for p in PROMPTS]
+    scheduler = eagle_scheduler(FakeHead(skew=-1))
+    for request in requests:
+        request.proposer = scheduler.proposers.make("eagle")
+    run(scheduler, requests)
+    for request, prompt in zip(requests, PROMPTS):
+        assert request.generated == reference(prompt, 17)
+        assert request.stats.draft_tokens > 0 and request.stats.accepted_tokens < request.stats.draft_tokens / 4
+
+
+def test_chunked_prefill_plain_steps_and_joining_requests_keep_the_head_in_step():
+    """Prompts prefilled in chunks while others decode, requests at γ 0 (plain steps) beside
+    drafting ones: the head reads every call's features, so its drafts stay right."""
+    long = list(range(1, 40))
+    requests = [Request(long, 12, gamma=4), Request(PROMPTS[0], 12, gamma=0), Request(PROMPTS[2], 12, gamma=2)]
+    scheduler = eagle_scheduler(FakeHead(), prefill_chunk=8)
+    for request in requests:
+        request.proposer = scheduler.proposers.make("eagle")
+    run(scheduler, requests)
+    for request in requests:
+        assert request.generated == reference(request.prompt, 12)
+    drafting = [r for r in requests if r.gamma]
+    assert all(r.stats.draft_tokens > 0 and r.stats.accepted_tokens == r.stats.draft_tokens for r in drafting)
+
+
+def test_a_prompt_scored_for_echo_leaves_the_head_out_of_step_and_drafting_nothing():
+    scheduler = eagle_scheduler(FakeHead())
+    runner = scheduler.proposers.eagle
+    request = Request(PROMPTS[2], 6, gamma=2)
+    request.proposer = scheduler.proposers.make("eagle")
+    scheduler.add(request)
+    scheduler.step()  # prefilled: in step
+    assert runner.in_step[0]
+    runner.after_target([request], 0, np.array([0]), np.array([3]), None)  # a call that returned no features
+    assert not runner.in_step[0]
