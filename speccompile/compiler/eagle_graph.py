@@ -1,0 +1,215 @@
+"""ONNX graphs of an EAGLE-3 head (eagle_head.py): its one layer over its own KV cache.
+
+Two graphs over one weight set (their weights have the same names, so one WeightFile holds them once):
+
+  eagle_catch_up  input_ids [B, T] (token t+1 at position t), aux_hidden [B, T, 3·Ht] (the target's
+                  features at positions t), past_len [B], token_count [B]
+                  -> next_token [B], confidence [B], hidden [B, H]
+                  fc fuses the features; the layer runs over the T positions, writing the cache at
+                  past_len .. past_len+T-1; outputs are read at each row's last real position
+                  (token_count - 1; rows are right-padded to T, as the target's forward graph takes them;
+                  a row may read none). Every row's past_len + T must fit max_seq, padding included.
+  eagle_step      input_ids [B, 1] (the previous draft), hidden_in [B, 1, H] (the previous `hidden`),
+                  past_len [B]  -> the same outputs, one position further on; no fc.
+
+next_token is a target id (argmax over the draft vocabulary, then + d2t), confidence its probability
+(softmax over the draft vocabulary), hidden the layer's output before `norm`, fed back as the next
+step's hidden_in. The cache is the target's scheme exactly (transformer.py): past_key.0 / past_value.0
+[B, kv heads, max_seq, head dim] in, present_key.0 / present_value.0 out, written in place by
+TensorScatter at positions past_len.., RoPE at the same positions; rolling back is a smaller past_len.
+
+The layer (see eagle_head.py for the maths) is built from the target's own helpers over a ModelSpec
+of one Llama layer whose weights are the head's under the target's canonical names (_layer_spec):
+the fused QKV and gate/up projections, RMSNorm, RoPE tables and attention are the target's nodes.
+Only the head's own wiring is here: the 2H-wide attention input and the residual it keeps.
+
+The token embedding is the head's own where its checkpoint has one, else the target's, stored under
+the target's weight names (embed, or a GGUF's embed_q / embed_scale): so the head's graphs may carry a
+copy in their own file (write_eagle_graphs' default) or read the target's bytes where they lie
+(write_eagle_graphs(borrowed=...)), an external-data reference into the target's weights file.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from speccompile.compiler.architectures import LLAMA
+from speccompile.compiler.checkpoint import ModelSpec
+from speccompile.compiler.onnx_graph import FLOAT, INT64, GraphBuilder, WeightFile, _lazy
+from speccompile.compiler.rope import SCALINGS, Rope
+from speccompile.compiler.tensors import LazyTensor, transposed
+from speccompile.compiler.transformer import (
+    _attention_layers,
+    _embedding,
+    _linear,
+    _lm_head,
+    _mlp,
+    _norm,
+    _offsets,
+    _onnx_attention,
+    greedy_confidence,
+)
+from speccompile.eagle_head import Eagle3Head, draft_to_target
+from speccompile.errors import SpecCompileError
+
+CATCH_UP, STEP = "eagle_catch_up", "eagle_step"
+EAGLE_KINDS = (CATCH_UP, STEP)
+OUTPUTS = ("next_token", "confidence", "hidden")  # what a runtime reads back from either graph (the rest: cache)
+EMBEDDING_WEIGHTS = ("embed", "embed_q", "embed_scale")  # the names _embedding stores a table under
+WEIGHTS_FILE = "eagle.weights"
+LAYER = "layers.0."
+# RoPE scalings whose tables need only their own parameters: Eagle3Config keeps no max_position_embeddings
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def build_eagle_graphs(head: Eagle3Head, embed_tokens: np.ndarray | LazyTensor | None, max_seq: int,
+                       matmul_weights: str = "float32") -> dict[str, GraphBuilder]:
+    """{kind: graph} for both kinds, each graph named as its kind (the builders below take other names).
+    `embed_tokens`: the target's table [V', H] (V' >= the head's vocabulary; a checkpoint's lazy tensor
+    is stored as it is, not read here), used where the head has no copy of its own. `matmul_weights`:
+    how fc, the projections and lm_head are stored (GraphBuilder.matmul)."""
+    return {CATCH_UP: build_catch_up_graph(head, embed_tokens, max_seq, CATCH_UP, matmul_weights),
+            STEP: build_step_graph(head, embed_tokens, max_seq, STEP, matmul_weights)}
+
+
+def build_catch_up_graph(head: Eagle3Head, embed_tokens, max_seq: int, name: str = CATCH_UP,
+                         matmul_weights: str = "float32") -> GraphBuilder:
+    """The head over T positions of target features: a prompt (chunk), or the positions a verification
+    accepted, whose aux_hidden the target's graph has just output under the same name and layout."""
+    spec = _layer_spec(head, embed_tokens, max_seq)
+    g = GraphBuilder(name, matmul_weights)
+    ids = g.input("input_ids", INT64, ["batch", "tokens"])
+    aux = g.input("aux_hidden", FLOAT, ["batch", "tokens", 3 * head.config.target_hidden_size])
+    past_len = g.input("past_len", INT64, ["batch"])
+    token_count = g.input("token_count", INT64, ["batch"])
+    fused = g.matmul(aux, "fc_w", spec.weights["fc_w"])  # [B, T, H]
+    hidden = _layer(g, spec, head, ids, fused, past_len, max_seq)
+    # a row that reads nothing (token_count 0: the proposer's rows without new features) reads position 0,
+    # an answer nobody takes, rather than index -1, which not every backend wraps
+    last = g.op("Unsqueeze", g.op("Max", g.op("Sub", token_count, g.const(1)), g.const(0)), g.const([1]))
+    _draft(g, spec, head, g.op("GatherND", hidden, last, batch_dims=1))  # [B, H]
+    return g
+
+
+def build_step_graph(head: Eagle3Head, embed_tokens, max_seq: int, name: str = STEP,
+                     matmul_weights: str = "float32") -> GraphBuilder:
+    """One more draft: the previous draft's token with the head's own previous output."""
+    spec = _layer_spec(head, embed_tokens, max_seq)
+    g = GraphBuilder(name, matmul_weights)
+    ids = g.input("input_ids", INT64, ["batch", 1])
+    fed_back = g.input("hidden_in", FLOAT, ["batch", 1, head.config.hidden_size])
+    past_len = g.input("past_len", INT64, ["batch"])
+    hidden = _layer(g, spec, head, ids, fed_back, past_len, max_seq)
+    _draft(g, spec, head, g.op("Squeeze", hidden, g.const([1])))  # [B, H]
+    return g
+
+
+def _layer(g: GraphBuilder, spec: ModelSpec, head: Eagle3Head, ids: str, features: str, past_len: str,
+           max_seq: int) -> str:
+    """The head's layer over features [B, T, H] (fused target features or the head's own output) and
+    the embeddings of ids [B, T], at positions past_len..; writes the cache; returns [B, T, H]."""
+    fed = _norm(g, spec, features, LAYER + "hidden_norm")
+    embedded = _norm(g, spec, _embedding(g, spec.weights["embed"], ids), LAYER + "attn_norm")
+    x = g.op("Concat", embedded, fed, axis=-1)  # [B, T, 2H]: the attention reads both
+    # the EAGLE authors' layer keeps the un-normed features as its residual, speculators' may keep the normed
+    residual = fed if head.config.norm_before_residual else features
+    num_tokens = g.op("Gather", g.op("Shape", ids), g.const(1))
+    positions = g.op("Add", g.op("Unsqueeze", past_len, g.const([1])), _offsets(g, num_tokens, False, None))
+    core = _onnx_attention(g, spec, past_len, num_tokens, positions, _attention_layers(g, spec, max_seq), max_seq)
+    qkv = _linear(g, spec, x, LAYER + "qkv", parts=(LAYER + "q", LAYER + "k", LAYER + "v"))
+    attended = g.op("Add", residual, _linear(g, spec, core(g, 0, qkv), LAYER + "o"))
+    return g.op("Add", attended, _mlp(g, spec, LAYER, _norm(g, spec, attended, LAYER + "mlp_norm")))
+
+
+def _draft(g: GraphBuilder, spec: ModelSpec, head: Eagle3Head, hidden: str) -> None:
+    """Outputs next_token (a target id), confidence and hidden of the layer's output [B, H]."""
+    logits = _lm_head(g, spec, hidden, head.config.draft_vocab_size)  # [B, draft vocabulary]
+    best = g.op("ArgMax", logits, axis=-1, keepdims=0)
+    targets = g.weight("draft_to_target", draft_to_target(head, np.arange(head.config.draft_vocab_size)))
+    g.output(g.op("Gather", targets, best), "next_token", INT64, ["batch"])
+    g.output(greedy_confidence(g, logits), "confidence", FLOAT, ["batch"])
+    g.output(hidden, "hidden", FLOAT, ["batch", head.config.hidden_size])
+
+
+# ---------------------------------------------------------------------------------------------
+# the head as a one-layer Llama ModelSpec, for transformer.py's helpers
+
+
+def _layer_spec(head: Eagle3Head, embed_tokens, max_seq: int) -> ModelSpec:
+    """hp as checkpoint._hyper_parameters makes them, and the head's weights under the canonical names
+    (matrices [in, out], transposed lazily: nothing is copied before the weights file is written)."""
+    c = head.config
+    hp = {"hidden_size": c.hidden_size, "num_layers": 1, "num_heads": c.num_attention_heads,
+          "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "intermediate_size": c.intermediate_size,
+          "norm_eps": c.rms_norm_eps, "activation": "silu", "vocab_size": c.vocab_size, "tie_embeddings": False,
+          "layer_windows": [None], "layer_ropes": [_rope(head, max_seq)], "rotary_dim": c.head_dim,
+          "attn_scale": c.head_dim ** -0.5, "max_positions": max_seq}
+    linear = {"q": head.q_proj, "k": head.k_proj, "v": head.v_proj, "o": head.o_proj, "gate": head.gate_proj,
+              "up": head.up_proj, "down": head.down_proj}
+    norms = {"attn_norm": head.input_layernorm, "hidden_norm": head.hidden_norm,
+             "mlp_norm": head.post_attention_layernorm}
+    weights = {**{f"{LAYER}{name}_w": _in_out(w) for name, w in linear.items()},
+               **{f"{LAYER}{name}_w": _lazy(w) for name, w in norms.items()},
+               "fc_w": _in_out(head.fc), "final_norm_w": _lazy(head.norm), "lm_head": _in_out(head.lm_head),
+               "embed": _embedding_table(head, embed_tokens)}
+    return ModelSpec(Path("eagle3"), "eagle3", LLAMA, hp, {}, weights)
+
+
+def _embedding_table(head: Eagle3Head, embed_tokens):
+    """The head's own table, or the target's: [V', H] with V' covering the head's vocabulary."""
+    table = head.embed_tokens if head.embed_tokens is not None else embed_tokens
+    c = head.config
+    if table is None:
+        raise SpecCompileError("the EAGLE-3 head has no embed_tokens of its own: give it the target's")
+    if len(table.shape) != 2 or table.shape[1] != c.hidden_size or table.shape[0] < c.vocab_size:
+        raise SpecCompileError(f"the embedding table given to the EAGLE-3 head is {list(table.shape)}; it needs "
+                               f"{c.hidden_size} columns and at least {c.vocab_size} rows")
+    return table if isinstance(table, LazyTensor) else _lazy(np.asarray(table, np.float32))
+
+
+def _rope(head: Eagle3Head, max_seq: int) -> Rope:
+    c = head.config
+    params = dict(c.rope_scaling or {"rope_type": "default"})
+    rope_type = params.pop("rope_type")
+    if rope_type not in ROPE_TYPES:
+        raise SpecCompileError(f"the EAGLE-3 head's rope scaling {rope_type!r} is not supported "
+                               f"(supported: {', '.join(ROPE_TYPES)})")
+    needed = SCALINGS[rope_type].required + (("original_max_position_embeddings",) if rope_type == "llama3" else ())
+    missing = [key for key in needed if params.get(key) is None]
+    if missing:
+        raise SpecCompileError(f"the EAGLE-3 head's rope scaling {rope_type!r} needs {', '.join(missing)}")
+    return Rope(rope_type, c.rope_theta, max_seq, params)
+
+
+def _in_out(weight: np.ndarray) -> LazyTensor:
+    """nn.Linear's [out, in] as the graphs multiply it: [in, out]."""
+    return transposed(_lazy(weight))
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+
+
+def write_eagle_graphs(directory, graphs: dict[str, GraphBuilder], weights_file: str = WEIGHTS_FILE,
+                       borrowed: dict[str, tuple[str, int, int]] | None = None) -> WeightFile:
+    """Each graph as `directory`/<its name>.onnx over one weights file, `weights_file`. `borrowed`:
+    weights the graphs read from another file of the directory instead, by name -> (file, offset,
+    length) there (see borrowed_embedding), which then are not copied into `weights_file`."""
+    directory, borrowed = Path(directory), borrowed or {}
+    weight_file = WeightFile(weights_file)
+    for graph in graphs.values():
+        weight_file.add({name: w for name, w in graph.weights.items() if name not in borrowed})
+    weight_file.write(directory / weights_file)
+    for graph in graphs.values():
+        onnx.save_model(graph.model({**weight_file.locations, **borrowed}), str(directory / f"{graph.name}.onnx"))
+    return weight_file
+
+
+def borrowed_embedding(graphs: dict[str, GraphBuilder], target_locations: dict[str, tuple[str, int, int]]) -> dict:
+    """write_eagle_graphs' `borrowed` for a head that reads the target's table (built with the target's
+    own weights["embed"], so it is stored under the same names and bytes): where the target's WeightFile
+    put it. ONNX Runtime maps external data into memory on the CPU, so the two models' sessions then
+    share its pages as well as its bytes on disk (a copy would cost the disk, 2 GB for an 8B Llama 3)."""
+    held = {name for graph in graphs.values() for name in graph.weights}
+    return {name: target_locations[name] for name in EMBEDDING_WEIGHTS if name in held}
