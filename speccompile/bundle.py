@@ -45,6 +45,12 @@ GRAPH_OUTPUTS = {
     # heads' candidates for the next iteration's tree (its root is next_token)
     "verify_tree": ("accepted", "next_token", "new_len", "best_node", "next_tree"),
     "verify_tree_typical": ("accepted", "next_token", "new_len", "best_node", "next_tree"),
+    # an EAGLE-3 head (compiler/eagle_graph.py), over the target's features (catch_up) or its own last
+    # output (step): its draft (a target id), the draft's probability, and the head's output [B, H] that
+    # its next step reads back in. Last here: a session graph numbers its kinds by their order in this
+    # dict (session_graph.KINDS), recorded in manifests, and the head's graphs have no session graph
+    "catch_up": ("next_token", "confidence", "hidden"),
+    "step": ("next_token", "confidence", "hidden"),
 }
 GRAPH_KINDS = tuple(GRAPH_OUTPUTS)
 # what each kind is, as data (a kind is never tested by its spelling): a step scores each row's last
@@ -53,16 +59,18 @@ STEP_KINDS = ("forward", "sample")
 CHAIN_KINDS = ("verify", "verify_sample")
 TREE_KINDS = ("verify_tree", "verify_tree_typical")
 SAMPLING_KINDS = ("sample", "verify_sample")
-ROLES = ("target", "draft")
+HEAD_KINDS = ("catch_up", "step")  # the EAGLE-3 head's, and only its
+ROLES = ("target", "draft", "eagle")  # eagle: an EAGLE-3 head, one layer drafting from the target's features
 # each read-back output's element type, and whether it has a value per sequence ([B]), per vocabulary
 # entry ([B, V]), per tree node ([B, N]), per scored position ([B, R]: 1 for a step, all T of a
 # verification or a score) or per position and top token ([B, R, TOP_LOGPROBS]); confidence: the
 # probability of the greedy token (softmax over the scored vocabulary), by which a draft stops
-# proposing (core/scheduler.py, p_min)
+# proposing (core/scheduler.py, p_min); hidden: the EAGLE-3 head's output per sequence ([B, H], "state")
 OUTPUT_TYPES = {"next_token": ("int64", None), "confidence": ("float32", None), "probs": ("float32", "vocab"),
                 "accepted": ("int64", None), "new_len": ("int64", None), "best_node": ("int64", None),
                 "next_tree": ("int64", "tree"), "token_logprob": ("float32", "positions"),
-                "top_logprobs": ("float32", "top"), "top_ids": ("int64", "top"), "aux_hidden": ("float32", "hidden")}
+                "top_logprobs": ("float32", "top"), "top_ids": ("int64", "top"), "aux_hidden": ("float32", "hidden"),
+                "hidden": ("float32", "state")}
 # An output only a bundle built for an EAGLE-3 head has (ModelEntry.eagle_aux_layers), in the target's
 # graphs of AUX_KINDS and its session graph: at every input position (all T of a prefill chunk or a
 # step, all γ+1 of a verification), the residual stream entering each of those layers, side by side in
@@ -75,11 +83,12 @@ AUX_KINDS = (*STEP_KINDS, *CHAIN_KINDS)
 def output_array(name: str, batch: int, vocab_size: int, tree_size: int = 0, positions: int = 1, hidden: int = 0):
     """(shape, numpy dtype name) of a read-back output for a batch. For aux_hidden, `positions` is
     the call's input width T (every position, whatever the kind) and `hidden` the output's last
-    dimension, len(eagle_aux_layers) * hidden_size (ModelEntry.aux_hidden_width)."""
+    dimension, len(eagle_aux_layers) * hidden_size (ModelEntry.aux_hidden_width); for the EAGLE-3
+    head's `hidden`, `hidden` is the head's hidden_size."""
     dtype, width = OUTPUT_TYPES[name]
     shapes = {None: (batch,), "vocab": (batch, vocab_size), "tree": (batch, tree_size),
               "positions": (batch, positions), "top": (batch, positions, TOP_LOGPROBS),
-              "hidden": (batch, positions, hidden)}
+              "hidden": (batch, positions, hidden), "state": (batch, hidden)}
     return shapes[width], dtype
 
 
@@ -95,6 +104,7 @@ class GraphId:
 
     def __post_init__(self):
         assert self.kind in GRAPH_KINDS, f"graph kind {self.kind!r} not in {GRAPH_KINDS}"
+        assert (self.model == "eagle") == (self.kind in HEAD_KINDS), f"a {self.model} graph of kind {self.kind}"
         assert (self.gamma is not None) == (self.verifies and not self.tree), f"{self.kind} graph with γ={self.gamma}"
 
     # Both are cached: the speculative loop asks for its graphs at every step.
@@ -115,10 +125,22 @@ class GraphId:
         """The target's log-probabilities over a chunk of prompt (echo), writing its cache as a prefill does."""
         return cls("target", "score")
 
+    @classmethod
+    @functools.cache
+    def eagle_catch_up(cls) -> "GraphId":
+        """The EAGLE-3 head over target features: a prompt chunk's, or the positions a verification kept."""
+        return cls("eagle", "catch_up")
+
+    @classmethod
+    @functools.cache
+    def eagle_step(cls) -> "GraphId":
+        """One more draft of the EAGLE-3 head, from its own last output and draft."""
+        return cls("eagle", "step")
+
     @property
     def positions_scored(self) -> str:
         """How many positions reach the LM head: "last" (each row's last real token) or "all"."""
-        return "last" if self.kind in STEP_KINDS else "all"
+        return "last" if self.kind in STEP_KINDS or self.kind in HEAD_KINDS else "all"
 
     @classmethod
     @functools.cache
@@ -301,7 +323,7 @@ def _graph_id(o: _Object) -> GraphId:
     """The GraphId a graph entry records, if it is one speccompile makes (GraphId asserts the rest)."""
     model, kind, gamma = o.take("model", str), o.take("kind", str), o.take("gamma", (int, type(None)))
     if model not in ROLES or kind not in GRAPH_KINDS or (gamma is not None) != (kind in CHAIN_KINDS) \
-            or (gamma is not None and gamma < 1):
+            or (gamma is not None and gamma < 1) or (model == "eagle") != (kind in HEAD_KINDS):
         raise _refused(f"{o.where} is no graph speccompile makes (model {model!r:.40}, kind {kind!r:.40}, "
                        f"γ {gamma!r})")
     return GraphId(model, kind, gamma)
@@ -337,7 +359,7 @@ class SessionEntry:
     def from_json(cls, data, where: str) -> "SessionEntry":
         o = _Object(data, where)
         kinds = o.mapping("kinds", _of(int))
-        if not set(kinds) <= set(GRAPH_KINDS):
+        if not set(kinds) <= set(GRAPH_KINDS) - set(HEAD_KINDS):
             raise _refused(f"{where}.kinds names a graph kind speccompile does not make")
         return cls(o.take("file", str), kinds)
 
@@ -347,9 +369,10 @@ class SessionEntry:
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """One model of the bundle (target or draft): where it came from, its shape, its weights file and
-    precision, the tokens its LM head scores, its checkpoint's config.json verbatim, and its session
-    graph (absent from bundles built before session graphs)."""
+    """One model of the bundle (target, draft or EAGLE-3 head): where it came from, its shape, its weights
+    file and precision, the tokens its LM head scores, its checkpoint's config.json verbatim, and its
+    session graph (absent from bundles built before session graphs, and from the head's). The head's
+    vocab_size is the target's (it drafts target ids), its scored_vocab its draft vocabulary."""
 
     source: str
     source_format: SourceFormat
@@ -524,13 +547,15 @@ class Manifest:
         """What the types do not say: the graphs are named for what they are, of models the bundle
         holds, and its γ values are the ones it compiled."""
         if "target" not in self.models or not set(self.models) <= set(ROLES):
-            raise _refused(f"its models are not a target and at most a draft: {sorted(self.models)!r:.80}")
+            raise _refused(f"its models are not a target and at most a draft and an EAGLE-3 head: "
+                           f"{sorted(self.models)!r:.80}")
         for name, graph in self.graphs.items():
             if graph.id.name != name:
                 raise _refused(f"graph {name!r:.60} records itself as {graph.id.name}")
             if graph.id.model not in self.models:
                 raise _refused(f"graph {name} is the {graph.id.model}'s, a model it does not hold")
         self._check_aux_hidden()
+        self._check_eagle()
         if min(self.max_seq, self.max_batch, self.vocab_size) < 1:
             raise _refused(f"its max_seq {self.max_seq}, max_batch {self.max_batch} or vocab_size {self.vocab_size} "
                            "is not positive")
@@ -540,8 +565,9 @@ class Manifest:
 
     def _check_aux_hidden(self) -> None:
         """aux_hidden is where the target's eagle_aux_layers say (read_back), of their width, and nowhere else."""
-        if "draft" in self.models and self.models["draft"].eagle_aux_layers:
-            raise _refused("its draft records eagle_aux_layers, which only the target's graphs output")
+        for role, model in self.models.items():
+            if role != "target" and model.eagle_aux_layers:
+                raise _refused(f"its {role} records eagle_aux_layers, which only the target's graphs output")
         for name, graph in self.graphs.items():
             widths = [spec.shape[-1:] for spec in graph.outputs if spec.name == AUX_HIDDEN]
             expected = [(self.models[graph.id.model].aux_hidden_width,)] if AUX_HIDDEN in self.read_back(graph.id) \
@@ -549,6 +575,30 @@ class Manifest:
             if widths != expected:
                 raise _refused(f"graph {name}'s aux_hidden outputs {widths!r:.60} are not what its model's "
                                f"eagle_aux_layers make ({expected})")
+
+    def _check_eagle(self) -> None:
+        """An EAGLE-3 head reads the target's features: it comes with the target's eagle_aux_layers, as
+        one layer without a session graph, and with both its graphs, which read features of the width
+        the target's graphs output and return the head's own width. (Features without a head are a
+        bundle of their own: what a head is trained on.)"""
+        head, target = self.models.get("eagle"), self.models["target"]
+        if head is None:
+            return
+        if not target.eagle_aux_layers:
+            raise _refused("it holds an EAGLE-3 head, but its target records no eagle_aux_layers to feed it")
+        if head.num_layers != 1 or head.session is not None:
+            raise _refused(f"its EAGLE-3 head has {head.num_layers} layers or a session graph (one layer, none)")
+        for graph in (GraphId.eagle_catch_up(), GraphId.eagle_step()):
+            entry = self.graphs.get(graph.name)
+            if entry is None:
+                raise _refused(f"it holds an EAGLE-3 head without its graph {graph.name}")
+            features = [spec.shape[-1] for spec in entry.inputs if spec.name == AUX_HIDDEN]
+            outputs = [spec.shape[-1] for spec in entry.outputs if spec.name == "hidden"]
+            if features != ([target.aux_hidden_width] if graph == GraphId.eagle_catch_up() else []) \
+                    or outputs != [head.hidden_size]:
+                raise _refused(f"graph {graph.name} reads features of width {features!r:.40} or returns a hidden "
+                               f"state of width {outputs!r:.40}: not the target's {target.aux_hidden_width} and "
+                               f"the head's {head.hidden_size}")
 
     def read_back(self, graph: GraphId) -> tuple[str, ...]:
         """The outputs a runtime may read back from `graph` (all else it returns is the KV cache): its
@@ -632,6 +682,11 @@ class Bundle:
     def has_draft(self) -> bool:
         """False for a draft-free bundle (built without --draft): its requests speculate with prompt lookup."""
         return "draft" in self.manifest.models
+
+    @property
+    def has_eagle(self) -> bool:
+        """Whether the bundle holds an EAGLE-3 head (built with --eagle): its requests may ask for proposer eagle."""
+        return "eagle" in self.manifest.models
 
     @property
     def has_engines(self) -> bool:

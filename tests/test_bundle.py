@@ -154,6 +154,21 @@ def test_graph_names_are_derived_from_what_a_graph_is():
         GraphId("target", "forward", 4)
 
 
+def test_an_eagle_head_s_graphs_are_its_own_kinds():
+    from speccompile.bundle import GraphId, output_array
+
+    assert (GraphId.eagle_catch_up().name, GraphId.eagle_step().name) == ("eagle_catch_up", "eagle_step")
+    for graph in (GraphId.eagle_catch_up(), GraphId.eagle_step()):
+        assert graph.outputs == ("next_token", "confidence", "hidden") and graph.positions_scored == "last"
+        assert not graph.verifies and not graph.sampling and graph.gamma is None
+    # the head's hidden state is one per sequence, the target's features one per position
+    assert output_array("hidden", 3, 100, hidden=64) == ((3, 64), "float32")
+    assert output_array("aux_hidden", 3, 100, positions=5, hidden=192) == ((3, 5, 192), "float32")
+    for model, kind in (("target", "step"), ("draft", "catch_up"), ("eagle", "forward")):
+        with pytest.raises(AssertionError):
+            GraphId(model, kind)
+
+
 def test_the_manifest_records_each_graph_as_its_id(bundles):
     from speccompile.bundle import GraphId
 

@@ -145,6 +145,11 @@ GARBLED = {
     "default γ not compiled": (lambda m: m.update(default_gamma=7), "lack its default γ 7"),
     "session of unknown kinds": (lambda m: m["models"]["target"]["session"]["kinds"].update(read_file=9),
                                  "names a graph kind speccompile does not make"),
+    "an EAGLE-3 head's kind on the target": (lambda m: _graph(m).update(kind="step"), "is no graph speccompile makes"),
+    "a session running a head's kind": (lambda m: m["models"]["target"]["session"]["kinds"].update(catch_up=7),
+                                        "names a graph kind speccompile does not make"),
+    "a head without the target's features": (lambda m: m["models"].update(eagle=m["models"]["draft"]),
+                                             "records no eagle_aux_layers"),
     "engine without its GPU": (lambda m: m.update(engines={"target_forward": {"file": "target_forward.onnx"}}),
                                "has no 'tensorrt_version'"),
 }

@@ -21,6 +21,7 @@ import onnx
 from speccompile.bundle import (
     AUX_KINDS,
     FORMAT_VERSION,
+    HEAD_KINDS,
     TREE_KINDS,
     GraphEntry,
     GraphId,
@@ -37,6 +38,8 @@ from speccompile.bundle import (
 )
 from speccompile.compiler.checkpoint import ModelSpec, check_max_seq, load_checkpoint
 from speccompile.compiler.draft_vocab import FREQUENCIES_FILE, corpus_frequencies, read_frequencies, select_vocab
+from speccompile.compiler.eagle_graph import WEIGHTS_FILE as EAGLE_WEIGHTS
+from speccompile.compiler.eagle_graph import borrowed_embedding, build_eagle_graphs, write_eagle_graphs
 from speccompile.compiler.onnx_graph import MATMUL_WEIGHTS, OPSET, WeightFile
 from speccompile.compiler.session_graph import KINDS, build_session_graph
 from speccompile.compiler.tensorrt_build import (
@@ -55,7 +58,9 @@ from speccompile.compiler.transformer import (
     fused_attention_supported,
 )
 from speccompile.compiler.trt_rules import check_tensorrt_compatible
-from speccompile.errors import SpecCompileError
+from speccompile.eagle_head import CONFIG as EAGLE_CONFIG
+from speccompile.eagle_head import Eagle3Head, aux_layer_ids, check_fits, head_tensors, load_eagle3_head
+from speccompile.errors import SpecCompileError, read_json_object
 from speccompile.progress import Progress
 
 DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64", onnx.TensorProto.BOOL: "bool",
@@ -69,7 +74,7 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
                  force: bool = False, draft_weights: str = "int8", draft_vocab: int | None = None,
                  draft_vocab_corpus=None, single_sequence: bool = True, target_weights: str | None = None,
                  medusa_dir=None, backend: str = "onnxruntime", tensorrt: TensorRTOptions | None = None,
-                 eagle_aux_layers: tuple[int, ...] | None = None) -> Path:
+                 eagle_aux_layers: tuple[int, ...] | None = None, eagle_dir=None) -> Path:
     """`target_weights` / `draft_weights`: how each model's projection and LM-head weights are stored:
     "float32", "float16", "bfloat16" (both computed in fp32), "int8" (weight-only, per output
     column) or "int4" (weight-only, blocks of 128 along the input; see GraphBuilder.matmul). The
@@ -93,13 +98,20 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     `eagle_aux_layers`: three of the target's layer ids, for an EAGLE-3 head: the target's step and
     chain-verification graphs (and its session graph) also output aux_hidden, the residual stream
     entering those layers at every position (transformer._aux_hidden; bundle.AUX_HIDDEN), and the
-    manifest's target records them. None: the bundle is what it was without the option."""
+    manifest's target records them. None: the bundle is what it was without the option.
+    `eagle_dir`: an EAGLE-3 head (either published layout; eagle_head.py), checked against the target:
+    the target's graphs output the features of the layers the head names (or EAGLE-3's default for the
+    target's depth; eagle_aux_layers is then left out), and the head's two graphs
+    (compiler/eagle_graph.py) are written beside them, float32, reading the target's token embedding
+    from its weights file where the head has none of its own. With or without a draft; not with Medusa
+    heads, nor (yet) with TensorRT engines."""
     out_dir, tensorrt = Path(out_dir), tensorrt or TensorRTOptions()
     engines = _builds_engines(backend, tensorrt)
     gammas = _check_options(out_dir, list(gammas), max_seq, max_batch, force, draft_vocab, draft_vocab_corpus)
     for option, value in (("--target-weights", target_weights or "float32"), ("--draft-weights", draft_weights)):
         if value not in MATMUL_WEIGHTS:
             raise SpecCompileError(f"{option} must be one of {', '.join(MATMUL_WEIGHTS)}, got {value!r}")
+    _check_eagle_options(eagle_dir, eagle_aux_layers, medusa_dir, engines)
     if engines:
         require_tensorrt_build(tensorrt)
     progress = Progress(len(PHASES), logger)
@@ -113,6 +125,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         raise SpecCompileError("--medusa heads propose instead of a draft model: pass --draft or --medusa, not both")
     draft = load_checkpoint(draft_dir) if draft_dir is not None else None
     medusa = _load_medusa(medusa_dir, target) if medusa_dir is not None else None
+    head = _load_eagle(eagle_dir, target) if eagle_dir is not None else None
+    aux_layers = aux_layer_ids(head, target.hp["num_layers"]) if head is not None else aux_layers
     progress.step("check compatibility")
     if draft is None:
         logger.info("  no draft: the bundle's requests speculate with "
@@ -146,7 +160,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
                             aux_layers=aux_layers)
     variants = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids, single_sequence=True,
                               heads=heads, aux_layers=aux_layers) if single_sequence else {}
-    for name, (builder, _) in graphs.items():
+    eagle_graphs = _eagle_graphs(head, target, max_seq) if head is not None else {}
+    for name, (builder, _) in {**graphs, **eagle_graphs}.items():
         variant = f", batch-1 variant {len(variants[name][0].nodes)}" if name in variants else ""
         logger.info(f"  {name}: {len(builder.nodes)} nodes{variant}")
 
@@ -156,10 +171,12 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     try:
         sessions = _session_graphs(target, draft, max_seq, vocab_out, weights, vocab_ids, heads, aux_layers)
         weight_files = _write_graphs(staging, graphs, variants, sessions)
+        if head is not None:
+            _write_eagle_graphs(staging, head, eagle_graphs, weight_files["target"])
         progress.step("check graphs")
         for builder, _ in sessions.values():
             _check_onnx(staging / f"{builder.name}.onnx", builder.name)
-        needs_plugin = {name: _check_graph(staging / f"{name}.onnx", name) for name in graphs}
+        needs_plugin = {name: _check_graph(staging / f"{name}.onnx", name) for name in {**graphs, **eagle_graphs}}
         for name in variants:
             _check_onnx(staging / variant_file(name), name + SINGLE_SEQUENCE)
         for name, reasons in needs_plugin.items():
@@ -172,8 +189,9 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         models = {role: _model_entry(spec, weight_files[role], weights[role], scored[role], sessions[role],
                                      aux_layers if role == "target" else ())
                   for role, spec, _ in _models(target, draft, vocab_ids)}
+        models |= {"eagle": _eagle_entry(head, eagle_dir, target)} if head is not None else {}
         graph_entries = {name: _graph_entry(staging, graph, needs_plugin[name], name in variants)
-                         for name, (_, graph) in graphs.items()}
+                         for name, (_, graph) in {**graphs, **eagle_graphs}.items()}
         heads_entry = _medusa_entry(medusa[0], medusa_dir) if medusa else None
         manifest = _manifest(staging, models, graph_entries, gammas, max_seq, max_batch, vocab_out,
                              _tokenizer_entry(target, target_tok), heads_entry)
@@ -239,6 +257,59 @@ def _check_aux_layers(layers, target: ModelSpec) -> tuple[int, ...]:
         raise SpecCompileError(f"EAGLE-3 aux layers must be {EAGLE_AUX_LAYERS} layer ids of the target's {count} "
                                f"(0..{count - 1}), got {list(layers)}")
     return layers
+
+
+def _check_eagle_options(eagle_dir, aux_layers, medusa_dir, engines: bool) -> None:
+    """What an EAGLE-3 head cannot be built with, refused before anything is read."""
+    if eagle_dir is None:
+        return
+    if medusa_dir is not None:
+        raise SpecCompileError("--eagle and --medusa both add heads that propose from the target: pass one of them")
+    if aux_layers is not None:
+        raise SpecCompileError("--eagle reads the target layers its head names (or EAGLE-3's default): "
+                               "eagle_aux_layers is for a bundle without a head")
+    if engines:
+        raise SpecCompileError("--eagle: the EAGLE-3 head runs on ONNX Runtime only, not with --backend tensorrt")
+
+
+def _load_eagle(eagle_dir, target: ModelSpec) -> Eagle3Head:
+    """The head, refused in one line unless it fits the target (its width, vocabulary and layers)."""
+    head = load_eagle3_head(eagle_dir)
+    hp = target.hp
+    check_fits(head, {"hidden_size": hp["hidden_size"], "vocab_size": hp["vocab_size"],
+                      "num_hidden_layers": hp["num_layers"]})
+    logger.info(f"  EAGLE-3 head from {eagle_dir}: reads target layers {list(aux_layer_ids(head, hp['num_layers']))}, "
+                f"drafts over {head.config.draft_vocab_size} tokens")
+    return head
+
+
+def _eagle_graphs(head: Eagle3Head, target: ModelSpec, max_seq: int) -> dict:
+    """name -> (GraphBuilder, GraphId) of the head's graphs, over the target's own embedding tensor
+    where the head has none (so that it is stored under the target's names and bytes)."""
+    built = build_eagle_graphs(head, target.weights["embed"], max_seq)
+    ids = {graph.name: graph for graph in (GraphId.eagle_catch_up(), GraphId.eagle_step())}
+    return {name: (builder, ids[name]) for name, builder in built.items()}
+
+
+def _write_eagle_graphs(staging: Path, head: Eagle3Head, graphs: dict, target_weights: WeightFile) -> None:
+    """The head's graphs and weights file; a head without its own embedding reads the target's where
+    the target's weights file holds it (no second copy: 2 GB for an 8B Llama 3)."""
+    builders = {name: builder for name, (builder, _) in graphs.items()}
+    borrowed = borrowed_embedding(builders, target_weights.locations) if head.embed_tokens is None else None
+    write_eagle_graphs(staging, builders, EAGLE_WEIGHTS, borrowed)
+
+
+def _eagle_entry(head: Eagle3Head, eagle_dir, target: ModelSpec) -> ModelEntry:
+    """The head as a model of the bundle: one layer; its vocabulary the target's (it drafts target ids),
+    the tokens it scores its draft vocabulary; its parameters its own (not the maps, not a borrowed table)."""
+    c = head.config
+    params = sum(array.size for name, array in head_tensors(head).items() if name not in ("d2t", "t2d"))
+    return ModelEntry(
+        source=str(Path(eagle_dir).resolve()), source_format=SourceFormat("safetensors", {}, {}), model_type="eagle3",
+        num_params=params, num_layers=1, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim, hidden_size=c.hidden_size, vocab_size=target.hp["vocab_size"],
+        weights_file=EAGLE_WEIGHTS, matmul_weights="float32", scored_vocab=c.draft_vocab_size,
+        config=read_json_object(Path(eagle_dir) / EAGLE_CONFIG))
 
 
 def _warn_draft_size(target: ModelSpec, draft: ModelSpec) -> None:
@@ -345,7 +416,7 @@ def _session_graphs(target: ModelSpec, draft: ModelSpec, max_seq, vocab_out, mat
     for role, spec, ids in _models(target, draft, vocab_ids):
         kinds = ["forward", "sample"]
         if role == "target":
-            kinds = [k for k in KINDS if heads or k not in TREE_KINDS]
+            kinds = [k for k in KINDS if k not in HEAD_KINDS and (heads or k not in TREE_KINDS)]
         builder = build_session_graph(spec, f"{role}_session", max_seq, vocab_out, kinds, matmul_weights[role], ids,
                                       heads=heads if role == "target" else None,
                                       aux_layers=aux_layers if role == "target" else ())

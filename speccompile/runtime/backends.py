@@ -1,9 +1,13 @@
 """Which backend runs a bundle's models, and the models it makes: ONNX Runtime sessions over the ONNX
-graphs, or TensorRT engines (the bundle's, built by `speccompile build --backend tensorrt`)."""
+graphs, or TensorRT engines (the bundle's, built by `speccompile build --backend tensorrt`); and the
+runners that draft with them."""
 
 import logging
 
 from speccompile.bundle import Bundle
+from speccompile.core.proposers import Proposers, TreeShape
+from speccompile.core.proposers.draft_model import DraftRunner
+from speccompile.core.proposers.eagle import EagleRunner
 from speccompile.errors import SpecCompileError
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
@@ -32,7 +36,8 @@ def resolve_backend(bundle: Bundle, backend: str) -> str:
 
 def make_models(bundle: Bundle, backend: str, threads: int | None, shared_threads: bool | None,
                 one_session: bool | None) -> tuple:
-    """(target, draft or None) on `backend` (see speccompile.load for the ONNX Runtime options)."""
+    """(target, draft or None, EAGLE-3 head or None) on `backend` (see speccompile.load for the ONNX
+    Runtime options; the head has no session graph: a session per graph, whatever one_session says)."""
     if backend == "onnxruntime":
         from speccompile.runtime.onnxruntime_engine import OrtModel, shared_thread_pool
 
@@ -43,9 +48,18 @@ def make_models(bundle: Bundle, backend: str, threads: int | None, shared_thread
         target = OrtModel(bundle, "target", threads=threads, shared_pool=shared, one_session=one_session)
         draft = OrtModel(bundle, "draft", threads=threads, shared_pool=shared,
                          one_session=one_session) if bundle.has_draft else None
-        return target, draft
+        eagle = OrtModel(bundle, "eagle", threads=threads, shared_pool=shared) if bundle.has_eagle else None
+        return target, draft, eagle
     if backend == "tensorrt":
         from speccompile.runtime.tensorrt_engine import TrtModel
 
-        return TrtModel(bundle, "target"), TrtModel(bundle, "draft") if bundle.has_draft else None
+        # TrtModel refuses a bundle built for an EAGLE-3 head
+        return TrtModel(bundle, "target"), TrtModel(bundle, "draft") if bundle.has_draft else None, None
     raise SpecCompileError(f"unknown backend {backend!r} (available: onnxruntime, tensorrt)")
+
+
+def make_proposers(draft, eagle, max_seq: int, tree: TreeShape | None, lookup_priors: dict | None) -> Proposers:
+    """What the requests' proposers share: a runner for each model that drafts (the draft model, the
+    EAGLE-3 head; None where the bundle has none), a Medusa bundle's tree shape, prompt lookup's priors."""
+    return Proposers(DraftRunner(draft, max_seq) if draft is not None else None, tree, lookup_priors,
+                     eagle=EagleRunner(eagle, max_seq) if eagle is not None else None)

@@ -4,11 +4,15 @@ over one primitive, "run this graph on slots first..first+B-1 with these inputs"
 A backend (onnxruntime_engine.OrtModel, tensorrt_engine.TrtModel) supplies that primitive (`_run`),
 allocates the cache (`_allocate`) and copies a slot's entries (`_copy_slot`); the lengths, the
 rollback and the meaning of every call live here, once.
+
+An EAGLE-3 head (role "eagle") is a model of the same kind with calls of its own, `catch_up` and
+`step` (core/proposers/eagle.py's engine); the target of its bundle leaves each call's features in
+`last_aux_hidden` for it.
 """
 
 import numpy as np
 
-from speccompile.bundle import Bundle, GraphId
+from speccompile.bundle import AUX_HIDDEN, Bundle, GraphId
 from speccompile.core.sampling import Logprobs
 from speccompile.core.tree import TokenTree, compaction
 
@@ -35,11 +39,17 @@ class CachedModel:
         self.bundle, self.role = bundle, role
         self.num_layers, self.kv_heads, self.head_dim = info.num_layers, info.num_kv_heads, info.head_dim
         self.max_seq, self.vocab_size = bundle.max_seq, bundle.vocab_size
+        # the last dimension of the read-back outputs that have one: the target's aux_hidden [B, T, F]
+        # (bundle.output_array), the head's hidden [B, H]
+        self.output_width = info.aux_hidden_width or info.hidden_size
         self.slots = 0
         self.cache_lengths = np.zeros(0, dtype=np.int64)
         self._zeros: dict[tuple, tuple] = {}  # shape of the noise -> (coupled, noise) that no row reads
         self._processing_off: dict[tuple, dict] = {}  # (batch, positions) -> processing inputs no call reads
         self.last_logprobs: Logprobs | None = None  # the last call's that asked for them (logprobs=True)
+        # the last step's or verification's aux_hidden [B, T, F] (T: its input width), where its graph
+        # returns them (a bundle built for an EAGLE-3 head), else None; valid until the next call
+        self.last_aux_hidden: np.ndarray | None = None
 
     # -- the engine interface -------------------------------------------------------------------
     def start(self, slots: int) -> None:
@@ -59,7 +69,7 @@ class CachedModel:
                         past_len=self.cache_lengths[rows], token_count=token_count,
                         **self._switches(len(tokens), processing, logprobs))
         self.cache_lengths[rows] += token_count
-        self._keep_logprobs(out, logprobs)
+        self._keep(out, logprobs)
         return out["next_token"].copy(), out["confidence"].copy()
 
     def forward_sample(self, tokens, token_count, params, uniform, coupled=None, noise=None, first: int = 0,
@@ -71,7 +81,7 @@ class CachedModel:
                         past_len=self.cache_lengths[rows], token_count=token_count, uniform=uniform, coupled=coupled,
                         noise=noise, **params, **self._switches(len(tokens), processing, logprobs))
         self.cache_lengths[rows] += token_count
-        self._keep_logprobs(out, logprobs)
+        self._keep(out, logprobs)
         return out["next_token"].copy(), out["probs"].copy()
 
     def _unread(self, batch: int, shape: tuple) -> tuple[np.ndarray, np.ndarray]:
@@ -96,7 +106,10 @@ class CachedModel:
             return batch, positions, 4 * ((self.vocab_size + 31) // 32)
         return (batch,) if width is None else (batch, self.vocab_size if width == "vocab" else width)
 
-    def _keep_logprobs(self, out: dict, logprobs: bool) -> None:
+    def _keep(self, out: dict, logprobs: bool) -> None:
+        """What a step or verification leaves for who reads it after the call: its log-probabilities
+        (when asked for) and its features (aux_hidden, not copied: read before the next call)."""
+        self.last_aux_hidden = out.get(AUX_HIDDEN)
         if logprobs:
             self.last_logprobs = Logprobs(out["token_logprob"].copy(), out["top_logprobs"].copy(),
                                           out["top_ids"].copy())
@@ -108,7 +121,7 @@ class CachedModel:
                         past_len=self.cache_lengths[rows], draft_len=draft_len,
                         **self._switches(len(tokens), processing, logprobs, tokens.shape[1]))
         self.cache_lengths[rows] = out["new_len"]
-        self._keep_logprobs(out, logprobs)
+        self._keep(out, logprobs)
         return out["accepted"].copy(), out["next_token"].copy()
 
     def verify_sample(self, tokens, draft_len, draft_probs, params, u_accept, u_sample, coupled=None, noise=None,
@@ -122,7 +135,7 @@ class CachedModel:
                         u_accept=u_accept, u_sample=u_sample, coupled=coupled, verify_noise=noise, **params,
                         **self._switches(len(tokens), processing, logprobs, tokens.shape[1]))
         self.cache_lengths[rows] = out["new_len"]
-        self._keep_logprobs(out, logprobs)
+        self._keep(out, logprobs)
         return out["accepted"].copy(), out["next_token"].copy()
 
     def score(self, tokens: np.ndarray, score_ids: np.ndarray, first: int = 0) -> Logprobs:
@@ -155,6 +168,33 @@ class CachedModel:
         self.cache_lengths[rows] = out["new_len"]
         return out["best_node"].copy(), out["next_token"].copy(), out["next_tree"].copy()
 
+    # -- an EAGLE-3 head's calls (role "eagle"; compiler/eagle_graph.py) --------------------------
+    def catch_up(self, tokens: np.ndarray, features: np.ndarray, counts: np.ndarray,
+                 first: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Read the target's features [B, T, F] with the tokens after them [B, T], counts[b] of row b
+        (right-padded; 0: none), at each row's cache length on: (next_token, confidence, hidden [B, H])
+        after each row's last position read (a row that read nothing: an answer nobody takes)."""
+        rows = self._rows(first, len(tokens))
+        past_len = self.cache_lengths[rows]
+        # every row writes T positions (TensorScatter), its padding included, so they must fit the cache:
+        # a row that reads nothing writes where its length says nothing is (its cache length is unchanged)
+        past_len = np.where(counts > 0, past_len, np.minimum(past_len, self.max_seq - tokens.shape[1]))
+        out = self._run(GraphId.eagle_catch_up(), first, input_ids=tokens, aux_hidden=features, past_len=past_len,
+                        token_count=counts)
+        self.cache_lengths[rows] += counts
+        return out["next_token"].copy(), out["confidence"].copy(), out["hidden"].copy()
+
+    def step(self, tokens: np.ndarray, hidden: np.ndarray, first: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One more position of every row: its draft tokens [B, 1] with the head's last output hidden
+        [B, 1, H]; returns as catch_up does. Rows that do not draft step too, and one at the cache's end
+        would write past it: it writes its last position instead, past the length it is rolled back to
+        (the runner's after_target) before anything reads there."""
+        rows = self._rows(first, len(tokens))
+        out = self._run(GraphId.eagle_step(), first, input_ids=tokens, hidden_in=hidden,
+                        past_len=np.minimum(self.cache_lengths[rows], self.max_seq - 1))
+        self.cache_lengths[rows] += 1
+        return out["next_token"].copy(), out["confidence"].copy(), out["hidden"].copy()
+
     def move(self, source: int, destination: int) -> None:
         length = int(self.cache_lengths[source])
         self._copy_slot(source, destination, length)
@@ -166,7 +206,7 @@ class CachedModel:
     # -- what a backend supplies ------------------------------------------------------------------
     def _run(self, graph: GraphId, first: int, **inputs) -> dict[str, np.ndarray]:
         """Run `graph` on slots first..first+B-1 (B: the inputs' batch) with the cache bound in place;
-        returns the outputs the runtime reads back (bundle.GRAPH_OUTPUTS)."""
+        returns the outputs the runtime reads back (bundle.Manifest.read_back)."""
         raise NotImplementedError
 
     def _allocate(self, slots: int) -> None:

@@ -1,9 +1,11 @@
-"""ONNX Runtime backend: one `OrtModel` per model (target or draft), implementing the engine interface.
+"""ONNX Runtime backend: one `OrtModel` per model (target, draft or EAGLE-3 head), implementing the engine
+interface.
 
 The KV cache of each layer is one OrtValue bound as both `past_*` input and `present_*` output of
 every graph, so TensorScatter writes new entries into it in place: no step copies the cache, and a
 rollback is only a smaller `past_len` on the next call. Small outputs (tokens, lengths,
-probabilities) land in numpy arrays bound once per batch size.
+probabilities) land in numpy arrays bound once per batch size; the target's features (aux_hidden,
+[B, T, F]) in one bound per call width T, as prompt chunks come.
 
 A batch of one sequence runs each graph's single-sequence variant where the bundle has one: the same
 interface and cache, with attention in ONNX Runtime's fused kernel (see compiler/transformer.py).
@@ -13,7 +15,7 @@ import os
 
 import numpy as np
 
-from speccompile.bundle import Bundle, GraphId, ModelEntry, kv_cache_shape, output_array
+from speccompile.bundle import AUX_HIDDEN, Bundle, GraphId, ModelEntry, kv_cache_shape, output_array
 from speccompile.errors import SpecCompileError
 from speccompile.runtime import prepacked
 from speccompile.runtime.model import CachedModel
@@ -135,7 +137,11 @@ class OrtModel(CachedModel):
         self._calls: dict = {}
         self.cache: list[np.ndarray] = []  # each layer's K and V [slots, KV heads, max_seq, head dim], written in place
         self._views: dict = {}  # (first slot, batch) -> the cache's OrtValues over those slots
-        self._session(GraphId.step(role, sample=False), 1)  # fail early on a broken bundle; others load on first use
+        # fail early on a broken bundle; others load on first use. Both of a head's: they run after every
+        # target call, whatever the request's proposer (the head reads the target's features)
+        first = [GraphId.eagle_catch_up(), GraphId.eagle_step()] if role == "eagle" else [GraphId.step(role, False)]
+        for graph in first:
+            self._session(graph, 1)
 
     def load_graphs(self, graphs: list[GraphId], batch: int | None = None) -> None:
         """Create the sessions these graphs run on at this batch size now, so that no generation
@@ -196,11 +202,13 @@ class OrtModel(CachedModel):
         # a tree's, a verification's and a score's outputs are per position: bound arrays per width too
         width = inputs["input_ids"].shape[1] if graph.positions_scored == "all" else 0
         key = graph, first, len(inputs["input_ids"]), width
-        session, binding, outputs, fed = self._calls.get(key) or self._prepare(*key)
+        session, binding, outputs, fed, features = self._calls.get(key) or self._prepare(*key)
         if self._session_graph is not None and "token_count" not in inputs:  # verification: every token is real
             inputs["token_count"] = np.full(key[2], inputs["input_ids"].shape[1], dtype=np.int64)
         for name, value in inputs.items():
             self._feed(binding, fed, name, np.asarray(value))
+        if features:
+            self._bind_features(binding, outputs, *inputs["input_ids"].shape)
         session.run_with_iobinding(binding)
         return outputs
 
@@ -208,8 +216,18 @@ class OrtModel(CachedModel):
         """What a call of `graph` on these slots runs on: its session and its binding."""
         session = self._session(graph, batch)
         binding = self._binding(session, graph, self.graph_file(graph, batch), first, batch, width)
-        self._calls[graph, first, batch, width] = (session, *binding)
+        features = AUX_HIDDEN in self.bundle.manifest.read_back(graph)
+        self._calls[graph, first, batch, width] = (session, *binding, features)
         return self._calls[graph, first, batch, width]
+
+    def _bind_features(self, binding, outputs: dict, batch: int, tokens: int) -> None:
+        """aux_hidden [B, T, F] at this call's T: a step's or a verification's T is fixed, a prompt
+        chunk's varies, so a new array is bound (and kept in `outputs`) when T changes."""
+        held = outputs.get(AUX_HIDDEN)
+        if held is None or held.shape[1] != tokens:
+            shape, dtype = output_array(AUX_HIDDEN, batch, self.vocab_size, positions=tokens, hidden=self.output_width)
+            outputs[AUX_HIDDEN] = np.zeros(shape, dtype=dtype)
+            binding.bind_ortvalue_output(AUX_HIDDEN, _ort().OrtValue.ortvalue_from_numpy(outputs[AUX_HIDDEN]))
 
     @staticmethod
     def _feed(binding, fed: dict, name: str, value: np.ndarray) -> None:
@@ -260,8 +278,11 @@ class OrtModel(CachedModel):
                 binding.bind_ortvalue_input(f"past_{kind_name}.{i}", cache[2 * i + k])
                 binding.bind_ortvalue_output(f"present_{kind_name}.{i}", cache[2 * i + k])
         arrays = {}
-        for name in graph.outputs:
-            shape, dtype = output_array(name, batch, self.vocab_size, width, positions=max(width, 1))
+        for name in self.bundle.manifest.read_back(graph):
+            if name == AUX_HIDDEN:
+                continue  # bound per call (_bind_features): its T is the call's
+            shape, dtype = output_array(name, batch, self.vocab_size, width, positions=max(width, 1),
+                                        hidden=self.output_width)
             arrays[name] = np.zeros(shape, dtype=dtype)
             binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(arrays[name]))
         fed = {}

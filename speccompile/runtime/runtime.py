@@ -18,12 +18,11 @@ from pathlib import Path
 from speccompile.bundle import Bundle, GraphId, open_bundle
 from speccompile.core.grammar import Constraint, GrammarEngine
 from speccompile.core.params import GenerationParams, SamplingRule
-from speccompile.core.proposers import DEFAULT_PROPOSER, Proposers, TreeShape
-from speccompile.core.proposers.draft_model import DraftRunner
+from speccompile.core.proposers import DEFAULT_PROPOSER, TreeShape
 from speccompile.core.request import AUTO, Request
 from speccompile.core.scheduler import Scheduler
 from speccompile.errors import SpecCompileError
-from speccompile.runtime.backends import BACKENDS, make_models, resolve_backend
+from speccompile.runtime.backends import BACKENDS, make_models, make_proposers, resolve_backend
 from speccompile.runtime.edge import Edge
 from speccompile.runtime.handles import AsyncRequestHandle, EngineThread, RequestHandle
 from speccompile.runtime.output import GenerationResult, OutputProcessor
@@ -41,7 +40,7 @@ class Runtime:
                  max_batch: int | None = None):
         """The options are speccompile.load's (backend: "onnxruntime" or "tensorrt", resolved)."""
         self.bundle, self.backend = bundle, backend
-        self.target, self.draft = make_models(bundle, backend, threads, shared_threads, one_session)
+        self.target, self.draft, self.eagle = make_models(bundle, backend, threads, shared_threads, one_session)
         self.tokenizer = Tokenizer(bundle.path / bundle.manifest.tokenizer.dir, bundle.manifest.tokenizer.to_json())
         self._grammars: GrammarEngine | None = None
         self._grammar_lock = threading.Lock()
@@ -58,8 +57,8 @@ class Runtime:
         self.policies = LoadPolicies(self.profile, self.gammas, self.max_batch, self.max_seq)
         shape = TreeShape() if bundle.medusa else None
         self.tree_sizing = TreeSizing(bundle, self.target, backend, self.max_batch, shape) if shape else None
-        self.proposers = Proposers(DraftRunner(self.draft, self.max_seq) if self.draft is not None else None, shape,
-                                   self.profile.lookup_priors if self.profile is not None else None)
+        self.proposers = make_proposers(self.draft, self.eagle, self.max_seq, shape,
+                                        self.profile.lookup_priors if self.profile is not None else None)
         self.scheduler = Scheduler(self.target, self.draft, self.max_batch, self.max_seq, self.gammas,
                                    self.tokenizer.eos_token_ids, self.policies.policy_for,
                                    prefill_chunk, fallback_gamma=self.default_gamma, proposers=self.proposers)
@@ -128,7 +127,7 @@ class Runtime:
         a γ profile of this hardware or the calibration at load), the proposers, the sampling rules."""
         return {"gammas": self.gammas, "default_gamma": "auto", "gamma_profile": self.profile is not None,
                 "proposers": self.proposers.available(), "default_proposer": DEFAULT_PROPOSER,
-                "draft_model": self.draft is not None,
+                "draft_model": self.draft is not None, "eagle_head": self.eagle is not None,
                 "medusa_heads": self.bundle.medusa["num_heads"] if self.bundle.medusa else 0,
                 "sampling_rules": [rule.value for rule in SamplingRule], "backend": self.backend}
 

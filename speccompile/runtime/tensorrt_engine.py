@@ -23,6 +23,10 @@ class TrtModel(CachedModel):
     def __init__(self, bundle: Bundle, role: str, plugin=None):
         from speccompile.tensorrt_setup import plugin_library, require_tensorrt
 
+        if bundle.model("target").eagle_aux_layers:  # _run binds GRAPH_OUTPUTS only: no features, no head's graphs
+            raise SpecCompileError(f"{bundle.path} is built for an EAGLE-3 head (its target outputs features), which "
+                                   "the TensorRT backend does not run yet: load it with backend='onnxruntime'")
+
         trt = require_tensorrt()
         from polygraphy import cuda
 

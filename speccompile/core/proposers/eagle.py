@@ -110,11 +110,12 @@ class EagleRunner:
 
     def draft(self, rows: list, offers: list[Offer], drafts: np.ndarray, proposed: np.ndarray,
               sampling: bool) -> np.ndarray | None:
-        """Draft for the rows whose offer is this runner's (greedy): the pending first draft, then
+        """Draft for the rows whose offer is this runner's (greedy ones: a sampled request is offered
+        none; their drafts are point proposals, which the verification of a mixed batch handles
+        exactly): the pending first draft, then
         max(drafts) - 1 batched head steps over every row, each feeding back the head's output and
         the draft before. A row stops drafting at a draft whose confidence is below its p_min. Writes
         drafts into proposed and counts into drafts."""
-        assert not sampling, "EAGLE drafts are greedy: a sampled request is offered none"
         mine = np.array([offer.source.runner is self for offer in offers])
         slots = np.arange(len(rows))
         drafts[mine & ~self.in_step[slots]] = 0

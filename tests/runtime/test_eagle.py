@@ -1,0 +1,284 @@
+"""EAGLE-3 bundles end to end: `build --eagle HEAD` (either published layout, with or without a draft
+model), then proposer "eagle".
+
+Oracles: the target decoding alone (mode autoregressive) and HF's greedy generate, for every output;
+the torch reference of the head's drafting (tests/eagle_reference.py) over HF's own hidden states,
+for every draft the head proposes: a random head's, which the target rejects, and those of a head made
+to agree with a target often, so that the head reads back verifications that kept some of its drafts.
+"""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import speccompile
+from speccompile.compiler.build import build_bundle
+from speccompile.eagle_head import Eagle3Head, Layout, write_eagle3_head
+from speccompile.errors import SpecCompileError
+from tests.eagle_reference import draft, random_head
+from tests.runtime.test_generate import hf_greedy
+from tests.tiny_models import make_checkpoint
+
+LAYERS = 4
+AUX = (0, 2, 3)
+PROMPTS = [[5, 17, 33, 2, 9, 100, 7], [8, 9, 10, 11], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
+MAX_NEW = 20
+GAMMAS = (1, 4, "auto")
+
+
+def eagle_target(path, tokenizer, identity: tuple[int, ...] = ()):
+    """A tiny Llama of LAYERS layers, those of `identity` adding nothing to the residual stream
+    (o_proj and down_proj zero)."""
+    from safetensors.numpy import load_file, save_file
+
+    path = make_checkpoint(path, "llama", tokenizer=tokenizer, num_hidden_layers=LAYERS)
+    tensors = load_file(path / "model.safetensors")
+    for layer in identity:
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            weight = f"model.layers.{layer}.{name}.weight"
+            tensors[weight] = np.zeros_like(tensors[weight])
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def target_config(target) -> dict:
+    return json.loads((target / "config.json").read_text())
+
+
+def agreeing_head(target) -> Eagle3Head:
+    """For a target whose layers all add nothing (a bigram model: its next token is a function of its
+    last), a head that drafts as it does, mostly: attention over the token embeddings, most of it on
+    its own position's (q and k one projection), is its output (o_proj the identity, the MLP and the
+    fed-back residual nothing), read by the target's own final norm and LM head over three quarters of
+    the vocabulary. Drafts of the other quarter are wrong, and the rest of the attention makes every
+    draft depend on what the head's cache holds."""
+    from safetensors.numpy import load_file
+
+    config, tensors = target_config(target), load_file(target / "model.safetensors")
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    head = random_head(config, seed=4, draft_vocab_size=3 * vocab // 4, aux_layer_ids=AUX, num_kv_heads=4,
+                       norm_before_residual=True)
+    identity = np.eye(hidden, dtype=np.float32)
+    embedding_half = np.concatenate([identity, np.zeros_like(identity)], axis=1)  # of [embedding, features]
+    drafted = np.arange(head.config.draft_vocab_size) + head.d2t  # the target ids of the draft vocabulary
+    return dataclasses.replace(
+        head, fc=np.zeros_like(head.fc), hidden_norm=np.zeros(hidden, np.float32),
+        input_layernorm=np.ones(hidden, np.float32), q_proj=4 * embedding_half, k_proj=4 * embedding_half,
+        v_proj=embedding_half, o_proj=identity, down_proj=np.zeros_like(head.down_proj),
+        norm=tensors["model.norm.weight"], lm_head=tensors["lm_head.weight"][drafted])
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, tokenizer):
+    return eagle_target(tmp_path_factory.mktemp("eagle-target") / "ckpt", tokenizer)
+
+
+@pytest.fixture(scope="module")
+def head(target) -> Eagle3Head:
+    """Random weights, seeded: drafts the reference predicts, which the target hardly ever keeps."""
+    return random_head(target_config(target), seed=5, aux_layer_ids=AUX)
+
+
+@pytest.fixture(scope="module")
+def bigram_target(tmp_path_factory, tokenizer):
+    return eagle_target(tmp_path_factory.mktemp("bigram-target") / "ckpt", tokenizer, identity=tuple(range(LAYERS)))
+
+
+@pytest.fixture(scope="module")
+def runtimes(target, head, bigram_target, checkpoints, tmp_path_factory):
+    """runtimes(name, **load options) -> a loaded runtime of the bundle `name`: "eagle" (the random head
+    in the EAGLE authors' layout, beside a draft model), "speculators" (in that layout, the target
+    alone beside it), "agreeing" (agreeing_head, on bigram_target)."""
+    root = tmp_path_factory.mktemp("eagle-bundles")
+    made = {}
+
+    def get(name: str, **options):
+        key = name, tuple(sorted(options.items()))
+        if key not in made:
+            bundle = root / f"bundle-{name}"
+            if not bundle.exists():
+                model = bigram_target if name == "agreeing" else target
+                made_head = agreeing_head(model) if name == "agreeing" else head
+                layout = Layout.EAGLE if name == "eagle" else Layout.SPECULATORS
+                head_dir = write_eagle3_head(root / f"head-{name}", made_head, layout)
+                build_bundle(model, checkpoints("llama", "draft") if name == "eagle" else None, bundle,
+                             gammas=[1, 4], max_seq=96, max_batch=4, eagle_dir=head_dir)
+            made[key] = speccompile.load(bundle, **options)
+        return made[key]
+
+    yield get
+    for runtime in made.values():
+        runtime.close()
+
+
+@pytest.fixture(scope="module")
+def expected(target, runtimes):
+    """The target alone, which must agree with HF's greedy generate."""
+    alone = [r.token_ids for r in runtimes("speculators").generate(PROMPTS, max_new_tokens=MAX_NEW,
+                                                                   mode="autoregressive")]
+    assert alone == [hf_greedy(target, prompt, MAX_NEW) for prompt in PROMPTS]
+    return alone
+
+
+def eagle_runs(runtime) -> dict:
+    """γ -> (results one by one, results batched) of greedy requests with proposer eagle."""
+    runs = {}
+    for gamma in GAMMAS:
+        options = dict(max_new_tokens=MAX_NEW, gamma=gamma, proposer="eagle")
+        runs[gamma] = [runtime.generate([p], **options)[0] for p in PROMPTS], runtime.generate(PROMPTS, **options)
+    return runs
+
+
+def recorded_drafts(runtime) -> list[tuple[list[int], list[int]]]:
+    """Every draft the runtime's head proposes from now on: (the request's tokens then, its drafts)."""
+    runner, log = runtime.proposers.eagle, []
+    drafting = runner.draft
+
+    def draft_and_record(rows, offers, drafts, proposed, sampling):
+        out = drafting(rows, offers, drafts, proposed, sampling)
+        log.extend((list(request.tokens), proposed[row, : drafts[row]].tolist())
+                   for row, (request, offer) in enumerate(zip(rows, offers))
+                   if offer.source.runner is runner and drafts[row])
+        return out
+
+    runner.draft = draft_and_record
+    return log
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_greedy_eagle_is_the_target_alone_in_both_layouts_with_the_same_drafts(runtimes, expected):
+    """One by one and batched, at γ 1, 4 and auto: the target's tokens (and HF's). The two layouts of
+    one head draft alike: the same acceptance, draft for draft, at each fixed γ."""
+    runs = {name: eagle_runs(runtimes(name)) for name in ("eagle", "speculators")}
+    for name, by_gamma in runs.items():
+        for gamma, (alone, batched) in by_gamma.items():
+            assert [r.token_ids for r in alone] == expected, (name, gamma, "batch 1")
+            assert [r.token_ids for r in batched] == expected, (name, gamma, "batch 3")
+            assert all(set(r.stats.by_proposer) <= {"eagle"} for r in alone + batched), (name, gamma)
+            if gamma != "auto":  # γ auto may find the head's drafts not worth verifying, and decode plainly
+                assert all(r.stats.draft_tokens > 0 for r in alone + batched), (name, gamma)
+    for gamma in (1, 4):
+        stats = [[(r.stats.by_proposer, r.stats.draft_tokens, r.stats.accepted_tokens) for r in results]
+                 for name in runs for results in runs[name][gamma]]
+        assert stats[0] == stats[2] and stats[1] == stats[3], gamma
+
+
+def test_on_one_session_graph_the_head_reads_the_same_features(runtimes, expected):
+    """The target's session graph returns aux_hidden for every kind it runs: the same drafts as its graphs'."""
+    per_graph, one = runtimes("speculators"), runtimes("speculators", one_session=True)
+    assert one.target.one_session and not one.eagle.one_session
+    options = dict(max_new_tokens=MAX_NEW, gamma=4, proposer="eagle")
+    for batches in ([[p] for p in PROMPTS], [PROMPTS]):  # one by one, then batched
+        ours = [r for prompts in batches for r in one.generate(prompts, **options)]
+        theirs = [r for prompts in batches for r in per_graph.generate(prompts, **options)]
+        assert [r.token_ids for r in ours] == expected
+        assert [r.stats.by_proposer for r in ours] == [r.stats.by_proposer for r in theirs]
+
+
+def test_tensorrt_refuses_the_bundle_in_one_line(runtimes):
+    bundle = runtimes("speculators").bundle.path
+    with pytest.raises(SpecCompileError) as refused:
+        speccompile.load(bundle, backend="tensorrt")
+    assert "EAGLE-3 head" in str(refused.value) and "backend='onnxruntime'" in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def assert_the_reference_s(log: list, target, head) -> None:
+    """Each recorded draft is the torch reference's from the request's whole history then, over HF's
+    hidden states, though the runtime's head read it call by call and rolled back what it drafted."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target).eval()
+    embedding = hf.get_input_embeddings().weight.detach().numpy()
+    for tokens, drafts in log:
+        with torch.no_grad():
+            states = hf(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+        features = np.concatenate([states[i][0].numpy() for i in AUX], axis=-1)
+        assert drafts == draft(head, features, tokens, len(drafts), embed_tokens=embedding)[0].tolist(), tokens
+
+
+def test_every_draft_is_the_reference_s_over_hf_s_hidden_states(runtimes, target, head):
+    """Prompts prefilled in chunks of 4 (the head catches up on each), in a batch, every iteration."""
+    runtime = runtimes("speculators", prefill_chunk=4)
+    log = recorded_drafts(runtime)
+    runtime.generate(PROMPTS, max_new_tokens=MAX_NEW, gamma=4, proposer="eagle")
+    assert len(log) >= len(PROMPTS) * 3
+    assert_the_reference_s(log, target, head)
+
+
+def test_a_head_whose_drafts_are_kept_in_part_reads_back_what_was_kept(runtimes, bigram_target):
+    """Verifications that keep all of the head's drafts, some, or none: the head reads the target's
+    features of the positions kept (as many as γ + 1 in a call) and drops what it drafted past them,
+    so its next drafts are still the reference's; and the output is the target's."""
+    runtime = runtimes("agreeing")
+    alone = [r.token_ids for r in runtime.generate(PROMPTS, max_new_tokens=MAX_NEW, mode="autoregressive")]
+    assert alone == [hf_greedy(bigram_target, prompt, MAX_NEW) for prompt in PROMPTS]
+    log = recorded_drafts(runtime)
+    results = runtime.generate(PROMPTS, max_new_tokens=MAX_NEW, gamma=4, proposer="eagle")
+    assert [r.token_ids for r in results] == alone
+    assert_the_reference_s(log, bigram_target, agreeing_head(bigram_target))
+    outputs = [prompt + tokens for prompt, tokens in zip(PROMPTS, alone)]
+    kept = [kept_of(drafts, next(o for o in outputs if o[: len(tokens)] == tokens)[len(tokens) :])
+            for tokens, drafts in log]
+    assert sum(r.stats.accepted_tokens for r in results) == sum(kept)
+    assert {"all", "some", "none"} == {"none" if k == 0 else "all" if k == len(d) else "some"
+                                       for k, (_, d) in zip(kept, log)}
+
+
+def kept_of(drafts: list[int], then: list[int]) -> int:
+    """How many of the drafts the output's next tokens begin with."""
+    count = 0
+    while count < len(drafts) and count < len(then) and drafts[count] == then[count]:
+        count += 1
+    return count
+
+
+def test_a_scored_prompt_beside_drafting_requests_drafts_nothing_and_stays_in_its_cache(runtimes):
+    """A prompt scored for its log-probabilities returns no features: its row falls out of step with
+    the head, whose steps for the rows beside it still run over it, iteration after iteration, longer
+    than the cache, and whose catch-ups read nothing there: both within the cache, the output exact."""
+    runtime = runtimes("speculators")
+    prompts, long = PROMPTS[:2], dict(max_new_tokens=70, gamma=4, proposer="eagle")
+    alone = [r.token_ids for r in runtime.generate(prompts, max_new_tokens=70, mode="autoregressive")]
+    scored = runtime.submit(prompts[0], prompt_logprobs=1, **long)
+    drafting = runtime.submit(prompts[1], **long)
+    scored, drafting = scored.result(timeout=60), drafting.result(timeout=60)
+    assert [scored.token_ids, drafting.token_ids] == alone
+    assert scored.stats.draft_tokens == 0 and drafting.stats.draft_tokens > 70
+    assert runtime.proposers.eagle.engine.cache_lengths.max() > runtime.max_seq  # its steps were clamped
+
+
+def test_auto_chooses_the_head_where_it_is_offered(runtimes, expected):
+    for name in ("eagle", "speculators"):
+        results = runtimes(name).generate(PROMPTS, max_new_tokens=MAX_NEW, proposer="auto")
+        assert [r.token_ids for r in results] == expected
+        assert any("eagle" in r.stats.by_proposer for r in results), name
+    assert "eagle" in runtimes("speculators").speculative_config()["proposers"]
+
+
+SAMPLED = dict(max_new_tokens=MAX_NEW, temperature=0.9, seed=7)
+
+
+def test_a_sampled_request_asking_for_the_head_samples_as_the_target_alone(runtimes):
+    """The head drafts greedily: a sampled request is offered no drafts, and samples exactly."""
+    runtime = runtimes("speculators")
+    plain = runtime.generate([PROMPTS[0]], mode="autoregressive", **SAMPLED)[0].token_ids
+    for gamma in (1, 4):
+        [result] = runtime.generate([PROMPTS[0]], proposer="eagle", gamma=gamma, **SAMPLED)
+        assert result.token_ids == plain and result.stats.draft_tokens == 0, gamma
+
+
+def test_greedy_and_sampled_requests_share_iterations_exactly(runtimes, expected):
+    """A sampled request beside greedy ones: the batch's verification samples, and the greedy rows'
+    drafts are point masses, as a lookup's are."""
+    runtime = runtimes("speculators")
+    plain = runtime.generate([PROMPTS[1]], mode="autoregressive", **{**SAMPLED, "max_new_tokens": 70})[0].token_ids
+    runtime.generate(PROMPTS[:2], max_new_tokens=2, gamma=4, proposer="eagle", **{"temperature": 0.5})
+    sampled = runtime.submit(PROMPTS[1], proposer="eagle", gamma=4, **{**SAMPLED, "max_new_tokens": 70})
+    greedy = runtime.submit_batch(PROMPTS, max_new_tokens=MAX_NEW, gamma=4, proposer="eagle")
+    assert [handle.result(timeout=60).token_ids for handle in greedy] == expected
+    assert sampled.result(timeout=60).token_ids == plain
