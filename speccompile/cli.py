@@ -144,14 +144,32 @@ def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force, tar
 @click.option("--medusa", type=int, default=None,
               help="Train K Medusa heads on the frozen target instead of a draft (--layers, --hidden, --heads, "
               "--intermediate and --init do not apply).")
+@click.option("--eagle3", type=int, default=None,
+              help="Train an EAGLE-3 head on the frozen target instead of a draft, unrolled K drafts deep in training "
+              "(EAGLE-3 uses 7). --layers, --hidden, --heads and --init do not apply; --intermediate is the head's "
+              "MLP width (default: the target's).")
+@click.option("--draft-vocab", type=int, default=None,
+              help="With --eagle3: the head drafts over the corpus' K most frequent tokens (default: 32000, or the "
+              "target's whole vocabulary if smaller).")
+@click.option("--aux-layers", default=None,
+              help="With --eagle3: the three target layers whose input the head reads, comma-separated "
+              "(default: EAGLE's 2, N/2, N-3 of an N-layer target).")
 @user_errors
-def distill(target_dir, corpus, out_dir, medusa, **options):
+def distill(target_dir, corpus, out_dir, medusa, eagle3, draft_vocab, aux_layers, **options):
     """Train a small draft that matches the target's next-token distribution (or, with --medusa, heads
-    on the target that predict the tokens after the next)."""
+    on the target that predict the tokens after the next; with --eagle3, an EAGLE-3 head)."""
     from speccompile.training.distill import DistillOptions
     from speccompile.training.distill import distill as run_distill
 
-    if medusa is None:
+    if medusa is not None and eagle3 is not None:
+        raise SpecCompileError("--medusa and --eagle3 train different proposers: give one")
+    if eagle3 is None:
+        for name, value in (("draft-vocab", draft_vocab), ("aux-layers", aux_layers)):
+            if value is not None:
+                raise SpecCompileError(f"--{name} shapes an EAGLE-3 head: it applies only with --eagle3")
+    if eagle3 is not None:
+        _distill_eagle3(target_dir, corpus, out_dir, eagle3, draft_vocab, aux_layers, options)
+    elif medusa is None:
         run_distill(target_dir, corpus, out_dir, DistillOptions(**options))
     else:
         _distill_medusa(target_dir, corpus, out_dir, medusa, options)
@@ -160,18 +178,44 @@ def distill(target_dir, corpus, out_dir, medusa, **options):
 DRAFT_ONLY = ("layers", "hidden", "heads", "intermediate", "init")  # distill options that shape a draft model
 
 
-def _distill_medusa(target_dir, corpus, out_dir, heads: int, options: dict) -> None:
-    """A draft option given with --medusa is refused rather than ignored: the user expected it to matter."""
+def _refuse_draft_options(refused: tuple[str, ...], flag: str) -> None:
+    """A draft option given with --medusa or --eagle3 is refused rather than ignored: the user expected it to matter."""
     from click.core import ParameterSource
 
+    context = click.get_current_context()
+    for name in refused:
+        if context.get_parameter_source(name) is not ParameterSource.DEFAULT:
+            raise SpecCompileError(f"--{name} shapes a draft; {flag} trains heads on the target (drop --{name})")
+
+
+def _distill_medusa(target_dir, corpus, out_dir, heads: int, options: dict) -> None:
     from speccompile.training.medusa import MedusaOptions, train_medusa
 
-    context = click.get_current_context()
-    for name in DRAFT_ONLY:
-        if context.get_parameter_source(name) is not ParameterSource.DEFAULT:
-            raise SpecCompileError(f"--{name} shapes a draft; --medusa trains heads on the target (drop --{name})")
+    _refuse_draft_options(DRAFT_ONLY, "--medusa")
     shared = {name: value for name, value in options.items() if name not in DRAFT_ONLY}
     train_medusa(target_dir, corpus, out_dir, MedusaOptions(heads=heads, **shared))
+
+
+EAGLE3_REFUSED = tuple(name for name in DRAFT_ONLY if name != "intermediate")  # --intermediate: the head's MLP
+
+
+def _distill_eagle3(target_dir, corpus, out_dir, ttt_steps: int, draft_vocab, aux_layers, options: dict) -> None:
+    from speccompile.training.eagle3 import Eagle3Options, train_eagle3
+
+    _refuse_draft_options(EAGLE3_REFUSED, "--eagle3")
+    shared = {name: value for name, value in options.items() if name not in EAGLE3_REFUSED}
+    train_eagle3(target_dir, corpus, out_dir, Eagle3Options(ttt_steps=ttt_steps, draft_vocab=draft_vocab,
+                                                            aux_layer_ids=_layer_ids(aux_layers), **shared))
+
+
+def _layer_ids(text: str | None) -> tuple[int, ...] | None:
+    """--aux-layers "2,16,29" -> (2, 16, 29)."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise SpecCompileError(f"--aux-layers takes comma-separated layer ids (like 2,16,29), got {text!r}") from None
 
 
 def read_prompts(prompts_file) -> list[str]:

@@ -434,3 +434,15 @@ def test_no_function_in_the_cli_is_longer_than_60_lines():
     lengths = {node.name: node.end_lineno - node.lineno + 1 for node in ast.walk(tree)
                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
     assert lengths and not {name: n for name, n in lengths.items() if n > 60}
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--eagle3", 3, "--layers", 4], "--layers shapes a draft; --eagle3 trains heads on the target"),
+    (["--eagle3", 3, "--medusa", 2], "--medusa and --eagle3 train different proposers"),
+    (["--draft-vocab", 100], "--draft-vocab shapes an EAGLE-3 head: it applies only with --eagle3"),
+    (["--eagle3", 3, "--aux-layers", "1,x,2"], "--aux-layers takes comma-separated layer ids"),
+])
+def test_distill_eagle3_refuses_what_does_not_apply_in_one_line(tmp_path, extra, message):
+    code, output = run("distill", "--target", tmp_path / "missing", "--corpus", tmp_path, "--out", tmp_path / "out",
+                       *extra)
+    assert code == 1 and message in output and "Traceback" not in output, output
