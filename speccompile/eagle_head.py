@@ -36,13 +36,12 @@ import enum
 import json
 import math
 import os
-import struct
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
 
-from speccompile.errors import SpecCompileError, read_json_object
+from speccompile.errors import SpecCompileError, read_json_object, read_safetensors_header
 
 
 class Layout(enum.Enum):
@@ -297,20 +296,16 @@ def draft_to_target(head: Eagle3Head, draft_ids: np.ndarray) -> np.ndarray:
 # safetensors' dtypes as numpy reads them; BF16 is read as its 16 bits and widened to float32
 _DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
            "I8": "i1", "U8": "u1", "BOOL": "?"}
-MAX_HEADER = 100 << 20  # the format's own limit on the JSON header
 
 
 def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file (header: 8-byte length, JSON of dtype, shape, byte range)."""
+    """Every tensor of a safetensors file, read whole."""
+    header, data_start = read_safetensors_header(file)
     try:
         with open(file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > MAX_HEADER:
-                raise ValueError(f"header of {length} bytes")
-            header = json.loads(f.read(length))
-            return {name: _read_tensor(f, 8 + length, name, info) for name, info in header.items()
+            return {name: _read_tensor(f, data_start, name, info) for name, info in header.items()
                     if name != "__metadata__"}
-    except (OSError, struct.error, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SpecCompileError(f"{file}: unreadable safetensors file ({e})") from None
 
 

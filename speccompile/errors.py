@@ -21,3 +21,25 @@ def read_json_object(path) -> dict:
     if not isinstance(value, dict):
         raise SpecCompileError(f"{path}: expected a JSON object")
     return value
+
+
+MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors format's own limit on its JSON header
+
+
+def read_safetensors_header(path) -> tuple[dict, int]:
+    """A safetensors file's header (8 bytes of length, then JSON: each tensor's dtype, shape and byte
+    range) and where the tensors' bytes begin, or a SpecCompileError saying what is wrong with it."""
+    import json
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > MAX_SAFETENSORS_HEADER:
+                raise ValueError(f"header of {length} bytes")
+            header = json.loads(f.read(length))
+    except (OSError, struct.error, ValueError, UnicodeDecodeError) as e:
+        raise SpecCompileError(f"{path}: cannot read safetensors file ({e})") from None
+    if not isinstance(header, dict):
+        raise SpecCompileError(f"{path}: cannot read safetensors file (header is not a JSON object)")
+    return header, 8 + length

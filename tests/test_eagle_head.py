@@ -255,7 +255,7 @@ def test_a_directory_that_is_no_head_is_refused(tmp_path, checkpoints):
     (out / "pytorch_model.bin").unlink()
     refused(lambda: load_eagle3_head(out), "no model.safetensors")
     (out / WEIGHTS).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json")
-    refused(lambda: load_eagle3_head(out), "unreadable safetensors")
+    refused(lambda: load_eagle3_head(out), "cannot read safetensors file")
 
 
 # -- the reference, checked by hand ----------------------------------------------------------------

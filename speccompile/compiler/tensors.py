@@ -15,9 +15,7 @@ resident memory until unmapped.
 """
 
 import functools
-import json
 import math
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,12 +23,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from speccompile.errors import SpecCompileError
+from speccompile.errors import SpecCompileError, read_safetensors_header
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 INT4 = np.dtype(ml_dtypes.int4)  # one value per byte in memory; two per byte on disk (stored_nbytes, packed_int4)
 SAFETENSORS_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": BFLOAT16}
-MAX_HEADER = 100 << 20  # the format's own limit on the JSON header
 
 
 @dataclass(frozen=True, eq=False)
@@ -107,7 +104,7 @@ def packed_int4(array: np.ndarray) -> np.ndarray:
 def safetensors_tensors(file: Path) -> dict[str, LazyTensor]:
     """Every tensor of one safetensors file, as float32 lazy tensors; only the header is read now.
     A malformed header or a byte range outside the file is a SpecCompileError here, not at write."""
-    header, data_start = _read_header(file)
+    header, data_start = read_safetensors_header(file)
     size = file.stat().st_size
     tensors = {}
     for name, info in header.items():
@@ -126,20 +123,6 @@ def safetensors_tensors(file: Path) -> dict[str, LazyTensor]:
         read = functools.partial(_read_tensor, file, data_start + begin, stored, shape)
         tensors[name] = LazyTensor(shape, np.dtype(np.float32), read)
     return tensors
-
-
-def _read_header(file: Path) -> tuple[dict, int]:
-    try:
-        with open(file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > MAX_HEADER:
-                raise ValueError(f"header of {length} bytes")
-            header = json.loads(f.read(length))
-    except (OSError, struct.error, ValueError, UnicodeDecodeError) as e:
-        raise SpecCompileError(f"{file}: cannot read safetensors file ({e})") from None
-    if not isinstance(header, dict):
-        raise SpecCompileError(f"{file}: cannot read safetensors file (header is not a JSON object)")
-    return header, 8 + length
 
 
 def _read_tensor(file: Path, offset: int, stored: np.dtype, shape: tuple) -> np.ndarray:
