@@ -282,3 +282,26 @@ def test_greedy_and_sampled_requests_share_iterations_exactly(runtimes, expected
     greedy = runtime.submit_batch(PROMPTS, max_new_tokens=MAX_NEW, gamma=4, proposer="eagle")
     assert [handle.result(timeout=60).token_ids for handle in greedy] == expected
     assert sampled.result(timeout=60).token_ids == plain
+
+
+def family_target(path, family: str, tokenizer):
+    """A tiny `family` checkpoint of LAYERS layers (gemma3's attention kinds alternating over them)."""
+    depth = {"n_layer": LAYERS} if family == "gpt2" else {"num_hidden_layers": LAYERS}
+    if family == "gemma3":
+        depth["layer_types"] = ["sliding_attention", "full_attention"] * (LAYERS // 2)
+    return make_checkpoint(path, family, tokenizer=tokenizer, **depth)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "gemma3", "phi3", "gpt2"])
+def test_every_family_generates_its_own_greedy_output_with_an_eagle_head(family, tmp_path, tokenizer):
+    """The target's features are each family's own (its embedding scale, position embeddings, norms):
+    with a head reading them, greedy output is still the target's, as HF generates it."""
+    target = family_target(tmp_path / "target", family, tokenizer)
+    config = target_config(target)
+    config.setdefault("hidden_size", config.get("n_embd"))  # GPT-2's name
+    head = write_eagle3_head(tmp_path / "head", random_head(config, seed=6, aux_layer_ids=AUX), Layout.SPECULATORS)
+    bundle = build_bundle(target, None, tmp_path / "bundle", gammas=[4], max_seq=64, max_batch=2, eagle_dir=head)
+    with speccompile.load(bundle) as runtime:
+        results = runtime.generate(PROMPTS[:2], max_new_tokens=12, proposer="eagle", gamma=4)
+        assert [r.token_ids for r in results] == [hf_greedy(target, p, 12) for p in PROMPTS[:2]]
+        assert all(r.stats.by_proposer["eagle"][1] > 0 for r in results)  # the head drafted
