@@ -51,6 +51,12 @@ GRAPH_OUTPUTS = {
     # dict (session_graph.KINDS), recorded in manifests, and the head's graphs have no session graph
     "catch_up": ("next_token", "confidence", "hidden"),
     "step": ("next_token", "confidence", "hidden"),
+    # the same two drawing their draft from the head's distribution after a row's temperature, top-k and
+    # top-p, over the target's vocabulary (zero outside the head's), which they return: a sampled request's
+    # drafts, verified exactly with it (an EAGLE-3 head built before them has none: sampled requests then
+    # get no EAGLE drafts)
+    "catch_up_sample": ("next_token", "probs", "hidden"),
+    "step_sample": ("next_token", "probs", "hidden"),
 }
 GRAPH_KINDS = tuple(GRAPH_OUTPUTS)
 # what each kind is, as data (a kind is never tested by its spelling): a step scores each row's last
@@ -58,8 +64,8 @@ GRAPH_KINDS = tuple(GRAPH_OUTPUTS)
 STEP_KINDS = ("forward", "sample")
 CHAIN_KINDS = ("verify", "verify_sample")
 TREE_KINDS = ("verify_tree", "verify_tree_typical")
-SAMPLING_KINDS = ("sample", "verify_sample")
-HEAD_KINDS = ("catch_up", "step")  # the EAGLE-3 head's, and only its
+SAMPLING_KINDS = ("sample", "verify_sample", "catch_up_sample", "step_sample")
+HEAD_KINDS = ("catch_up", "step", "catch_up_sample", "step_sample")  # the EAGLE-3 head's, and only its
 ROLES = ("target", "draft", "eagle")  # eagle: an EAGLE-3 head, one layer drafting from the target's features
 # each read-back output's element type, and whether it has a value per sequence ([B]), per vocabulary
 # entry ([B, V]), per tree node ([B, N]), per scored position ([B, R]: 1 for a step, all T of a
@@ -127,15 +133,16 @@ class GraphId:
 
     @classmethod
     @functools.cache
-    def eagle_catch_up(cls) -> "GraphId":
-        """The EAGLE-3 head over target features: a prompt chunk's, or the positions a verification kept."""
-        return cls("eagle", "catch_up")
+    def eagle_catch_up(cls, sample: bool = False) -> "GraphId":
+        """The EAGLE-3 head over target features: a prompt chunk's, or the positions a verification kept;
+        its draft greedy or sampled."""
+        return cls("eagle", "catch_up_sample" if sample else "catch_up")
 
     @classmethod
     @functools.cache
-    def eagle_step(cls) -> "GraphId":
-        """One more draft of the EAGLE-3 head, from its own last output and draft."""
-        return cls("eagle", "step")
+    def eagle_step(cls, sample: bool = False) -> "GraphId":
+        """One more draft of the EAGLE-3 head, from its own last output and draft: greedy or sampled."""
+        return cls("eagle", "step_sample" if sample else "step")
 
     @property
     def positions_scored(self) -> str:
@@ -588,13 +595,16 @@ class Manifest:
             raise _refused("it holds an EAGLE-3 head, but its target records no eagle_aux_layers to feed it")
         if head.num_layers != 1 or head.session is not None:
             raise _refused(f"its EAGLE-3 head has {head.num_layers} layers or a session graph (one layer, none)")
-        for graph in (GraphId.eagle_catch_up(), GraphId.eagle_step()):
+        sampled = [GraphId.eagle_catch_up(True), GraphId.eagle_step(True)]
+        if sum(graph.name in self.graphs for graph in sampled) == 1:
+            raise _refused("its EAGLE-3 head has one of its sampled graphs without the other")
+        for graph in [GraphId.eagle_catch_up(), GraphId.eagle_step()] + [g for g in sampled if g.name in self.graphs]:
             entry = self.graphs.get(graph.name)
             if entry is None:
                 raise _refused(f"it holds an EAGLE-3 head without its graph {graph.name}")
             features = [spec.shape[-1] for spec in entry.inputs if spec.name == AUX_HIDDEN]
             outputs = [spec.shape[-1] for spec in entry.outputs if spec.name == "hidden"]
-            if features != ([target.aux_hidden_width] if graph == GraphId.eagle_catch_up() else []) \
+            if features != ([target.aux_hidden_width] if graph in (GraphId.eagle_catch_up(), sampled[0]) else []) \
                     or outputs != [head.hidden_size]:
                 raise _refused(f"graph {graph.name} reads features of width {features!r:.40} or returns a hidden "
                                f"state of width {outputs!r:.40}: not the target's {target.aux_hidden_width} and "
@@ -687,6 +697,11 @@ class Bundle:
     def has_eagle(self) -> bool:
         """Whether the bundle holds an EAGLE-3 head (built with --eagle): its requests may ask for proposer eagle."""
         return "eagle" in self.manifest.models
+
+    @property
+    def eagle_samples(self) -> bool:
+        """Whether its EAGLE-3 head has the sampled graphs, which draft for sampled requests."""
+        return self.has_eagle and GraphId.eagle_step(True).name in self.manifest.graphs
 
     @property
     def has_engines(self) -> bool:

@@ -101,8 +101,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     manifest's target records them. None: the bundle is what it was without the option.
     `eagle_dir`: an EAGLE-3 head (either published layout; eagle_head.py), checked against the target:
     the target's graphs output the features of the layers the head names (or EAGLE-3's default for the
-    target's depth; eagle_aux_layers is then left out), and the head's two graphs
-    (compiler/eagle_graph.py) are written beside them, float32, reading the target's token embedding
+    target's depth; eagle_aux_layers is then left out), and the head's graphs, greedy and sampled
+    (compiler/eagle_graph.py), are written beside them, float32, reading the target's token embedding
     from its weights file where the head has none of its own. With or without a draft; not with Medusa
     heads, nor (yet) with TensorRT engines."""
     out_dir, tensorrt = Path(out_dir), tensorrt or TensorRTOptions()
@@ -160,7 +160,7 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
                             aux_layers=aux_layers)
     variants = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids, single_sequence=True,
                               heads=heads, aux_layers=aux_layers) if single_sequence else {}
-    eagle_graphs = _eagle_graphs(head, target, max_seq) if head is not None else {}
+    eagle_graphs = _eagle_graphs(head, target, max_seq, vocab_out) if head is not None else {}
     for name, (builder, _) in {**graphs, **eagle_graphs}.items():
         variant = f", batch-1 variant {len(variants[name][0].nodes)}" if name in variants else ""
         logger.info(f"  {name}: {len(builder.nodes)} nodes{variant}")
@@ -283,11 +283,14 @@ def _load_eagle(eagle_dir, target: ModelSpec) -> Eagle3Head:
     return head
 
 
-def _eagle_graphs(head: Eagle3Head, target: ModelSpec, max_seq: int) -> dict:
-    """name -> (GraphBuilder, GraphId) of the head's graphs, over the target's own embedding tensor
-    where the head has none (so that it is stored under the target's names and bytes)."""
-    built = build_eagle_graphs(head, target.weights["embed"], max_seq)
-    ids = {graph.name: graph for graph in (GraphId.eagle_catch_up(), GraphId.eagle_step())}
+def _eagle_graphs(head: Eagle3Head, target: ModelSpec, max_seq: int, vocab_out: int) -> dict:
+    """name -> (GraphBuilder, GraphId) of the head's graphs (greedy and sampled), over the target's own
+    embedding tensor where the head has none (so that it is stored under the target's names and bytes);
+    the sampled ones' probs span the bundle's vocabulary, vocab_out, as the verification's draft_probs do."""
+    built = build_eagle_graphs(head, target.weights["embed"], max_seq, sample=True,
+                               target_vocab=vocab_out)
+    ids = {graph.name: graph for sample in (False, True)
+           for graph in (GraphId.eagle_catch_up(sample), GraphId.eagle_step(sample))}
     return {name: (builder, ids[name]) for name, builder in built.items()}
 
 

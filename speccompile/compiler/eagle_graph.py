@@ -14,7 +14,17 @@ Two graphs over one weight set (their weights have the same names, so one Weight
 
 next_token is a target id (argmax over the draft vocabulary, then + d2t), confidence its probability
 (softmax over the draft vocabulary), hidden the layer's output before `norm`, fed back as the next
-step's hidden_in. The cache is the target's scheme exactly (transformer.py): past_key.0 / past_value.0
+step's hidden_in.
+
+Their sampled variants (eagle_catch_up_sample, eagle_step_sample: build_eagle_graphs(sample=True)) take
+the target's sample graph's inputs besides (temperature, top_k, top_p, uniform [B], coupled [B], noise
+[B, V]; V the target's vocabulary) and return probs [B, V] in place of confidence: the head's
+distribution after each row's temperature, top-k and top-p (SpecTransform over the draft vocabulary,
+scattered to the target ids through d2t, zero elsewhere), from which next_token is drawn by inverse CDF
+with `uniform`, or in the `coupled` rows by Gumbel-max with `noise` (core/acceptance.py's two rules).
+No logits processors apply: the draft distribution need only be the one the draft was drawn from.
+
+The cache is the target's scheme exactly (transformer.py): past_key.0 / past_value.0
 [B, kv heads, max_seq, head dim] in, present_key.0 / present_value.0 out, written in place by
 TensorScatter at positions past_len.., RoPE at the same positions; rolling back is a smaller past_len.
 
@@ -36,8 +46,9 @@ import onnx
 
 from speccompile.compiler.architectures import LLAMA
 from speccompile.compiler.checkpoint import ModelSpec
-from speccompile.compiler.onnx_graph import FLOAT, INT64, GraphBuilder, WeightFile, _lazy
+from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT64, GraphBuilder, WeightFile, _lazy
 from speccompile.compiler.rope import SCALINGS, Rope
+from speccompile.compiler.spec_accept import gumbel_scores, spec_op
 from speccompile.compiler.tensors import LazyTensor, transposed
 from speccompile.compiler.transformer import (
     _attention_layers,
@@ -48,6 +59,7 @@ from speccompile.compiler.transformer import (
     _norm,
     _offsets,
     _onnx_attention,
+    _sampling_inputs,
     greedy_confidence,
 )
 from speccompile.eagle_head import Eagle3Head, draft_to_target
@@ -55,7 +67,10 @@ from speccompile.errors import SpecCompileError
 
 CATCH_UP, STEP = "eagle_catch_up", "eagle_step"
 EAGLE_KINDS = (CATCH_UP, STEP)
+CATCH_UP_SAMPLE, STEP_SAMPLE = "eagle_catch_up_sample", "eagle_step_sample"
+SAMPLED_KINDS = (CATCH_UP_SAMPLE, STEP_SAMPLE)
 OUTPUTS = ("next_token", "confidence", "hidden")  # what a runtime reads back from either graph (the rest: cache)
+SAMPLED_OUTPUTS = ("next_token", "probs", "hidden")  # and from a sampled one
 EMBEDDING_WEIGHTS = ("embed", "embed_q", "embed_scale")  # the names _embedding stores a table under
 WEIGHTS_FILE = "eagle.weights"
 LAYER = "layers.0."
@@ -64,17 +79,26 @@ ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def build_eagle_graphs(head: Eagle3Head, embed_tokens: np.ndarray | LazyTensor | None, max_seq: int,
-                       matmul_weights: str = "float32") -> dict[str, GraphBuilder]:
-    """{kind: graph} for both kinds, each graph named as its kind (the builders below take other names).
-    `embed_tokens`: the target's table [V', H] (V' >= the head's vocabulary; a checkpoint's lazy tensor
-    is stored as it is, not read here), used where the head has no copy of its own. `matmul_weights`:
-    how fc, the projections and lm_head are stored (GraphBuilder.matmul)."""
-    return {CATCH_UP: build_catch_up_graph(head, embed_tokens, max_seq, CATCH_UP, matmul_weights),
-            STEP: build_step_graph(head, embed_tokens, max_seq, STEP, matmul_weights)}
+                       matmul_weights: str = "float32", sample: bool = False,
+                       target_vocab: int | None = None) -> dict[str, GraphBuilder]:
+    """{kind: graph} for both kinds (with `sample`, their sampled variants too), each graph named as its
+    kind (the builders below take other names). `embed_tokens`: the target's table [V', H] (V' >= the
+    head's vocabulary; a checkpoint's lazy tensor is stored as it is, not read here), used where the head
+    has no copy of its own. `matmul_weights`: how fc, the projections and lm_head are stored
+    (GraphBuilder.matmul). `target_vocab`: the sampled graphs' V (default: the head's vocab_size)."""
+    graphs = {CATCH_UP: build_catch_up_graph(head, embed_tokens, max_seq, CATCH_UP, matmul_weights),
+              STEP: build_step_graph(head, embed_tokens, max_seq, STEP, matmul_weights)}
+    if sample:
+        vocab = target_vocab or head.config.vocab_size
+        graphs[CATCH_UP_SAMPLE] = build_catch_up_graph(head, embed_tokens, max_seq, CATCH_UP_SAMPLE, matmul_weights,
+                                                       sample_vocab=vocab)
+        graphs[STEP_SAMPLE] = build_step_graph(head, embed_tokens, max_seq, STEP_SAMPLE, matmul_weights,
+                                               sample_vocab=vocab)
+    return graphs
 
 
 def build_catch_up_graph(head: Eagle3Head, embed_tokens, max_seq: int, name: str = CATCH_UP,
-                         matmul_weights: str = "float32") -> GraphBuilder:
+                         matmul_weights: str = "float32", sample_vocab: int | None = None) -> GraphBuilder:
     """The head over T positions of target features: a prompt (chunk), or the positions a verification
     accepted, whose aux_hidden the target's graph has just output under the same name and layout."""
     spec = _layer_spec(head, embed_tokens, max_seq)
@@ -88,20 +112,21 @@ def build_catch_up_graph(head: Eagle3Head, embed_tokens, max_seq: int, name: str
     # a row that reads nothing (token_count 0: the proposer's rows without new features) reads position 0,
     # an answer nobody takes, rather than index -1, which not every backend wraps
     last = g.op("Unsqueeze", g.op("Max", g.op("Sub", token_count, g.const(1)), g.const(0)), g.const([1]))
-    _draft(g, spec, head, g.op("GatherND", hidden, last, batch_dims=1))  # [B, H]
+    _draft(g, spec, head, g.op("GatherND", hidden, last, batch_dims=1), sample_vocab)  # [B, H]
     return g
 
 
 def build_step_graph(head: Eagle3Head, embed_tokens, max_seq: int, name: str = STEP,
-                     matmul_weights: str = "float32") -> GraphBuilder:
-    """One more draft: the previous draft's token with the head's own previous output."""
+                     matmul_weights: str = "float32", sample_vocab: int | None = None) -> GraphBuilder:
+    """One more draft: the previous draft's token with the head's own previous output. `sample_vocab`
+    (both builders): the sampled variant, over a target vocabulary of that size."""
     spec = _layer_spec(head, embed_tokens, max_seq)
     g = GraphBuilder(name, matmul_weights)
     ids = g.input("input_ids", INT64, ["batch", 1])
     fed_back = g.input("hidden_in", FLOAT, ["batch", 1, head.config.hidden_size])
     past_len = g.input("past_len", INT64, ["batch"])
     hidden = _layer(g, spec, head, ids, fed_back, past_len, max_seq)
-    _draft(g, spec, head, g.op("Squeeze", hidden, g.const([1])))  # [B, H]
+    _draft(g, spec, head, g.op("Squeeze", hidden, g.const([1])), sample_vocab)  # [B, H]
     return g
 
 
@@ -122,14 +147,47 @@ def _layer(g: GraphBuilder, spec: ModelSpec, head: Eagle3Head, ids: str, feature
     return g.op("Add", attended, _mlp(g, spec, LAYER, _norm(g, spec, attended, LAYER + "mlp_norm")))
 
 
-def _draft(g: GraphBuilder, spec: ModelSpec, head: Eagle3Head, hidden: str) -> None:
-    """Outputs next_token (a target id), confidence and hidden of the layer's output [B, H]."""
-    logits = _lm_head(g, spec, hidden, head.config.draft_vocab_size)  # [B, draft vocabulary]
-    best = g.op("ArgMax", logits, axis=-1, keepdims=0)
-    targets = g.weight("draft_to_target", draft_to_target(head, np.arange(head.config.draft_vocab_size)))
-    g.output(g.op("Gather", targets, best), "next_token", INT64, ["batch"])
-    g.output(greedy_confidence(g, logits), "confidence", FLOAT, ["batch"])
+def _draft(g: GraphBuilder, spec: ModelSpec, head: Eagle3Head, hidden: str, sample_vocab: int | None) -> None:
+    """Outputs next_token (a target id), confidence (sampled: probs) and hidden of the layer's output [B, H]."""
+    draft_vocab = head.config.draft_vocab_size
+    logits = _lm_head(g, spec, hidden, draft_vocab)  # [B, draft vocabulary]
+    targets_of = draft_to_target(head, np.arange(draft_vocab))
+    if sample_vocab is None:
+        targets = g.weight("draft_to_target", targets_of)
+        g.output(g.op("Gather", targets, g.op("ArgMax", logits, axis=-1, keepdims=0)), "next_token", INT64, ["batch"])
+        g.output(greedy_confidence(g, logits), "confidence", FLOAT, ["batch"])
+    else:
+        token, probs = _sampled(g, logits, targets_of, draft_vocab, sample_vocab)
+        g.output(token, "next_token", INT64, ["batch"])
+        g.output(probs, "probs", FLOAT, ["batch", sample_vocab])
     g.output(hidden, "hidden", FLOAT, ["batch", head.config.hidden_size])
+
+
+def _sampled(g: GraphBuilder, logits: str, targets_of: np.ndarray, draft_vocab: int, vocab: int) -> tuple[str, str]:
+    """(next_token [B], probs [B, V]) drawn from logits [B, V'] over the draft vocabulary after each row's
+    temperature, top-k and top-p, as the target's sample graph draws (transformer.sampled_next). The
+    transform runs over the V' draft tokens: the target tokens outside them have probability 0 either way,
+    so they never enter a top-k or a top-p's nucleus before a token of the head's does."""
+    params = _sampling_inputs(g)
+    uniform = g.input("uniform", FLOAT, ["batch"])
+    coupled = g.input("coupled", BOOL, ["batch"])
+    noise = g.input("noise", FLOAT, ["batch", vocab])
+    drawn_from = spec_op(g, "SpecTransform", g.op("Unsqueeze", logits, g.const([1])), *params, vocab_size=draft_vocab)
+    draft_probs = g.op("Squeeze", drawn_from, g.const([1]))  # [B, V']
+    # at their target ids, 0 elsewhere: each target id gathers its draft id's column, or an appended zero
+    shape = g.op("Concat", g.op("Shape", draft_probs, start=0, end=1), g.const([1]), axis=0)
+    padded = g.op("Concat", draft_probs, g.op("ConstantOfShape", shape, value=onnx.numpy_helper.from_array(
+        np.zeros([1], np.float32))), axis=1)  # [B, V' + 1]
+    probs = g.op("Gather", padded, g.weight("target_to_draft", _target_columns(targets_of, vocab)), axis=1)  # [B, V]
+    gumbel_max = g.op("ArgMax", gumbel_scores(g, probs, noise), axis=-1, keepdims=0)
+    return g.op("Where", coupled, gumbel_max, spec_op(g, "SpecSample", probs, uniform)), probs
+
+
+def _target_columns(targets_of: np.ndarray, vocab: int) -> np.ndarray:
+    """[V] int64: each target id's draft id (d2t is one-to-one), or V' (the zero column) for the rest."""
+    columns = np.full(vocab, len(targets_of), np.int64)
+    columns[targets_of] = np.arange(len(targets_of))
+    return columns
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ draft token at γ=2, 0.54 at γ=6).
 
 from dataclasses import dataclass
 
+DRAFT, EAGLE = "draft", "eagle"  # whose steps a proposer's drafts cost: the draft model's, or the EAGLE-3 head's
+
 
 def expected_tokens(acceptance_by_position: list[float]) -> float:
     """E[tokens emitted per iteration] from per-position (unconditional) acceptance."""
@@ -25,18 +27,26 @@ def expected_tokens(acceptance_by_position: list[float]) -> float:
 
 
 def tokens_per_ms(costs: "LoopCosts | None", acceptance_by_position: list[float], drafts: int,
-                  draft_steps: bool = True) -> float:
+                  draft_steps: bool | str | None = True) -> float:
     """Expected tokens per millisecond of one iteration with `drafts` proposals, (1 + Σ P_k) over
-    its time: verified by the smallest compiled γ that holds them, with the draft model's steps
-    (draft_steps) or without (a lookup costs no model time). 0 drafts is a plain step. Without costs,
-    expected tokens per iteration. The one rate every choice between proposers and trees compares."""
+    its time: verified by the smallest compiled γ that holds them, with the steps of the model that
+    drafts them (draft_steps: "draft" or True the draft model's, "eagle" the EAGLE-3 head's; False or
+    None none: a lookup costs no model time). 0 drafts is a plain step. Without costs, expected tokens
+    per iteration. The one rate every choice between proposers and trees compares."""
     tokens = expected_tokens(acceptance_by_position[:drafts])
     if costs is None:
         return tokens
     if drafts == 0:
         return 1.0 / costs.plain_ms
     gamma = costs.graph_for(drafts)
-    return rate(tokens, costs.iteration_ms(gamma, drafts if draft_steps else 0))
+    return rate(tokens, costs.iteration_ms(gamma, drafts, step_cost(draft_steps)))
+
+
+def step_cost(draft_steps: bool | str | None) -> str | None:
+    """The kind of model step drafts cost (LoopCosts.iteration_ms) from tokens_per_ms' draft_steps."""
+    if draft_steps is True:
+        return DRAFT
+    return draft_steps or None
 
 
 def rate(tokens: float, ms: float) -> float:
@@ -96,6 +106,13 @@ class LoopCosts:
     target_step: one plain-decoding iteration's target call. draft[γ]: an iteration's γ draft
     steps. verify[γ]: its verification. overhead: the rest of a speculative iteration (proposing,
     emitting, rollback, choosing γ); plain_overhead: the rest of a plain one.
+
+    An EAGLE-3 head (0 without one): head_step, one of its batched steps; head_catch_up, its
+    catch-up after each target call. The catch-up runs after every target call, a plain step's too
+    and whoever proposed (every row is kept in step, so that any iteration may draft), so it is in
+    plain_ms as in every iteration_ms: declining an offer does not save it, and a comparison that
+    charged it to the head's offers alone would decline a head whose drafts pay. It does make a
+    plain step dearer than on a bundle without a head; that is what the bundle costs here.
     """
 
     target_step: float
@@ -103,11 +120,13 @@ class LoopCosts:
     verify: dict[int, float]
     overhead: float = 0.0
     plain_overhead: float = 0.0
+    head_step: float = 0.0
+    head_catch_up: float = 0.0
 
     @property
     def plain_ms(self) -> float:
         """One iteration of plain decoding, what every speedup is measured against."""
-        return self.target_step + self.plain_overhead
+        return self.target_step + self.plain_overhead + self.head_catch_up
 
     @classmethod
     def from_timings(cls, timings: dict) -> "LoopCosts":
@@ -116,12 +135,20 @@ class LoopCosts:
         verify = {int(g): ms for g, ms in timings["verify_ms"].items()}
         per_gamma = {int(g): ms for g, ms in timings.get("draft_ms", {}).items()}
         draft = {g: per_gamma.get(g, g * timings["draft_step_ms"]) for g in verify}
-        return cls(timings["target_step_ms"], draft, verify, timings.get("overhead_ms", 0.0))
+        return cls(timings["target_step_ms"], draft, verify, timings.get("overhead_ms", 0.0),
+                   head_step=timings.get("head_step_ms", 0.0), head_catch_up=timings.get("head_catch_up_ms", 0.0))
 
     def timings(self) -> dict:
-        """As a γ profile stores them (JSON): from_timings' input, draft_step_ms included."""
+        """As a γ profile stores them (JSON): from_timings' input, draft_step_ms included (the head's
+        costs only where there is one)."""
+        head = {"head_step_ms": self.head_step, "head_catch_up_ms": self.head_catch_up} if self.has_head else {}
         return {"target_step_ms": self.target_step, "draft_step_ms": self.draft_step, "draft_ms": dict(self.draft),
-                "verify_ms": dict(self.verify), "overhead_ms": self.overhead}
+                "verify_ms": dict(self.verify), "overhead_ms": self.overhead, **head}
+
+    @property
+    def has_head(self) -> bool:
+        """Whether an EAGLE-3 head's costs were measured."""
+        return self.head_step > 0 or self.head_catch_up > 0
 
     @property
     def draft_step(self) -> float:
@@ -143,12 +170,14 @@ class LoopCosts:
                          {g: between(self.draft[g], other.draft[g], w) for g in self.draft},
                          {g: between(self.verify[g], other.verify[g], w) for g in self.verify},
                          between(self.overhead, other.overhead, w),
-                         between(self.plain_overhead, other.plain_overhead, w))
+                         between(self.plain_overhead, other.plain_overhead, w),
+                         between(self.head_step, other.head_step, w),
+                         between(self.head_catch_up, other.head_catch_up, w))
 
     def at_batch(self, batch: int) -> "LoopCosts":
         """These batch-1 costs carried to `batch` rows, as a prior for the loop to correct: a target
         call's time as a line in the tokens it scores, fitted to the plain step (1 token) and each
-        verification (γ + 1); the draft's steps grown as the target's plain step grows. On the demo
+        verification (γ + 1); the draft's and the head's steps grown as the target's plain step grows. On the demo
         pair (2 cores) it put batch 8's verifications at 2.4x its plain step, as measured, but every
         call at about 0.7x its measured time: the loop's own measurements set the level (GammaPolicy)."""
         if batch == 1:
@@ -158,19 +187,39 @@ class LoopCosts:
         call = lambda tokens: intercept + slope * tokens  # noqa: E731
         growth = call(batch) / call(1)
         return LoopCosts(call(batch), {g: ms * growth for g, ms in self.draft.items()},
-                         {g: call(batch * (g + 1)) for g in self.verify}, self.overhead, self.plain_overhead)
+                         {g: call(batch * (g + 1)) for g in self.verify}, self.overhead, self.plain_overhead,
+                         self.head_step * growth, self.head_catch_up * growth)
 
-    def scaled(self, target: float, draft: float, overhead: float, plain_overhead: float) -> "LoopCosts":
-        """Every target call's time times `target`, every draft step's times `draft`, and the loop's
-        own work per iteration replaced (what GammaPolicy has measured)."""
+    def scaled(self, target: float, draft: float, overhead: float, plain_overhead: float,
+               head: float = 1.0) -> "LoopCosts":
+        """Every target call's time times `target`, every draft step's times `draft`, every head step's
+        times `head`, and the loop's own work per iteration replaced (what GammaPolicy has measured).
+        The loop times the head's catch-up as part of its own work (it runs inside the target's
+        calls' bookkeeping), so the measured work given here includes it: it is folded into the
+        overheads, not counted again."""
         return LoopCosts(self.target_step * target, {g: ms * draft for g, ms in self.draft.items()},
-                         {g: ms * target for g, ms in self.verify.items()}, overhead, plain_overhead)
+                         {g: ms * target for g, ms in self.verify.items()}, overhead, plain_overhead,
+                         self.head_step * head, 0.0)
 
-    def iteration_ms(self, gamma: int, drafts: int | None = None) -> float:
-        """One speculative iteration verified at γ, with `drafts` draft-model steps (default γ; 0: a
-        lookup's proposal, which costs no model time)."""
+    def draft_ms(self, gamma: int, drafts: int, steps: str | None = DRAFT) -> float:
+        """What `drafts` drafts cost in an iteration verified at γ: draft-model steps ("draft"), the
+        EAGLE-3 head's ("eagle": its first draft came with the last catch-up, so drafts - 1 steps),
+        or nothing (None: a lookup's proposal costs no model time)."""
+        if steps == EAGLE:
+            return self.head_step * max(drafts - 1, 0)
+        return self.draft[gamma] * drafts / gamma if steps == DRAFT else 0.0
+
+    def step_ms(self, gamma: int, steps: str = DRAFT) -> float:
+        """One step of `steps`' model (cost_model.DRAFT, EAGLE) in an iteration verified at γ."""
+        if steps == EAGLE:
+            return self.head_step
+        return self.draft.get(gamma, 0.0) / gamma if gamma else 0.0
+
+    def iteration_ms(self, gamma: int, drafts: int | None = None, steps: str | None = DRAFT) -> float:
+        """One speculative iteration verified at γ, with `drafts` drafts (default γ) costing `steps`'
+        model steps (draft_ms), and the head's catch-up after its verification."""
         drafts = gamma if drafts is None else drafts
-        return self.draft[gamma] * drafts / gamma + self.verify[gamma] + self.overhead
+        return self.draft_ms(gamma, drafts, steps) + self.verify[gamma] + self.overhead + self.head_catch_up
 
     def speedup(self, acceptance_by_position: list[float], gamma: int) -> float:
         """Predicted speedup of γ over plain decoding (γ = 0 is plain decoding: 1)."""

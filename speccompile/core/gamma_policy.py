@@ -12,10 +12,12 @@ prior. Other proposers' acceptance is each request's own (core/proposers).
 Costs. The prior's (a profile's loop runs, or a quick calibration's calls timed outside the loop)
 are corrected by every iteration the loop runs, whoever proposed: each target call (a
 verification, or a plain step) updates one correction factor for every target call, each draft
-step one for every draft step (the mean ratio of measured to prior, with a prior of
-`COST_PRIOR_WEIGHT` iterations at 1), and the loop's own work per iteration, speculative and plain,
-is its measured mean. The γ in use teaches the policy about the others, and plain decoding's cost
-stays comparable with speculation's.
+step one for every draft step, each EAGLE-3 head step one for every head step (the mean ratio of
+measured to prior, with a prior of `COST_PRIOR_WEIGHT` iterations at 1), and the loop's own work
+per iteration, speculative and plain, is its measured mean (the head's catch-up after each target
+call included: the loop times it as its own work, so the prior's catch-up starts that mean). The
+γ in use teaches the policy about the others, and plain decoding's cost stays comparable with
+speculation's.
 
 Against plain decoding (`worth_running`). Under γ = auto, an offer runs only if it promises more
 tokens per ms than a plain step; otherwise the row decodes plainly. A proposer whose offers were
@@ -34,7 +36,7 @@ hovering near a tie flip γ every few iterations and pay that each time.
 import math
 from dataclasses import dataclass, field
 
-from speccompile.core.cost_model import LoopCosts
+from speccompile.core.cost_model import DRAFT, EAGLE, LoopCosts
 
 SWITCH_MARGIN = 0.05
 COST_PRIOR_WEIGHT = 4.0
@@ -48,7 +50,8 @@ class Timing:
     """One decoding iteration as the loop measured it, in ms: its target call (a verification at γ,
     or a plain step at γ 0), its draft model's steps and everything (both without catching up: a
     draft model fed the tokens it missed while rows decoded plainly, a cost of switching, not of
-    an iteration)."""
+    an iteration). step_cost: whose steps draft_ms and draft_steps are (cost_model.DRAFT, EAGLE;
+    None: of more than one model at once, which teach neither's cost)."""
 
     gamma: int
     target_ms: float
@@ -56,6 +59,7 @@ class Timing:
     draft_ms: float = 0.0
     draft_steps: int = 0
     catch_up_ms: float = 0.0
+    step_cost: str | None = DRAFT
 
 
 @dataclass
@@ -141,10 +145,11 @@ class GammaPolicy:
         self._resumed: set[str] = set()  # the proposers that ran in the last decision after being declined
         self._declined_at: dict[str, tuple] = {}  # proposer -> (costs, iterations, probe interval) it was declined at
         self._since_costs = 0  # observations since costs_now() was last computed
-        self._ratios = {kind: [COST_PRIOR_WEIGHT, COST_PRIOR_WEIGHT] for kind in ("draft", "target")}  # [sum, count]
+        self._ratios = {kind: [COST_PRIOR_WEIGHT, COST_PRIOR_WEIGHT] for kind in (DRAFT, EAGLE, "target")}  # [sum, n]
         # the loop's own work per speculative and per plain iteration: [sum, count], from the prior's
-        self._work = {0: [COST_PRIOR_WEIGHT * costs.plain_overhead, COST_PRIOR_WEIGHT],
-                      1: [COST_PRIOR_WEIGHT * costs.overhead, COST_PRIOR_WEIGHT]}
+        # (the head's catch-up included, as the loop measures it: LoopCosts.scaled)
+        self._work = {0: [COST_PRIOR_WEIGHT * (costs.plain_overhead + costs.head_catch_up), COST_PRIOR_WEIGHT],
+                      1: [COST_PRIOR_WEIGHT * (costs.overhead + costs.head_catch_up), COST_PRIOR_WEIGHT]}
 
     @property
     def costs(self) -> LoopCosts:
@@ -163,8 +168,8 @@ class GammaPolicy:
         return self.counts.kept
 
     def cost_scale(self, kind: str) -> float:
-        """Measured over prior cost, for "draft" (a draft step) or "target" (a target call; 1 before
-        any observation)."""
+        """Measured over prior cost, for "draft" (a draft step), "eagle" (an EAGLE-3 head step) or
+        "target" (a target call; 1 before any observation)."""
         total, count = self._ratios[kind]
         return total / count
 
@@ -173,7 +178,8 @@ class GammaPolicy:
         asked several times an iteration, so kept until the next observation."""
         if self._now is None:
             work = {kind: total / count for kind, (total, count) in self._work.items()}
-            self._now = self.costs.scaled(self.cost_scale("target"), self.cost_scale("draft"), work[1], work[0])
+            self._now = self.costs.scaled(self.cost_scale("target"), self.cost_scale(DRAFT), work[1], work[0],
+                                          self.cost_scale(EAGLE))
             self._chosen = {}
         return self._now
 
@@ -249,8 +255,9 @@ class GammaPolicy:
         self._resumed = set()
         prior = self.costs.verify[timing.gamma] if timing.gamma else self.costs.target_step
         self._add("target", timing.target_ms / prior)
-        if timing.draft_steps and self.costs.draft.get(timing.gamma, 0) > 0:
-            self._add("draft", timing.draft_ms / (self.costs.draft[timing.gamma] * timing.draft_steps / timing.gamma))
+        step = self.costs.step_ms(timing.gamma, timing.step_cost) if timing.step_cost is not None else 0.0
+        if timing.draft_steps and step > 0:
+            self._add(timing.step_cost, timing.draft_ms / (step * timing.draft_steps))
         work = self._work[min(timing.gamma, 1)]
         work[0] += max(0.0, timing.total_ms - timing.target_ms - timing.draft_ms)
         work[1] += 1

@@ -359,8 +359,9 @@ class Scheduler:
         drafted = time.perf_counter()
         draft_ms = (drafted - began) * 1e3
         catch_up_ms = sum(runner.catch_up_ms for runner in q)
+        kinds = {o.step_cost for o, d in zip(offers, drafts) if d and o.step_cost}  # whose steps draft_ms timed
         timing = Timing(0, 0.0, 0.0, draft_ms - catch_up_ms, max((runner.steps for runner in q), default=0),
-                        catch_up_ms)
+                        catch_up_ms, step_cost=kinds.pop() if len(kinds) == 1 else None)
         if drafts.max() == 0:  # every row stopped before its first draft: a plain step is cheaper
             self.last_gamma = 0
             timing.target_ms = self._plain_iteration(rows, began)

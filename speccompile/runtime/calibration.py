@@ -15,18 +15,21 @@ from speccompile.core.cost_model import LoopCosts
 
 
 def measure_costs(target, draft, gammas: list[int], batch: int, context: int, repeats: int = 5,
-                  seed: int = 0) -> LoopCosts:
+                  seed: int = 0, eagle=None) -> LoopCosts:
     """Step costs at one batch size and context, each call finding the caches as the loop leaves
     them: per γ, the draft's γ steps (the first over two tokens) and then a verification, as an
     iteration runs them; the target's steps back to back, as plain decoding runs them. Every call
     is rolled back, so every repeat sees the same context. Medians over `repeats`, after one warm-up
     round. No loop work is timed: the overhead is 0 (`runtime.profile` measures it in loop runs).
-    draft None (a draft-free bundle): iterations have no draft steps."""
-    rng = _prefilled(target, draft, batch, context, seed)
-    rounds = [_round(target, draft, gammas, batch, rng) for _ in range(repeats + 1)]
+    draft None (a draft-free bundle): iterations have no draft steps. eagle: an EAGLE-3 head, whose
+    step and catch-up after a plain step are timed too (_head_calls)."""
+    rng = _prefilled(target, draft, batch, context, seed, eagle)
+    rounds = [_round(target, draft, gammas, batch, rng, eagle=eagle) for _ in range(repeats + 1)]
     times = {key: [r[key] for r in rounds] for key in rounds[0]}
+    head = {} if eagle is None else {"head_step": _median_after_warm_up(times["head"], 0),
+                                     "head_catch_up": _median_after_warm_up(times["head"], 1)}
     return LoopCosts(_median_after_warm_up(times["target"], 0), {g: _median_after_warm_up(times[g], 0) for g in gammas},
-                     {g: _median_after_warm_up(times[g], 1) for g in gammas})
+                     {g: _median_after_warm_up(times[g], 1) for g in gammas}, **head)
 
 
 def warm_up(target, draft, gammas: list[int], batch: int, context: int = 8, seed: int = 0) -> None:
@@ -36,24 +39,34 @@ def warm_up(target, draft, gammas: list[int], batch: int, context: int = 8, seed
     _round(target, draft, gammas, batch, _prefilled(target, draft, batch, context, seed), target_steps=1)
 
 
-def _prefilled(target, draft, batch: int, context: int, seed: int):
-    """Both engines' caches hold `context` random tokens per row, as the loop leaves them (the
-    draft one token behind: its first step re-reads the last); the random generator that made them."""
+def _prefilled(target, draft, batch: int, context: int, seed: int, eagle=None):
+    """The engines' caches hold `context` random tokens per row, as the loop leaves them (the
+    draft one token behind: its first step re-reads the last; the head has read the target's
+    features of every position but the last, each with the token after it); the random generator
+    that made them."""
     rng = np.random.default_rng(seed)
     for engine in (e for e in (target, draft) if e is not None):
         engine.start(batch)
-        engine.forward(rng.integers(0, engine.vocab_size, (batch, context)), np.full(batch, context, dtype=np.int64))
+        tokens = rng.integers(0, engine.vocab_size, (batch, context))
+        engine.forward(tokens, np.full(batch, context, dtype=np.int64))
+        if engine is target and eagle is not None:
+            eagle.start(batch)
+            eagle.catch_up(tokens[:, 1:], target.last_aux_hidden[:, : context - 1],
+                           np.full(batch, context - 1, dtype=np.int64))
     if draft is not None:
         draft.cache_lengths[:batch] -= 1
     return rng
 
 
-def _round(target, draft, gammas: list[int], batch: int, rng, target_steps: int = 3) -> dict:
-    """One round, every call rolled back: per γ, (draft ms, verification ms) of an iteration; and
-    "target": (ms of the last of `target_steps` plain steps,)."""
-    engines = (target, draft)
+def _round(target, draft, gammas: list[int], batch: int, rng, target_steps: int = 3, eagle=None) -> dict:
+    """One round, every call rolled back: per γ, (draft ms, verification ms) of an iteration;
+    "target": (ms of the last of `target_steps` plain steps,); with a head, "head": (ms of one of its
+    steps, ms of its catch-up after a plain step)."""
+    engines = (target, draft, eagle)
     times = {g: _rolled_back(engines, lambda g=g: _iteration(target, draft, batch, g, rng)) for g in gammas}
     times["target"] = _rolled_back(engines, lambda: _target_steps(target, batch, rng, target_steps))
+    if eagle is not None:
+        times["head"] = _rolled_back(engines, lambda: _head_calls(target, eagle, batch, rng, max(gammas) - 1))
     return times
 
 
@@ -90,6 +103,23 @@ def _target_steps(target, batch: int, rng, steps: int = 3) -> tuple[float]:
         start = time.perf_counter()
         token = target.forward(token, np.ones(batch, dtype=np.int64))[:, None]
     return ((time.perf_counter() - start) * 1e3,)
+
+
+def _head_calls(target, eagle, batch: int, rng, steps: int) -> tuple[float, float]:
+    """(ms of one head step, ms of its catch-up) as the loop runs them: a plain target step, the
+    head's catch-up of the position it cached (what follows every plain step; a verification's
+    reads a few positions more in the same call), then `steps` head steps (at least one) fed back,
+    as an iteration's drafts after the first are."""
+    one = np.ones(batch, dtype=np.int64)
+    token = target.forward(rng.integers(0, target.vocab_size, (batch, 1)), one)
+    features = target.last_aux_hidden
+    start = time.perf_counter()
+    token, _, hidden = eagle.catch_up(np.asarray(token, dtype=np.int64)[:, None], features[:, :1], one)
+    caught = time.perf_counter()
+    steps = max(1, steps)
+    for _ in range(steps):
+        token, _, hidden = eagle.step(token[:, None], hidden[:, None, :])
+    return (time.perf_counter() - caught) * 1e3 / steps, (caught - start) * 1e3
 
 
 def measure_tree_costs(target, trees: dict, batch: int, context: int, repeats: int = 5, seed: int = 0) -> dict:

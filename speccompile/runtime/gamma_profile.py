@@ -192,9 +192,10 @@ def write_calibration(bundle_path: Path, fp: dict, costs: LoopCosts) -> Path | N
     return _write_record(calibration_path(bundle_path, fp), entry)
 
 
-def find_calibration(bundle_path: Path, fp: dict, gammas: list[int]) -> LoopCosts | None:
+def find_calibration(bundle_path: Path, fp: dict, gammas: list[int], head: bool = False) -> LoopCosts | None:
     """The step costs recorded on hardware with this fingerprint for these γ; None when there are
-    none, or what is there is of another version, machine or γ, or not a calibration at all."""
+    none, or what is there is of another version, machine or γ, or not a calibration at all, or
+    (head: the bundle has an EAGLE-3 head) has no head's costs (recorded before they were measured)."""
     path = calibration_path(bundle_path, fp)
     try:
         entry = json.loads(path.read_text())
@@ -203,7 +204,9 @@ def find_calibration(bundle_path: Path, fp: dict, gammas: list[int]) -> LoopCost
         costs = LoopCosts.from_timings(entry["timings"])
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
-    positive = [costs.target_step, *costs.draft.values(), *costs.verify.values()]
+    if head and not costs.has_head:
+        return None
+    positive = [costs.target_step, *costs.draft.values(), *costs.verify.values(), costs.head_step, costs.head_catch_up]
     if costs.gammas != sorted(gammas) or not all(isinstance(ms, float) and math.isfinite(ms) and ms >= 0
                                                  for ms in positive):
         return None

@@ -6,8 +6,8 @@ allocates the cache (`_allocate`) and copies a slot's entries (`_copy_slot`); th
 rollback and the meaning of every call live here, once.
 
 An EAGLE-3 head (role "eagle") is a model of the same kind with calls of its own, `catch_up` and
-`step` (core/proposers/eagle.py's engine); the target of its bundle leaves each call's features in
-`last_aux_hidden` for it.
+`step`, and their sampled twins (core/proposers/eagle.py's engine); the target of its bundle leaves
+each call's features in `last_aux_hidden` for it.
 """
 
 import numpy as np
@@ -183,6 +183,39 @@ class CachedModel:
                         token_count=counts)
         self.cache_lengths[rows] += counts
         return out["next_token"].copy(), out["confidence"].copy(), out["hidden"].copy()
+
+    @property
+    def samples_drafts(self) -> bool:
+        """Whether the head has its sampled graphs (catch_up_sample, step_sample): drafts for sampled requests."""
+        return self.bundle.eagle_samples
+
+    def catch_up_sample(self, tokens: np.ndarray, features: np.ndarray, counts: np.ndarray, params: dict,
+                        uniform: np.ndarray, coupled=None, noise=None,
+                        first: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """catch_up with each row's draft drawn as forward_sample draws (params: temperature, top_k, top_p;
+        uniform [B]; coupled [B] and noise [B, V], or None when no row is coupled): (next_token, probs
+        [B, V] it was drawn from, hidden [B, H])."""
+        rows = self._rows(first, len(tokens))
+        past_len = np.where(counts > 0, self.cache_lengths[rows],
+                            np.minimum(self.cache_lengths[rows], self.max_seq - tokens.shape[1]))
+        if coupled is None:
+            coupled, noise = self._unread(len(tokens), (len(tokens), self.vocab_size))
+        out = self._run(GraphId.eagle_catch_up(sample=True), first, input_ids=tokens, aux_hidden=features,
+                        past_len=past_len, token_count=counts, uniform=uniform, coupled=coupled, noise=noise, **params)
+        self.cache_lengths[rows] += counts
+        return out["next_token"].copy(), out["probs"].copy(), out["hidden"].copy()
+
+    def step_sample(self, tokens: np.ndarray, hidden: np.ndarray, params: dict, uniform: np.ndarray, coupled=None,
+                    noise=None, first: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """step with each row's draft drawn as catch_up_sample draws; returns as it does."""
+        rows = self._rows(first, len(tokens))
+        if coupled is None:
+            coupled, noise = self._unread(len(tokens), (len(tokens), self.vocab_size))
+        out = self._run(GraphId.eagle_step(sample=True), first, input_ids=tokens, hidden_in=hidden,
+                        past_len=np.minimum(self.cache_lengths[rows], self.max_seq - 1), uniform=uniform,
+                        coupled=coupled, noise=noise, **params)
+        self.cache_lengths[rows] += 1
+        return out["next_token"].copy(), out["probs"].copy(), out["hidden"].copy()
 
     def step(self, tokens: np.ndarray, hidden: np.ndarray, first: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One more position of every row: its draft tokens [B, 1] with the head's last output hidden

@@ -49,19 +49,22 @@ class LoadPolicies:
         """Forget what the loads' policies learned (acceptance, measured costs): back to their priors."""
         self._policies.clear()
 
-    def calibrate(self, target, draft, bundle_path, fp: dict) -> bool:
+    def calibrate(self, target, draft, bundle_path, fp: dict, eagle=None) -> bool:
         """The step costs at batch 1 recorded for this machine (fingerprint `fp`), or timed quickly
         now and recorded (other batch sizes start from the cost model's extrapolation); whether they
-        were timed. Timing drives the models directly: only with no request in flight."""
+        were timed. With an EAGLE-3 head (`eagle`), its step and catch-up too: a record without them
+        is timed again, or the head's drafts would look free. Timing drives the models directly:
+        only with no request in flight."""
         from speccompile.runtime.calibration import measure_costs
         from speccompile.runtime.gamma_profile import find_calibration, write_calibration
 
-        self.calibration = find_calibration(bundle_path, fp, self.gammas)
+        self.calibration = find_calibration(bundle_path, fp, self.gammas, head=eagle is not None)
         if self.calibration is not None:
             return False
         began = time.perf_counter()
         context = min(64, self.max_seq // 4)
-        self.calibration = measure_costs(target, draft, self.gammas, 1, context, repeats=CALIBRATION_REPEATS)
+        self.calibration = measure_costs(target, draft, self.gammas, 1, context, repeats=CALIBRATION_REPEATS,
+                                         eagle=eagle)
         written = write_calibration(bundle_path, fp, self.calibration)
         recorded = f", recorded in {written}" if written else ""
         log.debug(f"no γ profile for this hardware in the bundle (`speccompile profile` measures one): calibrated "

@@ -72,7 +72,7 @@ class Runtime:
             self.tree_sizing.size()
         else:
             timed = self.policies.needs_calibration and self.policies.calibrate(self.target, self.draft, bundle.path,
-                                                                                self.fingerprint)
+                                                                                self.fingerprint, self.eagle)
             self.warm_up(engines=not timed)  # timing the steps ran every graph already
 
     @property

@@ -78,8 +78,15 @@ def test_the_head_is_the_bundle_s_eagle_model_with_its_two_graphs(built, head_di
     assert (head.weights_file, head.matmul_weights, head.session, head.model_type) == ("eagle.weights", "float32",
                                                                                      None, "eagle3")
     assert head.config == config and head.eagle_aux_layers == ()
-    graphs = {name: entry.id for name, entry in bundle.manifest.graphs.items() if entry.id.model == "eagle"}
+    graphs = {name: entry.id for name, entry in bundle.manifest.graphs.items()
+              if entry.id.model == "eagle" and not entry.id.sampling}
     assert graphs == {"eagle_catch_up": GraphId.eagle_catch_up(), "eagle_step": GraphId.eagle_step()}
+    sampled = {name: entry.id for name, entry in bundle.manifest.graphs.items()
+               if entry.id.model == "eagle" and entry.id.sampling}
+    assert sampled == {"eagle_catch_up_sample": GraphId.eagle_catch_up(True),
+                       "eagle_step_sample": GraphId.eagle_step(True)} and bundle.eagle_samples
+    for graph in sampled.values():
+        assert bundle.manifest.read_back(graph) == ("next_token", "probs", "hidden")
     for graph in graphs.values():
         assert bundle.manifest.read_back(graph) == ("next_token", "confidence", "hidden")
         assert graph.positions_scored == "last" and bundle.graph(graph.name).single_sequence is None

@@ -3,6 +3,8 @@
 import pytest
 
 from speccompile.core.cost_model import (
+    DRAFT,
+    EAGLE,
     LoopCosts,
     expected_tokens,
     iid_acceptance_by_position,
@@ -10,6 +12,8 @@ from speccompile.core.cost_model import (
     predicted_speedup_mixed,
     tokens_per_ms,
 )
+from speccompile.core.proposers.base import Offer, Proposer
+from speccompile.core.proposers.eagle import EagleDraft
 from speccompile.core.stats import GenerationStats
 
 
@@ -130,3 +134,51 @@ def test_costs_between_batch_sizes_are_linear():
     low, high = LoopCosts(10.0, {2: 2.0}, {2: 12.0}, 1.0), LoopCosts(20.0, {2: 6.0}, {2: 20.0}, 3.0)
     assert low.mix(high, 0.25) == LoopCosts(12.5, {2: 3.0}, {2: 14.0}, 1.5)
     assert LoopCosts.from_timings(low.timings()) == low
+
+
+class ModelDrafter(Proposer):
+    runs_model = True  # a draft model's drafts: step_cost "draft"
+
+
+def test_an_eagle_offer_costs_the_heads_steps_after_its_first_draft_not_the_draft_models():
+    """k drafts of the EAGLE-3 head cost k - 1 head steps (the first came with the catch-up); the same
+    count from a draft model costs its own steps; the catch-up is in every iteration, a plain one too."""
+    costs = LoopCosts(10.0, {2: 6.0, 4: 12.0}, {2: 12.0, 4: 14.0}, overhead=1.0, head_step=0.5, head_catch_up=0.25)
+    assert costs.plain_ms == pytest.approx(10.25)
+    assert costs.iteration_ms(4, 3, EAGLE) == pytest.approx(2 * 0.5 + 14.0 + 1.0 + 0.25)
+    assert costs.iteration_ms(4, 3, DRAFT) == pytest.approx(12.0 * 3 / 4 + 14.0 + 1.0 + 0.25)
+    assert costs.iteration_ms(2, 1, EAGLE) == pytest.approx(12.0 + 1.0 + 0.25)  # one draft: no head step
+    expected = [0.8, 0.6, 0.4]
+    eagle, model = Offer(3, EagleDraft(None), None, expected), Offer(3, ModelDrafter(), None, expected)
+    assert eagle.step_cost == EAGLE and model.step_cost == DRAFT
+    assert eagle.iteration_ms(costs) == pytest.approx(16.25)
+    assert model.iteration_ms(costs) == pytest.approx(24.25)
+    assert eagle.rate(costs) == pytest.approx(2.8 / 16.25) == tokens_per_ms(costs, expected, 3, EAGLE)
+    assert model.rate(costs) == pytest.approx(2.8 / 24.25)
+    free = LoopCosts(10.0, {4: 0.0}, {4: 14.0}, head_step=2.0)  # no draft model: its steps would cost nothing
+    assert Offer(4, EagleDraft(None), None, expected).iteration_ms(free) == pytest.approx(3 * 2.0 + 14.0)
+
+
+def test_the_heads_costs_are_recorded_carried_and_learned_with_the_others():
+    costs = LoopCosts(10.0, {2: 2.0}, {2: 12.0}, 1.0, head_step=0.5, head_catch_up=0.25)
+    assert LoopCosts.from_timings(costs.timings()) == costs
+    assert "head_step_ms" not in LoopCosts(10.0, {2: 2.0}, {2: 12.0}).timings()  # a record without a head: as before
+    assert not LoopCosts.from_timings({"target_step_ms": 1.0, "draft_step_ms": 0.1, "verify_ms": {2: 1.2}}).has_head
+    assert costs.mix(LoopCosts(20.0, {2: 6.0}, {2: 20.0}, 3.0, head_step=1.5, head_catch_up=0.75), 0.5).head_step == 1.0
+    big = costs.at_batch(4)
+    growth = big.target_step / costs.target_step
+    assert big.head_step == pytest.approx(0.5 * growth) and big.head_catch_up == pytest.approx(0.25 * growth)
+    # measured: the head's steps scaled by their own factor, its catch-up inside the loop's measured work
+    busy = costs.scaled(target=1.0, draft=1.0, overhead=1.25, plain_overhead=0.25, head=2.0)
+    assert busy.head_step == 1.0 and busy.head_catch_up == 0.0 and busy.plain_ms == costs.plain_ms
+
+
+def test_a_calibration_beside_a_head_times_its_step_and_catch_up():
+    from speccompile.runtime.calibration import measure_costs
+    from tests.core.test_eagle_proposer import FakeHead, FeatureTarget
+
+    head = FakeHead()
+    costs = measure_costs(FeatureTarget(capacity=256), None, [1, 4], 1, 16, repeats=2, eagle=head)
+    assert costs.has_head and costs.head_step > 0 and costs.head_catch_up > 0
+    assert head.steps == 3 * 3 and head.catch_ups == 1 + 3  # prefill, then per round: 3 steps (γ 4 - 1), 1 catch-up
+    assert not measure_costs(FeatureTarget(capacity=256), None, [1, 4], 1, 16, repeats=2).has_head

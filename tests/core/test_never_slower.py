@@ -13,10 +13,12 @@ import numpy as np
 
 from speccompile.core.cost_model import LoopCosts
 from speccompile.core.gamma_policy import GammaPolicy, probe_interval
-from speccompile.core.proposers import NgramIndex
+from speccompile.core.proposers import NgramIndex, Proposers
+from speccompile.core.proposers.eagle import EagleRunner
 from speccompile.core.request import AUTO, Request
 from speccompile.core.scheduler import Scheduler
 from tests.core.fake_engines import FakeEngine, next_token_of
+from tests.core.test_eagle_proposer import FakeHead, FeatureTarget
 
 CALL_MS, TOKEN_MS, DRAFT_MS = 3.0, 0.4, 0.5
 # what a calibration of these engines would find at batch 1: a plain step, γ=4's draft and verification
@@ -56,9 +58,10 @@ class Phases(FakeEngine):
         return self.chosen[prefix]
 
 
-def serve(target, draft, request: Request, policy: GammaPolicy | None) -> float:
+def serve(target, draft, request: Request, policy: GammaPolicy | None, proposers: Proposers | None = None) -> float:
     """Run one request alone; the ms its decoding took."""
-    s = Scheduler(target, draft, 1, 512, [4], set(), policy_for=(lambda n, context: policy) if policy else None)
+    s = Scheduler(target, draft, 1, 512, [4], set(), policy_for=(lambda n, context: policy) if policy else None,
+                  proposers=proposers)
     s.add(request)
     while not s.idle:
         s.step()
@@ -117,3 +120,57 @@ def reference(engine: FakeEngine, prompt, max_new) -> list[int]:
     for _ in range(max_new):
         history.append(engine.choose(history))
     return history[len(prompt) :]
+
+
+HEAD_MS = 0.5  # an EAGLE-3 head's call, a catch-up or a step: a draft step's
+# what a calibration of a bundle with a head and no draft model would find (its draft steps cost nothing)
+HEAD_COSTS = LoopCosts(target_step=CALL_MS + TOKEN_MS, draft={4: 0.0}, verify={4: CALL_MS + 5 * TOKEN_MS},
+                       head_step=HEAD_MS, head_catch_up=HEAD_MS)
+
+
+class TimedHead(FakeHead):
+    """The fake EAGLE-3 head, each call taking HEAD_MS."""
+
+    def catch_up(self, *args, **kwargs):
+        time.sleep(HEAD_MS / 1e3)
+        return super().catch_up(*args, **kwargs)
+
+    def step(self, *args, **kwargs):
+        time.sleep(HEAD_MS / 1e3)
+        return super().step(*args, **kwargs)
+
+
+def serve_with_head(skew: int, gamma) -> tuple[Request, float]:
+    """One request of 240 tokens on a timed feature target beside a timed head (off by `skew`
+    positions); the ms its decoding took."""
+    target = costing(FeatureTarget(capacity=512), CALL_MS, TOKEN_MS)
+    policy = GammaPolicy(HEAD_COSTS, [0.5**k for k in range(1, 5)], prior_weight=2.0)
+    request = Request([3, 1, 4, 1, 5], 240, gamma=gamma, proposer="eagle")
+    proposers = Proposers(eagle=EagleRunner(TimedHead(capacity=512, skew=skew), 512))
+    return request, serve(target, None, request, policy if gamma == AUTO else None, proposers)
+
+
+def test_a_head_whose_drafts_are_never_kept_stops_drafting_but_for_bounded_probes():
+    """A head off by a position (its drafts kept by chance only), believed at first as its prior says:
+    its drafts cost head steps, not the draft model's (none here: they would look free), so after
+    its first iterations it drafts only in probes, and decoding costs what plain decoding costs
+    (whose every step pays the head's catch-up too)."""
+    request, auto_ms = serve_with_head(-1, AUTO)
+    drafting = request.stats.iterations - request.stats.gammas_used.get(0, 0)
+    interval = probe_interval(HEAD_COSTS.iteration_ms(4, 4, "eagle"), HEAD_COSTS.plain_ms)
+    assert interval >= 10
+    assert drafting <= 6 + request.stats.iterations / interval, request.stats.gammas_used
+    assert request.stats.gammas_used[0] >= 0.8 * request.stats.iterations
+    plain, plain_ms = serve_with_head(-1, 0)
+    assert request.generated == plain.generated
+    assert auto_ms <= plain_ms / 0.9, (auto_ms, plain_ms)  # as the draft model's test
+
+
+def test_a_head_whose_drafts_are_kept_drafts_and_beats_plain_decoding():
+    """A head fed right (its drafts always kept): its offers run, nearly every iteration."""
+    request, auto_ms = serve_with_head(0, AUTO)
+    plain, plain_ms = serve_with_head(0, 0)
+    assert request.generated == plain.generated
+    assert request.stats.gammas_used.get(0, 0) <= 0.1 * request.stats.iterations, request.stats.gammas_used
+    assert request.stats.accepted_tokens == request.stats.draft_tokens > 0
+    assert auto_ms < 0.7 * plain_ms, (auto_ms, plain_ms)

@@ -264,12 +264,13 @@ SAMPLED = dict(max_new_tokens=MAX_NEW, temperature=0.9, seed=7)
 
 
 def test_a_sampled_request_asking_for_the_head_samples_as_the_target_alone(runtimes):
-    """The head drafts greedily: a sampled request is offered no drafts, and samples exactly."""
+    """A sampled request drafts with the head (its sampled graphs), and by the coupled rule its tokens are
+    those the target draws alone with the same seed."""
     runtime = runtimes("speculators")
     plain = runtime.generate([PROMPTS[0]], mode="autoregressive", **SAMPLED)[0].token_ids
     for gamma in (1, 4):
         [result] = runtime.generate([PROMPTS[0]], proposer="eagle", gamma=gamma, **SAMPLED)
-        assert result.token_ids == plain and result.stats.draft_tokens == 0, gamma
+        assert result.token_ids == plain and result.stats.draft_tokens > 0, gamma
 
 
 def test_greedy_and_sampled_requests_share_iterations_exactly(runtimes, expected):

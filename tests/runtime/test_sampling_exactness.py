@@ -78,14 +78,16 @@ def exact_processed_joint(target_dir, temperature, processors: Processors, promp
 
 
 def speculative_samples(bundle, temperature, top_k, top_p, prompt=PROMPT, proposer="draft", stats=None,
-                        p_min=0.0, sampling_rule="coupled", **controls) -> np.ndarray:
+                        p_min=0.0, sampling_rule="coupled", max_new_tokens=3, **controls) -> np.ndarray:
+    """Each request's first three tokens (of max_new_tokens: more let later iterations carry more drafts)."""
     runtime = speccompile.load(bundle)
     samples = []
     for seed in range(SEEDS):
-        results = runtime.generate([prompt] * BATCH, max_new_tokens=3, gamma=GAMMA, temperature=temperature,
+        results = runtime.generate([prompt] * BATCH, max_new_tokens=max_new_tokens, gamma=GAMMA,
+                                   temperature=temperature,
                                    top_k=top_k, top_p=top_p, seed=seed * BATCH, proposer=proposer, p_min=p_min,
                                    sampling_rule=sampling_rule, **controls)
-        samples += [r.token_ids for r in results]
+        samples += [r.token_ids[:3] for r in results]
         if stats is not None:
             stats += [r.stats for r in results]
     return np.array(samples)
@@ -269,4 +271,43 @@ def test_autoregressive_sampling_follows_the_target_distribution(pair, bundle):
         samples += [r.token_ids for r in runtime.generate([PROMPT] * BATCH, max_new_tokens=3, mode="autoregressive",
                                                           temperature=0.7, top_k=5, seed=seed * BATCH)]
     rejected, verdicts = check(np.array(samples), exact_joint(pair[0], 0.7, 5, 1.0))
+    assert not rejected, verdicts
+
+
+# ---------------------------------------------------------------------------------------------
+# an EAGLE-3 head's drafts
+
+
+@pytest.fixture(scope="module")
+def eagle_bundle(tmp_path_factory):
+    """The pair's target with three layers (an EAGLE-3 head reads three distinct ones) and a random head
+    over 12 of its 16 tokens (drafts of the other 4 are impossible: q is 0 there), reading layers 0-2."""
+    from speccompile.compiler.build import build_bundle
+    from speccompile.eagle_head import Layout, write_eagle3_head
+    from tests.eagle_reference import random_head
+
+    root = tmp_path_factory.mktemp("eagle-small-vocab")
+    no_specials = dict(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    target = make_checkpoint(root / "t", "llama", seed=0, tokenizer=make_word_tokenizer(VOCAB), init_std=0.5,
+                             num_hidden_layers=3, **no_specials)
+    config = {"hidden_size": transformers.AutoConfig.from_pretrained(target).hidden_size, "vocab_size": VOCAB}
+    head = random_head(config, seed=3, draft_vocab_size=12, aux_layer_ids=(0, 1, 2))
+    head_dir = write_eagle3_head(root / "head", head, Layout.EAGLE)
+    return target, build_bundle(target, None, root / "bundle", gammas=[GAMMA], max_seq=16, max_batch=BATCH,
+                                eagle_dir=head_dir)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_eagle_drafts_sample_the_target_distribution(eagle_bundle, rule):
+    """Sampled requests draft with the head (its distribution after temperature and top-k, drawn at the
+    catch-up for the first draft and at the steps for the rest: 5 tokens, so that an iteration carries
+    up to 3 drafts), and their first three tokens are the target's."""
+    target, bundle = eagle_bundle
+    stats = []
+    samples = speculative_samples(bundle, 0.9, 12, 1.0, proposer="eagle", stats=stats, sampling_rule=rule,
+                                  max_new_tokens=5)
+    drafted = sum(s.by_proposer.get("eagle", [0, 0, 0])[1] for s in stats)
+    kept = sum(s.by_proposer.get("eagle", [0, 0, 0])[2] for s in stats)
+    assert drafted > 2 * len(stats) and 0 < kept < drafted, (drafted, kept)  # a random head: rarely kept
+    rejected, verdicts = check(samples, exact_joint(target, 0.9, 12, 1.0), later_pair=True)
     assert not rejected, verdicts

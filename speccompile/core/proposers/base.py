@@ -3,7 +3,7 @@ drafts each iteration, and learns from what the verification kept.
 
 A proposer never runs a model itself: one that needs a model step for its drafts (the draft model)
 names the shared `Runner` that runs its rows batched, and the scheduler executes every runner of the
-iteration's plan. What differs between kinds is data on the class (`runs_model`, `tree`,
+iteration's plan. What differs between kinds is data on the class (`runs_model`, `step_cost`, `tree`,
 `reserves_room`), so the scheduler never asks which kind a row has.
 """
 
@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from speccompile.core.cost_model import LoopCosts, tokens_per_ms
+from speccompile.core.cost_model import DRAFT, LoopCosts, tokens_per_ms
 from speccompile.core.gamma_policy import GammaPolicy
 
 
@@ -39,14 +39,19 @@ class Offer:
         if self._rated is not None and self._rated[0] is costs:
             return self._rated[1]
         expected = self.acceptance_by_position
-        rate = tokens_per_ms(costs, expected() if callable(expected) else expected, self.count, self.source.runs_model)
+        rate = tokens_per_ms(costs, expected() if callable(expected) else expected, self.count, self.step_cost)
         self._rated = (costs, rate)
         return rate
 
+    @property
+    def step_cost(self) -> str | None:
+        """Whose model steps its drafts cost (cost_model.DRAFT, EAGLE), None if its source runs no model."""
+        return self.source.step_cost if self.source.runs_model else None
+
     def iteration_ms(self, costs: LoopCosts) -> float:
-        """The ms of an iteration carrying this offer (count > 0): its draft steps, if its source
-        runs a model, and the verification of the smallest compiled γ that holds it."""
-        return costs.iteration_ms(costs.graph_for(self.count), self.count if self.source.runs_model else 0)
+        """The ms of an iteration carrying this offer (count > 0): its drafts' model steps, if its
+        source runs a model, and the verification of the smallest compiled γ that holds it."""
+        return costs.iteration_ms(costs.graph_for(self.count), self.count, self.step_cost)
 
 
 class Proposer:
@@ -55,6 +60,7 @@ class Proposer:
 
     name = "proposer"
     runs_model = False  # its drafts cost model steps (they count in the iteration's draft time)
+    step_cost = DRAFT  # whose steps those are, as the cost model prices them (cost_model.DRAFT, EAGLE)
     tree = False  # it proposes a token tree, verified by a tree pass (core/tree.py), not a chain
     reserves_room = True  # its drafts need cache room reserved up front (a tree shrinks to fit instead)
     learns_policy = False  # its outcomes teach the load's γ policy (whose acceptance is the draft model's)
