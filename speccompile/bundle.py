@@ -66,7 +66,8 @@ CHAIN_KINDS = ("verify", "verify_sample")
 TREE_KINDS = ("verify_tree", "verify_tree_typical")
 SAMPLING_KINDS = ("sample", "verify_sample", "catch_up_sample", "step_sample")
 HEAD_KINDS = ("catch_up", "step", "catch_up_sample", "step_sample")  # the EAGLE-3 head's, and only its
-ROLES = ("target", "draft", "eagle")  # eagle: an EAGLE-3 head, one layer drafting from the target's features
+HEAD_ROLE = "eagle"  # an EAGLE-3 head: one layer drafting from the target's features
+ROLES = ("target", "draft", HEAD_ROLE)
 # each read-back output's element type, and whether it has a value per sequence ([B]), per vocabulary
 # entry ([B, V]), per tree node ([B, N]), per scored position ([B, R]: 1 for a step, all T of a
 # verification or a score) or per position and top token ([B, R, TOP_LOGPROBS]); confidence: the

@@ -22,6 +22,7 @@ from speccompile.bundle import (
     AUX_KINDS,
     FORMAT_VERSION,
     HEAD_KINDS,
+    HEAD_ROLE,
     TREE_KINDS,
     GraphEntry,
     GraphId,
@@ -189,7 +190,7 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         models = {role: _model_entry(spec, weight_files[role], weights[role], scored[role], sessions[role],
                                      aux_layers if role == "target" else ())
                   for role, spec, _ in _models(target, draft, vocab_ids)}
-        models |= {"eagle": _eagle_entry(head, eagle_dir, target)} if head is not None else {}
+        models |= {HEAD_ROLE: _eagle_entry(head, eagle_dir, target)} if head is not None else {}
         graph_entries = {name: _graph_entry(staging, graph, needs_plugin[name], name in variants)
                          for name, (_, graph) in {**graphs, **eagle_graphs}.items()}
         heads_entry = _medusa_entry(medusa[0], medusa_dir) if medusa else None

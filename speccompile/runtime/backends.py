@@ -4,7 +4,7 @@ runners that draft with them."""
 
 import logging
 
-from speccompile.bundle import Bundle
+from speccompile.bundle import HEAD_ROLE, Bundle
 from speccompile.core.proposers import Proposers, TreeShape
 from speccompile.core.proposers.draft_model import DraftRunner
 from speccompile.core.proposers.eagle import EagleRunner
@@ -48,7 +48,7 @@ def make_models(bundle: Bundle, backend: str, threads: int | None, shared_thread
         target = OrtModel(bundle, "target", threads=threads, shared_pool=shared, one_session=one_session)
         draft = OrtModel(bundle, "draft", threads=threads, shared_pool=shared,
                          one_session=one_session) if bundle.has_draft else None
-        eagle = OrtModel(bundle, "eagle", threads=threads, shared_pool=shared) if bundle.has_eagle else None
+        eagle = OrtModel(bundle, HEAD_ROLE, threads=threads, shared_pool=shared) if bundle.has_eagle else None
         return target, draft, eagle
     if backend == "tensorrt":
         from speccompile.runtime.tensorrt_engine import TrtModel

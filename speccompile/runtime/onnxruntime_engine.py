@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from speccompile.bundle import AUX_HIDDEN, Bundle, GraphId, ModelEntry, kv_cache_shape, output_array
+from speccompile.bundle import AUX_HIDDEN, HEAD_ROLE, Bundle, GraphId, ModelEntry, kv_cache_shape, output_array
 from speccompile.errors import SpecCompileError
 from speccompile.runtime import prepacked
 from speccompile.runtime.model import CachedModel
@@ -139,7 +139,7 @@ class OrtModel(CachedModel):
         self._views: dict = {}  # (first slot, batch) -> the cache's OrtValues over those slots
         # fail early on a broken bundle; others load on first use. Both of a head's: they run after every
         # target call, whatever the request's proposer (the head reads the target's features)
-        first = [GraphId.eagle_catch_up(), GraphId.eagle_step()] if role == "eagle" else [GraphId.step(role, False)]
+        first = [GraphId.eagle_catch_up(), GraphId.eagle_step()] if role == HEAD_ROLE else [GraphId.step(role, False)]
         for graph in first:
             self._session(graph, 1)
 

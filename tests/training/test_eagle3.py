@@ -157,6 +157,7 @@ def test_resume_continues_from_the_checkpoint_and_refuses_another_shape(tmp_path
     options = {**OPTIONS, "checkpoint_every": 10}
     train_eagle3(deep_target, corpus, out, Eagle3Options(steps=10, **options))
     caplog.set_level(logging.INFO, logger="speccompile")
+    caplog.clear()  # the second run's lines alone (an earlier test may have set the logger to INFO already)
     train_eagle3(deep_target, corpus, out, Eagle3Options(steps=20, **options))
     assert any("resuming from the checkpoint at step 10" in line for line in said(caplog))
     assert not any(line.startswith("initial head") for line in said(caplog))
