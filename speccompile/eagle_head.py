@@ -170,7 +170,7 @@ def _config(file: Path, raw: dict, layout: Layout) -> Eagle3Config:
     if raw.get("norm_before_fc") or layer.get("attention_bias") or layer.get("mlp_bias"):
         raise SpecCompileError(f"{file}: norm_before_fc, attention_bias and mlp_bias are not supported")
     hidden, heads = _positive(file, layer, "hidden_size"), _positive(file, layer, "num_attention_heads")
-    theta, scaling = _rope(file, layer)
+    theta, scaling = rope_of(file, layer)
     return Eagle3Config(
         hidden_size=hidden, num_attention_heads=heads,
         num_key_value_heads=_positive(file, layer, "num_key_value_heads", heads),
@@ -194,7 +194,7 @@ def _positive(file: Path, config: dict, key: str, default=None) -> int:
     return value
 
 
-def _rope(file: Path, layer: dict) -> tuple[float, dict | None]:
+def rope_of(file: Path, layer: dict) -> tuple[float, dict | None]:
     """(theta, scaling) from rope_theta + rope_scaling, or transformers 5's rope_parameters."""
     params = layer.get("rope_parameters") or layer.get("rope_scaling") or {}
     if not isinstance(params, dict):
@@ -336,16 +336,26 @@ def _target_fields(target_config: dict) -> tuple[int | None, int | None, int | N
             c.get("num_hidden_layers", c.get("n_layer")))
 
 
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE's default layers for an N-layer target, (2, N // 2, N - 3): three distinct ones only from N = 7."""
+    ids = (2, num_layers // 2, num_layers - 3)
+    if len(set(ids)) != 3 or ids[2] < 0:
+        raise SpecCompileError(f"the EAGLE-3 head names no eagle_aux_hidden_state_layer_ids and the default "
+                               f"{list(ids)} is not three distinct layers of a {num_layers}-layer target")
+    return tuple(sorted(ids))
+
+
 def aux_layer_ids(head: Eagle3Head, num_layers: int) -> tuple[int, int, int]:
     """The three target layers whose input hidden states the head reads, ascending: the head's own,
-    or the EAGLE default (2, N // 2, N - 3), which is three distinct layers only from N = 7."""
-    ids = head.config.aux_layer_ids
+    or EAGLE's default (default_aux_layer_ids)."""
+    return config_aux_layer_ids(head.config, num_layers)
+
+
+def config_aux_layer_ids(config: "Eagle3Config", num_layers: int) -> tuple[int, int, int]:
+    """aux_layer_ids of a head's config (what a trainer has before the head exists)."""
+    ids = config.aux_layer_ids
     if ids is None:
-        ids = (2, num_layers // 2, num_layers - 3)
-        if len(set(ids)) != 3 or ids[2] < 0:
-            raise SpecCompileError(f"the EAGLE-3 head names no eagle_aux_hidden_state_layer_ids and the default "
-                                   f"{list(ids)} is not three distinct layers of a {num_layers}-layer target")
-        ids = tuple(sorted(ids))
+        ids = default_aux_layer_ids(num_layers)
     if max(ids) >= num_layers:
         raise SpecCompileError(f"the EAGLE-3 head reads the input of target layer {max(ids)} (of {list(ids)}), but "
                                f"the target has {num_layers} layers (ids 0..{num_layers - 1})")
@@ -389,8 +399,8 @@ def write_eagle3_head(out_dir, head: Eagle3Head, layout: Layout, dtype: str = "f
                for name, array in head_tensors(head).items()}
     config = _eagle_config(head.config) if layout is Layout.EAGLE else _speculators_config(head.config)
     config["torch_dtype"] = dtype
-    _write_atomically(out_dir / WEIGHTS, save(tensors))  # save_file would make it readable by its owner only
-    _write_atomically(out_dir / CONFIG, json.dumps(config, indent=1).encode())
+    write_atomically(out_dir / WEIGHTS, save(tensors))  # save_file would make it readable by its owner only
+    write_atomically(out_dir / CONFIG, json.dumps(config, indent=1).encode())
     return out_dir
 
 
@@ -424,6 +434,6 @@ def _speculators_config(c: Eagle3Config) -> dict:
                                    "verifier": {"name_or_path": None, "architectures": []}}}
 
 
-def _write_atomically(file: Path, data: bytes) -> None:
+def write_atomically(file: Path, data: bytes) -> None:
     (file.parent / (file.name + ".tmp")).write_bytes(data)
     os.replace(file.parent / (file.name + ".tmp"), file)

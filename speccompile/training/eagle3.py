@@ -34,7 +34,6 @@ import math
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -48,9 +47,9 @@ from speccompile.eagle_head import (
     Eagle3Config,
     Eagle3Head,
     Layout,
-    _rope,
-    _write_atomically,
-    aux_layer_ids,
+    config_aux_layer_ids,
+    rope_of,
+    write_atomically,
     write_eagle3_head,
 )
 from speccompile.errors import SpecCompileError, read_json_object
@@ -164,7 +163,7 @@ def head_config(target, target_dir: Path, o: Eagle3Options) -> Eagle3Config:
         head_dim=getattr(c, "head_dim", None) or hidden // heads,
         intermediate_size=o.intermediate or getattr(c, "intermediate_size", None) or 4 * hidden,
         rms_norm_eps=getattr(c, "rms_norm_eps", None) or 1e-6,
-        rope_theta=_rope(target_dir / CONFIG, read_json_object(target_dir / CONFIG))[0], rope_scaling=None,
+        rope_theta=rope_of(target_dir / CONFIG, read_json_object(target_dir / CONFIG))[0], rope_scaling=None,
         draft_vocab_size=draft_vocab, vocab_size=vocab, target_hidden_size=hidden,
         aux_layer_ids=tuple(sorted(o.aux_layer_ids)) if o.aux_layer_ids else None, norm_before_residual=False)
     return replace(config, aux_layer_ids=_aux_ids(config, c.num_hidden_layers))
@@ -174,7 +173,7 @@ def _aux_ids(config: Eagle3Config, num_layers: int) -> tuple[int, ...]:
     """The layers the head reads: the given ones or EAGLE's default, checked against the target's depth
     by eagle_head's own rule (which reads nothing of a head but its config)."""
     try:
-        return tuple(aux_layer_ids(SimpleNamespace(config=config), num_layers))
+        return config_aux_layer_ids(config, num_layers)
     except SpecCompileError:
         if config.aux_layer_ids is not None:
             raise
@@ -416,5 +415,5 @@ def _write(out_dir: Path, head: Eagle3Head, training: dict) -> Path:
     """The head in the EAGLE authors' layout, its config.json recording how it was trained."""
     write_eagle3_head(out_dir, head, Layout.EAGLE)
     config = read_json_object(out_dir / CONFIG)
-    _write_atomically(out_dir / CONFIG, json.dumps({**config, "training": training}, indent=1).encode())
+    write_atomically(out_dir / CONFIG, json.dumps({**config, "training": training}, indent=1).encode())
     return out_dir
