@@ -235,9 +235,8 @@ class Runtime:
         self.tree_sizing.set(tree)
 
     def _load_graphs(self, request: Request, batched: bool) -> None:
-        """Load every graph a request can run before it is queued, so that no iteration times a
-        session load: the single-sequence variants, and the batched graphs when it will share the
-        engine (if the load grows later, those load on first use)."""
+        """Load every graph a request can run before it is queued (no iteration times a session load): the
+        single-sequence variants, and the batched ones when it will share the engine (later, on first use)."""
         sample = not request.params.greedy
         key = request.gamma, sample, batched, request.prompt_logprobs is not None
         if key in self._loaded:
@@ -254,6 +253,8 @@ class Runtime:
             for batch in batches if self.draft is not None else ():
                 self.draft.load_graphs([GraphId.step("draft", sample=sample), GraphId.step("draft", sample=False)],
                                        batch)
+            for batch in batches if sample and self.eagle is not None and self.bundle.eagle_samples else ():
+                self.eagle.load_graphs([GraphId.eagle_catch_up(sample=True), GraphId.eagle_step(sample=True)], batch)
         for batch in batches:
             self.target.load_graphs(target + [GraphId.step("target", sample=False)], batch)
         self._loaded.add(key)

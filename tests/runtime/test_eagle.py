@@ -306,3 +306,15 @@ def test_every_family_generates_its_own_greedy_output_with_an_eagle_head(family,
         results = runtime.generate(PROMPTS[:2], max_new_tokens=12, proposer="eagle", gamma=4)
         assert [r.token_ids for r in results] == [hf_greedy(target, p, 12) for p in PROMPTS[:2]]
         assert all(r.stats.by_proposer["eagle"][1] > 0 for r in results)  # the head drafted
+
+
+def test_a_sampled_request_finds_the_head_s_sampled_graphs_loaded_before_it_runs(runtimes):
+    """Loading a session inside an iteration would be timed as the head's work: a sampled request's
+    graphs, the head's sampled ones included, load when it is queued."""
+    runtime = runtimes("speculators", max_batch=2)  # a runtime of its own: nothing sampled has run on it
+    asked = []
+    load_graphs = runtime.eagle.load_graphs
+    runtime.eagle.load_graphs = lambda graphs, batch=None: (asked.extend(g.name for g in graphs),
+                                                           load_graphs(graphs, batch))
+    runtime.generate([PROMPTS[0]], proposer="eagle", gamma=4, **SAMPLED)
+    assert {"eagle_catch_up_sample", "eagle_step_sample"} <= set(asked)
