@@ -53,9 +53,11 @@ class FakeHead:
         return out, np.ones(len(tokens), np.float32), out[:, None].astype(np.float32)
 
     def step(self, tokens, hidden, first=0):
+        """Every row steps; a row the head never read (out of step: it drafts nothing here) answers 0."""
         self.steps += 1
         out = np.array([self._read(first + b, int(self.cache[first + b, self.cache_lengths[first + b]]),
-                                   int(tokens[b, 0])) for b in range(len(tokens))], dtype=np.int64)
+                                   int(tokens[b, 0])) if self.cache[first + b, 0] >= 0 else 0
+                        for b in range(len(tokens))], dtype=np.int64)
         return out, np.ones(len(tokens), np.float32), out[:, None].astype(np.float32)
 
     def move(self, source, destination):
@@ -117,3 +119,15 @@ def test_a_prompt_scored_for_echo_leaves_the_head_out_of_step_and_drafting_nothi
     assert runner.in_step[0]
     runner.after_target([request], 0, np.array([0]), np.array([3]), None)  # a call that returned no features
     assert not runner.in_step[0]
+
+
+def test_requests_that_never_draft_with_the_head_cost_it_nothing():
+    """Plain decoding, or a proposer without the head: the head reads none of their features."""
+    head = FakeHead()
+    scheduler = eagle_scheduler(head)
+    requests = [Request(PROMPTS[0], 8, gamma=0), Request(PROMPTS[2], 8, gamma=4)]
+    requests[0].proposer = scheduler.proposers.make("eagle")
+    requests[1].proposer = scheduler.proposers.make("ngram")
+    run(scheduler, requests)
+    assert [r.generated for r in requests] == [reference(r.prompt, 8) for r in requests]
+    assert head.catch_ups == head.steps == 0

@@ -76,9 +76,11 @@ class EagleRunner:
 
     def prefill(self, request, tokens: np.ndarray, counts: np.ndarray, slot: int, complete: bool,
                 feed: bool = True) -> None:
-        """Nothing before the target: a prompt chunk's features come with the target's call (after_target)."""
+        """Nothing before the target: a prompt chunk's features come with the target's call (after_target).
+        A request that will never draft here (plain decoding, or a proposer without the head) is never
+        in step, so the head reads nothing for it."""
         if request.prefilled == 0:
-            self.in_step[slot] = True
+            self.in_step[slot] = request.gamma != 0 and self._drafts_here(request)
 
     def move(self, source: int, destination: int) -> None:
         self.engine.move(source, destination)
