@@ -228,7 +228,7 @@ class Scheduler:
         began = time.perf_counter()
         complete = start + count == len(request.prompt)
         feed = not self._model_declined(request)
-        before = self.target.cache_lengths[slot : slot + 1].copy()
+        before = self._lengths_before(slot, 1)
         for runner in self.runners:
             runner.prefill(request, tokens, counts, slot, complete, feed)
         options = {"processing": processing_inputs([request], self.target.vocab_size),
@@ -367,7 +367,7 @@ class Scheduler:
             timing.target_ms = self._plain_iteration(rows, began)
             return timing
         gamma = self.last_gamma = min(g for g in self.gammas if g >= drafts.max())  # fewer drafts: a shorter one
-        before = self.target.cache_lengths[: len(rows)].copy()
+        before = self._lengths_before(0, len(rows))
         accepted, next_token = self._verify(rows, offers, drafts, gamma, proposed, q)
         verify_ms = (time.perf_counter() - drafted) * 1e3
         self.update(plan, drafts, proposed, accepted, next_token, (draft_ms, verify_ms))
@@ -427,7 +427,7 @@ class Scheduler:
         Returns the target call's ms."""
         last = np.array([[r.tokens[-1]] for r in rows], dtype=np.int64)
         one = np.ones(len(rows), dtype=np.int64)
-        before = self.target.cache_lengths[: len(rows)].copy()
+        before = self._lengths_before(0, len(rows))
         called = time.perf_counter()
         if all(r.params.greedy for r in rows):
             next_token = self.target.forward(last, one, **self._options(rows))
@@ -442,7 +442,13 @@ class Scheduler:
         self._features_read(rows, 0, before)
         return (done - called) * 1e3
 
-    def _features_read(self, rows: list[Request], first: int, before: np.ndarray, scored: bool = False) -> None:
+    def _lengths_before(self, first: int, count: int) -> np.ndarray | None:
+        """The target's cache lengths of slots first.. before a call, for the runners that read its
+        features (none: nothing to copy, on every iteration of a bundle without an EAGLE-3 head)."""
+        return self.target.cache_lengths[first : first + count].copy() if self.feature_readers else None
+
+    def _features_read(self, rows: list[Request], first: int, before: np.ndarray | None,
+                       scored: bool = False) -> None:
         """The runners that read the target's features (EAGLE-3) read those of the call just made over
         slots first.., of the positions it kept; a scoring call returns none."""
         if not self.feature_readers:
