@@ -108,11 +108,10 @@ class LoopCosts:
     emitting, rollback, choosing γ); plain_overhead: the rest of a plain one.
 
     An EAGLE-3 head (0 without one): head_step, one of its batched steps; head_catch_up, its
-    catch-up after each target call. The catch-up runs after every target call, a plain step's too
-    and whoever proposed (every row is kept in step, so that any iteration may draft), so it is in
-    plain_ms as in every iteration_ms: declining an offer does not save it, and a comparison that
-    charged it to the head's offers alone would decline a head whose drafts pay. It does make a
-    plain step dearer than on a bundle without a head; that is what the bundle costs here.
+    catch-up over the positions the target kept since it last drafted, which gives its first draft.
+    The catch-up runs only in an iteration that drafts with the head (a row decoding plainly keeps
+    its features for later, reading them in bulk every FLUSH_AFTER positions: proposers/eagle.py), so
+    it is the first draft's cost, and a plain step costs what it costs on a bundle without a head.
     """
 
     target_step: float
@@ -126,7 +125,7 @@ class LoopCosts:
     @property
     def plain_ms(self) -> float:
         """One iteration of plain decoding, what every speedup is measured against."""
-        return self.target_step + self.plain_overhead + self.head_catch_up
+        return self.target_step + self.plain_overhead
 
     @classmethod
     def from_timings(cls, timings: dict) -> "LoopCosts":
@@ -193,33 +192,32 @@ class LoopCosts:
     def scaled(self, target: float, draft: float, overhead: float, plain_overhead: float,
                head: float = 1.0) -> "LoopCosts":
         """Every target call's time times `target`, every draft step's times `draft`, every head step's
-        times `head`, and the loop's own work per iteration replaced (what GammaPolicy has measured).
-        The loop times the head's catch-up as part of its own work (it runs inside the target's
-        calls' bookkeeping), so the measured work given here includes it: it is folded into the
-        overheads, not counted again."""
+        times `head` (its catch-up's too), and the loop's own work per iteration replaced (what
+        GammaPolicy has measured)."""
         return LoopCosts(self.target_step * target, {g: ms * draft for g, ms in self.draft.items()},
                          {g: ms * target for g, ms in self.verify.items()}, overhead, plain_overhead,
-                         self.head_step * head, 0.0)
+                         self.head_step * head, self.head_catch_up * head)
 
     def draft_ms(self, gamma: int, drafts: int, steps: str | None = DRAFT) -> float:
         """What `drafts` drafts cost in an iteration verified at γ: draft-model steps ("draft"), the
-        EAGLE-3 head's ("eagle": its first draft came with the last catch-up, so drafts - 1 steps),
-        or nothing (None: a lookup's proposal costs no model time)."""
+        EAGLE-3 head's ("eagle": a catch-up gives the first draft, then drafts - 1 steps), or nothing
+        (None: a lookup's proposal costs no model time)."""
         if steps == EAGLE:
-            return self.head_step * max(drafts - 1, 0)
+            return self.head_catch_up + self.head_step * (drafts - 1) if drafts else 0.0
         return self.draft[gamma] * drafts / gamma if steps == DRAFT else 0.0
 
-    def step_ms(self, gamma: int, steps: str = DRAFT) -> float:
-        """One step of `steps`' model (cost_model.DRAFT, EAGLE) in an iteration verified at γ."""
+    def calls_ms(self, gamma: int, calls: int, steps: str = DRAFT) -> float:
+        """`calls` calls of `steps`' model (cost_model.DRAFT, EAGLE) in an iteration verified at γ (the
+        head's first call of an iteration is its catch-up)."""
         if steps == EAGLE:
-            return self.head_step
-        return self.draft.get(gamma, 0.0) / gamma if gamma else 0.0
+            return self.draft_ms(gamma, calls, EAGLE)
+        return calls * self.draft.get(gamma, 0.0) / gamma if gamma else 0.0
 
     def iteration_ms(self, gamma: int, drafts: int | None = None, steps: str | None = DRAFT) -> float:
         """One speculative iteration verified at γ, with `drafts` drafts (default γ) costing `steps`'
-        model steps (draft_ms), and the head's catch-up after its verification."""
+        model steps (draft_ms)."""
         drafts = gamma if drafts is None else drafts
-        return self.draft_ms(gamma, drafts, steps) + self.verify[gamma] + self.overhead + self.head_catch_up
+        return self.draft_ms(gamma, drafts, steps) + self.verify[gamma] + self.overhead
 
     def speedup(self, acceptance_by_position: list[float], gamma: int) -> float:
         """Predicted speedup of γ over plain decoding (γ = 0 is plain decoding: 1)."""

@@ -12,10 +12,10 @@ prior. Other proposers' acceptance is each request's own (core/proposers).
 Costs. The prior's (a profile's loop runs, or a quick calibration's calls timed outside the loop)
 are corrected by every iteration the loop runs, whoever proposed: each target call (a
 verification, or a plain step) updates one correction factor for every target call, each draft
-step one for every draft step, each EAGLE-3 head step one for every head step (the mean ratio of
-measured to prior, with a prior of `COST_PRIOR_WEIGHT` iterations at 1), and the loop's own work
-per iteration, speculative and plain, is its measured mean (the head's catch-up after each target
-call included: the loop times it as its own work, so the prior's catch-up starts that mean). The
+step one for every draft step, each EAGLE-3 head's calls (its catch-up and steps) one for both (the
+mean ratio of measured to prior, with a prior of `COST_PRIOR_WEIGHT` iterations at 1), and the
+loop's own work per iteration, speculative and plain, is its measured mean (a declining row's bulk
+catch-up, every FLUSH_AFTER positions, falls in it: proposers/eagle.py). The
 γ in use teaches the policy about the others, and plain decoding's cost stays comparable with
 speculation's.
 
@@ -50,7 +50,7 @@ class Timing:
     """One decoding iteration as the loop measured it, in ms: its target call (a verification at γ,
     or a plain step at γ 0), its draft model's steps and everything (both without catching up: a
     draft model fed the tokens it missed while rows decoded plainly, a cost of switching, not of
-    an iteration). step_cost: whose steps draft_ms and draft_steps are (cost_model.DRAFT, EAGLE;
+    an iteration). step_cost: whose calls draft_ms and draft_steps are (cost_model.DRAFT, EAGLE: its catch-up the first;
     None: of more than one model at once, which teach neither's cost)."""
 
     gamma: int
@@ -147,9 +147,8 @@ class GammaPolicy:
         self._since_costs = 0  # observations since costs_now() was last computed
         self._ratios = {kind: [COST_PRIOR_WEIGHT, COST_PRIOR_WEIGHT] for kind in (DRAFT, EAGLE, "target")}  # [sum, n]
         # the loop's own work per speculative and per plain iteration: [sum, count], from the prior's
-        # (the head's catch-up included, as the loop measures it: LoopCosts.scaled)
-        self._work = {0: [COST_PRIOR_WEIGHT * (costs.plain_overhead + costs.head_catch_up), COST_PRIOR_WEIGHT],
-                      1: [COST_PRIOR_WEIGHT * (costs.overhead + costs.head_catch_up), COST_PRIOR_WEIGHT]}
+        self._work = {0: [COST_PRIOR_WEIGHT * costs.plain_overhead, COST_PRIOR_WEIGHT],
+                      1: [COST_PRIOR_WEIGHT * costs.overhead, COST_PRIOR_WEIGHT]}
 
     @property
     def costs(self) -> LoopCosts:
@@ -255,9 +254,10 @@ class GammaPolicy:
         self._resumed = set()
         prior = self.costs.verify[timing.gamma] if timing.gamma else self.costs.target_step
         self._add("target", timing.target_ms / prior)
-        step = self.costs.step_ms(timing.gamma, timing.step_cost) if timing.step_cost is not None else 0.0
-        if timing.draft_steps and step > 0:
-            self._add(timing.step_cost, timing.draft_ms / (step * timing.draft_steps))
+        kind = timing.step_cost
+        expected = self.costs.calls_ms(timing.gamma, timing.draft_steps, kind) if kind is not None else 0.0
+        if timing.draft_steps and expected > 0:
+            self._add(kind, timing.draft_ms / expected)
         work = self._work[min(timing.gamma, 1)]
         work[0] += max(0.0, timing.total_ms - timing.target_ms - timing.draft_ms)
         work[1] += 1

@@ -140,21 +140,22 @@ class ModelDrafter(Proposer):
     runs_model = True  # a draft model's drafts: step_cost "draft"
 
 
-def test_an_eagle_offer_costs_the_heads_steps_after_its_first_draft_not_the_draft_models():
-    """k drafts of the EAGLE-3 head cost k - 1 head steps (the first came with the catch-up); the same
-    count from a draft model costs its own steps; the catch-up is in every iteration, a plain one too."""
+def test_an_eagle_offer_costs_a_catch_up_and_the_heads_steps_not_the_draft_models():
+    """k drafts of the EAGLE-3 head cost its catch-up (which gives the first) and k - 1 head steps; the
+    same count from a draft model costs its own steps; a plain step pays no catch-up."""
     costs = LoopCosts(10.0, {2: 6.0, 4: 12.0}, {2: 12.0, 4: 14.0}, overhead=1.0, head_step=0.5, head_catch_up=0.25)
-    assert costs.plain_ms == pytest.approx(10.25)
-    assert costs.iteration_ms(4, 3, EAGLE) == pytest.approx(2 * 0.5 + 14.0 + 1.0 + 0.25)
-    assert costs.iteration_ms(4, 3, DRAFT) == pytest.approx(12.0 * 3 / 4 + 14.0 + 1.0 + 0.25)
-    assert costs.iteration_ms(2, 1, EAGLE) == pytest.approx(12.0 + 1.0 + 0.25)  # one draft: no head step
+    assert costs.plain_ms == pytest.approx(10.0)
+    assert costs.iteration_ms(4, 3, EAGLE) == pytest.approx(0.25 + 2 * 0.5 + 14.0 + 1.0)
+    assert costs.iteration_ms(4, 3, DRAFT) == pytest.approx(12.0 * 3 / 4 + 14.0 + 1.0)
+    assert costs.iteration_ms(2, 1, EAGLE) == pytest.approx(0.25 + 12.0 + 1.0)  # one draft: no head step
+    assert costs.draft_ms(4, 0, EAGLE) == 0.0  # no drafts: no catch-up
     expected = [0.8, 0.6, 0.4]
     eagle, model = Offer(3, EagleDraft(None), None, expected), Offer(3, ModelDrafter(), None, expected)
     assert eagle.step_cost == EAGLE and model.step_cost == DRAFT
     assert eagle.iteration_ms(costs) == pytest.approx(16.25)
-    assert model.iteration_ms(costs) == pytest.approx(24.25)
+    assert model.iteration_ms(costs) == pytest.approx(24.0)
     assert eagle.rate(costs) == pytest.approx(2.8 / 16.25) == tokens_per_ms(costs, expected, 3, EAGLE)
-    assert model.rate(costs) == pytest.approx(2.8 / 24.25)
+    assert model.rate(costs) == pytest.approx(2.8 / 24.0)
     free = LoopCosts(10.0, {4: 0.0}, {4: 14.0}, head_step=2.0)  # no draft model: its steps would cost nothing
     assert Offer(4, EagleDraft(None), None, expected).iteration_ms(free) == pytest.approx(3 * 2.0 + 14.0)
 
@@ -168,9 +169,9 @@ def test_the_heads_costs_are_recorded_carried_and_learned_with_the_others():
     big = costs.at_batch(4)
     growth = big.target_step / costs.target_step
     assert big.head_step == pytest.approx(0.5 * growth) and big.head_catch_up == pytest.approx(0.25 * growth)
-    # measured: the head's steps scaled by their own factor, its catch-up inside the loop's measured work
+    # measured: the head's calls, its catch-up and steps, scaled by their own factor
     busy = costs.scaled(target=1.0, draft=1.0, overhead=1.25, plain_overhead=0.25, head=2.0)
-    assert busy.head_step == 1.0 and busy.head_catch_up == 0.0 and busy.plain_ms == costs.plain_ms
+    assert busy.head_step == 1.0 and busy.head_catch_up == 0.5 and busy.plain_ms == 10.25
 
 
 def test_a_calibration_beside_a_head_times_its_step_and_catch_up():

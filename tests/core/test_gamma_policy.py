@@ -195,16 +195,19 @@ def test_observations_fade_so_that_a_load_whose_text_changes_is_followed():
     assert policy.acceptance_by_position(1)[0] > 0.5
 
 
-def test_head_steps_teach_the_heads_cost_and_the_catch_up_stays_in_plain_decodings():
-    """The head's steps correct the head's cost, not the draft model's; before any observation the
-    measured costs are the prior's, the head's catch-up in a plain step as in a speculative one."""
+def test_head_calls_teach_the_heads_cost_and_a_plain_step_pays_no_catch_up():
+    """The head's calls (its catch-up, then its steps) correct the head's cost, not the draft
+    model's; before any observation the measured costs are the prior's, the catch-up in an iteration
+    that drafts with the head and not in a plain step."""
     costs = LoopCosts.from_timings({**TIMINGS, "head_step_ms": 0.5, "head_catch_up_ms": 0.25})
     policy = GammaPolicy(costs, [0.5] * 8)
-    assert policy.costs_now().plain_ms == pytest.approx(costs.plain_ms) == pytest.approx(10.25)
+    assert policy.costs_now().plain_ms == pytest.approx(costs.plain_ms) == pytest.approx(10.0)
+    assert costs.iteration_ms(4, 4, EAGLE) == pytest.approx(0.25 + 3 * 0.5 + costs.verify[4])
     assert policy.costs_now().iteration_ms(4, 4, EAGLE) == pytest.approx(costs.iteration_ms(4, 4, EAGLE))
-    for _ in range(COSTS_EVERY * 4):
+    for _ in range(COSTS_EVERY * 4):  # a catch-up and 2 steps (1.25 ms predicted) took 3 ms
         policy.observe_timing(Timing(4, target_ms=14.0, total_ms=16.75, draft_ms=3.0, draft_steps=3, step_cost=EAGLE))
-    assert policy.cost_scale(EAGLE) > 1.5 and policy.cost_scale(DRAFT) == 1.0
+    assert policy.cost_scale(EAGLE) > 1.8 and policy.cost_scale(DRAFT) == 1.0
     assert policy.costs_now().head_step == pytest.approx(0.5 * policy.cost_scale(EAGLE))
+    assert policy.costs_now().head_catch_up == pytest.approx(0.25 * policy.cost_scale(EAGLE))
     policy.observe_timing(Timing(4, target_ms=14.0, total_ms=20.0, draft_ms=3.0, draft_steps=3, step_cost=None))
     assert policy.cost_scale(DRAFT) == 1.0  # two models' steps at once: neither's

@@ -252,12 +252,16 @@ def test_a_scored_prompt_beside_drafting_requests_drafts_nothing_and_stays_in_it
     assert runtime.proposers.eagle.engine.cache_lengths.max() > runtime.max_seq  # its steps were clamped
 
 
-def test_auto_chooses_the_head_where_it_is_offered(runtimes, expected):
+def test_auto_weighs_the_head_and_chooses_it_where_its_drafts_are_kept(runtimes, expected, bigram_target):
+    """auto offers the head beside the others (a random head's output still the target's), and runs
+    it where its drafts are kept: an agreeing head's iterations are the head's."""
     for name in ("eagle", "speculators"):
         results = runtimes(name).generate(PROMPTS, max_new_tokens=MAX_NEW, proposer="auto")
         assert [r.token_ids for r in results] == expected
-        assert any("eagle" in r.stats.by_proposer for r in results), name
-    assert "eagle" in runtimes("speculators").speculative_config()["proposers"]
+        assert "eagle" in runtimes(name).speculative_config()["proposers"]
+    results = runtimes("agreeing").generate(PROMPTS, max_new_tokens=MAX_NEW, proposer="auto")
+    assert [r.token_ids for r in results] == [hf_greedy(bigram_target, prompt, MAX_NEW) for prompt in PROMPTS]
+    assert all(list(r.stats.by_proposer) == ["eagle"] for r in results), [r.stats.by_proposer for r in results]
 
 
 SAMPLED = dict(max_new_tokens=MAX_NEW, temperature=0.9, seed=7)

@@ -7,23 +7,24 @@ reads its own output in place of the target's features.
 
 Per request (`EagleDraft`): how often its drafts were kept per position, as for the draft model.
 
-Shared (`EagleRunner`): the head's one-layer cache, kept in step with the target's slots. Invariant
-between iterations, for a row in step: the head has read the target's features of every position the
-target has cached, each with the token after it, so its last output is already the row's first draft
-(`pending`): an iteration of k drafts costs k - 1 head steps. After every target call the runner rolls
-the head back to where the target was before it (what it read past there came from its own drafts)
-and reads the call's features of the positions the target kept. A row whose features the target did
-not return (a prompt scored for echo) falls out of step and gets no drafts.
+Shared (`EagleRunner`): the head's one-layer cache, kept in step with the target's slots. The target
+returns its features with every call; the runner keeps those of the positions the target kept
+(`unread`) and reads them lazily: at the start of an iteration in which the row drafts here (one
+catch-up call over all of them, whose output is the row's first draft: an iteration of k drafts
+costs one catch-up and k - 1 head steps), or when a row that keeps declining has gathered
+FLUSH_AFTER of them (all but the last: the drafting iteration's catch-up always reads one). So an
+iteration that decodes plainly costs the head nothing but a copy of its features. Before a catch-up
+the head rolls back to what it had read of the target's features (`read_to`): what it wrote past
+there came from its own drafts. A row whose features the target did not return (a prompt scored for
+echo) falls out of step and gets no drafts.
 
 Sampled requests (a head built with its sampled graphs): each draft is drawn from the head's
 distribution after the request's temperature, top-k and top-p, which is returned with it (q, for the
 rejection rule's test), or by Gumbel-max with the noise of the output position it proposes for (the
-coupled rule), as the draft model draws. The first draft of an iteration is drawn at the catch-up that
-read the last verification's features, so that catch-up draws it for the next output position of
-every sampled row that drafts here (`pending_probs` keeps its q); the rest at the steps.
+coupled rule), as the draft model draws. The first draft of an iteration is drawn at its catch-up, for
+the next output position (`pending_probs` keeps its q); the rest at the steps.
 """
 
-import time
 
 import numpy as np
 
@@ -35,6 +36,10 @@ from speccompile.core.sampling import draws
 # What a request believes of the head until it has its own (EAGLE-3's published acceptance is higher
 # than a small draft model's; a prior only orders the first iterations of `auto`)
 EAGLE_PRIOR, EAGLE_PRIOR_WEIGHT = 0.7, 2.0
+# A declining row's features are read once this many have gathered: a catch-up over them costs about
+# one call, so a row decoding plainly pays about 1/FLUSH_AFTER of a head call per token, in memory
+# FLUSH_AFTER feature rows (3 hidden sizes each)
+FLUSH_AFTER = 32
 
 
 class EagleRunner:
@@ -47,12 +52,13 @@ class EagleRunner:
 
     def __init__(self, engine, max_seq: int):
         self.engine, self.max_seq = engine, max_seq
-        self.steps, self.catch_up_ms = 0, 0.0
-        self.read_ms = 0.0  # the last after_target's head call: the loop's work, not the drafts'
+        self.steps, self.catch_up_ms = 0, 0.0  # of the last draft: head calls (its catch-up the first), and 0
         self.pending = np.zeros(0, dtype=np.int64)  # per slot: the first draft, read at the last catch-up
         self.confidence = np.zeros(0, dtype=np.float32)
         self.hidden: np.ndarray | None = None  # per slot [H]: the head's output there, fed back by the next step
-        self.in_step = np.zeros(0, dtype=bool)  # per slot: the head has read every position the target cached
+        self.in_step = np.zeros(0, dtype=bool)  # per slot: the head holds or has read every position the target kept
+        self.read_to = np.zeros(0, dtype=np.int64)  # per slot: the positions the head has read of the target's features
+        self.unread: list[list[np.ndarray]] = []  # per slot: the features [n, F] of the positions read_to.., in order
         self.drawn = np.zeros(0, dtype=bool)  # per slot: `pending` was drawn for a sampled request (its q kept)
         self.pending_probs: np.ndarray | None = None  # per slot [V]: the distribution `pending` was drawn from
 
@@ -69,10 +75,13 @@ class EagleRunner:
         self.confidence = np.zeros(slots, dtype=np.float32)
         self.hidden = None
         self.in_step = np.zeros(slots, dtype=bool)
+        self.read_to = np.zeros(slots, dtype=np.int64)
+        self.unread = [[] for _ in range(slots)]
 
     def admit(self, slot: int) -> None:
-        self.engine.cache_lengths[slot] = 0
-        self.in_step[slot] = False  # until a catch-up has read its first position
+        self.engine.cache_lengths[slot] = self.read_to[slot] = 0
+        self.unread[slot] = []
+        self.in_step[slot] = False  # until the prefill says the request may draft here
 
     def prefill(self, request, tokens: np.ndarray, counts: np.ndarray, slot: int, complete: bool,
                 feed: bool = True) -> None:
@@ -84,82 +93,122 @@ class EagleRunner:
 
     def move(self, source: int, destination: int) -> None:
         self.engine.move(source, destination)
-        states = (self.pending, self.confidence, self.in_step, self.drawn) + \
+        states = (self.pending, self.confidence, self.in_step, self.drawn, self.read_to) + \
             tuple(state for state in (self.hidden, self.pending_probs) if state is not None)
         for state in states:
             state[destination] = state[source]
+        self.unread[destination] = list(self.unread[source])
 
     def share(self, source: int, destination: int, length: int) -> None:
-        """Slot `destination` starts with what `source` read of its first `length` positions (a shared
-        prompt); the target prefills the rest of it, whose features it then reads."""
+        """Slot `destination` starts with what `source` read or holds of its first `length` positions (a
+        shared prompt); the target prefills the rest of it, whose features it then reads."""
         self.move(source, destination)
-        self.engine.cache_lengths[destination] = min(self.engine.cache_lengths[destination], length)
+        self._truncate(destination, length)
 
     def after_verify(self, rows: list) -> None:
-        """Nothing: after_target has read the verification's features."""
+        """Nothing: after_target has kept the verification's features."""
 
     def after_target(self, rows: list, first: int, before: np.ndarray, after: np.ndarray,
                      features: np.ndarray | None) -> None:
         """A target call over slots first.. has cached row b's positions before[b]..after[b] - 1 and
-        returned their features [B, T, F] (None: it returned none): roll the head back to before[b] and
-        read each position t with the token at t + 1, as far as the request has tokens. A row the head
-        was behind, or whose features did not come, falls out of step."""
+        returned their features [B, T, F] (None: it returned none): keep those of each position t
+        whose token t + 1 the request has, to be read later. A row with a gap before them, or whose
+        features did not come, falls out of step; one that has gathered FLUSH_AFTER reads them now."""
         slots = np.arange(first, first + len(rows))
-        lengths = self.engine.cache_lengths
         if features is None:
             self.in_step[slots] = False
             return
-        self.in_step[slots] &= lengths[slots] >= before
+        for b, slot in enumerate(slots):
+            self.in_step[slot] &= self._held_to(slot) >= before[b]
+            if self.in_step[slot]:
+                self._truncate(slot, int(before[b]))
         known = np.array([len(r.tokens) - 1 for r in rows], dtype=np.int64)
         counts = np.where(self.in_step[slots], np.maximum(np.minimum(after, known) - before, 0), 0)
-        if not counts.any():
-            return
-        lengths[slots] = np.where(self.in_step[slots], before, lengths[slots])
+        for b in np.flatnonzero(counts):
+            self.unread[slots[b]].append(features[b, : counts[b]].copy())
+        self.in_step[slots[counts < after - before]] = False  # tokens it could not read yet: behind
+        gathered = np.array([self._held_to(slot) - self.read_to[slot] for slot in slots])
+        full = self.in_step[slots] & (gathered >= FLUSH_AFTER)
+        if full.any():
+            self._catch_up(rows, first, np.where(full, gathered - 1, 0), np.zeros(len(rows), dtype=bool))
+
+    def _held_to(self, slot: int) -> int:
+        """The end of what the head has read or holds of the target's positions."""
+        return int(self.read_to[slot]) + sum(len(f) for f in self.unread[slot])
+
+    def _truncate(self, slot: int, length: int) -> None:
+        """Forget what the head read or holds of positions `length`.. (the target no longer has them)."""
+        if self.read_to[slot] >= length:
+            self.read_to[slot], self.unread[slot] = length, []
+        else:
+            held = np.concatenate(self.unread[slot]) if self.unread[slot] else None
+            self.unread[slot] = [] if held is None else [held[: length - self.read_to[slot]]]
+        self.engine.cache_lengths[slot] = min(self.engine.cache_lengths[slot], self.read_to[slot])
+
+    def _catch_up(self, rows: list, first: int, counts: np.ndarray, drawing: np.ndarray) -> bool:
+        """The head reads the first counts[b] positions it holds of each row b (slots first..), each
+        with the token after it, from where it last read the target's features: one batched call. Its
+        output after a row's last position read is the row's next draft (`pending`); a `drawing` row's
+        is drawn (a sampled request, for the output position after its last token). Whether it ran."""
+        slots = np.arange(first, first + len(rows))
+        read = counts > 0
+        if not read.any():
+            return False
         width = int(counts.max())
         tokens = np.zeros((len(rows), width), dtype=np.int64)
-        for b, request in enumerate(rows):
-            tokens[b, : counts[b]] = request.tokens[before[b] + 1 : before[b] + 1 + counts[b]]
-        began = time.perf_counter()
-        # a sampled row's first draft is for the output position after its last token: drawn when the
-        # head has read up to that token (in step), for a request that may draft here
-        drawing = np.array([self.samples and not r.params.greedy and self._drafts_here(r) for r in rows]) \
-            & (counts > 0) & (before + counts == known)
-        read = counts > 0
+        features = None
+        for b in np.flatnonzero(read):
+            slot, count, start = slots[b], int(counts[b]), int(self.read_to[slots[b]])
+            held = np.concatenate(self.unread[slot])
+            if features is None:
+                features = np.zeros((len(rows), width, held.shape[-1]), dtype=held.dtype)
+            features[b, :count] = held[:count]
+            self.unread[slot] = [held[count:]] if count < len(held) else []
+            tokens[b, :count] = rows[b].tokens[start + 1 : start + 1 + count]
+        lengths = self.engine.cache_lengths
+        lengths[slots] = np.where(read, self.read_to[slots], lengths[slots])
         if drawing.any():
             uniform, coupled, noise = draws(rows, self.engine.vocab_size, active=drawing)
-            token, probs, hidden = self.engine.catch_up_sample(tokens, features[:, :width], counts,
-                                                               sampling_params(rows), uniform, coupled, noise,
-                                                               first=first)
+            token, probs, hidden = self.engine.catch_up_sample(tokens, features, counts, sampling_params(rows),
+                                                               uniform, coupled, noise, first=first)
             confidence = sampled_confidence(rows, probs, token)
             if self.pending_probs is None:
                 self.pending_probs = np.zeros((len(self.pending), probs.shape[-1]), dtype=np.float32)
             self.pending_probs[slots[drawing]] = probs[drawing]
         else:
-            token, confidence, hidden = self.engine.catch_up(tokens, features[:, :width], counts, first=first)
-        self.read_ms = (time.perf_counter() - began) * 1e3
+            token, confidence, hidden = self.engine.catch_up(tokens, features, counts, first=first)
+        self.read_to[slots] += counts
         self.drawn[slots[read]] = drawing[read]
         if self.hidden is None:
             self.hidden = np.zeros((len(self.pending), hidden.shape[-1]), dtype=np.float32)
         self.pending[slots[read]], self.confidence[slots[read]], self.hidden[slots[read]] = \
             token[read], confidence[read], hidden[read]
-        self.in_step[slots[counts < after - before]] = False  # tokens it could not read yet: behind
+        return True
 
     def draft(self, rows: list, offers: list[Offer], drafts: np.ndarray, proposed: np.ndarray,
               sampling: bool) -> np.ndarray | None:
-        """Draft for the rows whose offer is this runner's: the pending first draft, then
-        max(drafts) - 1 batched head steps over every row, each feeding back the head's output and
-        the draft before. A row stops drafting at a draft whose confidence is below its p_min. Writes
-        drafts into proposed and counts into drafts; returns, when a sampled row drafts here, the
-        distributions [B, steps, V] its rows drew from (a greedy row's: a point mass on its draft)."""
+        """Draft for the rows whose offer is this runner's: a catch-up over the features the head holds
+        of them (its output their first draft), then max(drafts) - 1 batched head steps over every
+        row, each feeding back the head's output and the draft before. A row stops drafting at a draft
+        whose confidence is below its p_min. Writes drafts into proposed and counts into drafts;
+        returns, when a sampled row drafts here, the distributions [B, steps, V] its rows drew from
+        (a greedy row's: a point mass on its draft)."""
         mine = np.array([offer.source.runner is self for offer in offers])
         slots = np.arange(len(rows))
         drafts[mine & ~self.in_step[slots]] = 0
-        sampled = mine & np.array([not r.params.greedy for r in rows])
-        drafts[sampled & ~self.drawn[slots]] = 0  # its pending draft was not drawn for it: none to verify
-        self.steps, self.catch_up_ms = 0, 0.0  # its catch-up runs with the target's calls (after_target)
-        steps = max((int(d) for d, m in zip(drafts, mine) if m), default=0)
-        if steps == 0 or self.hidden is None:
+        self.steps, self.catch_up_ms = 0, 0.0
+        if not (mine & (drafts > 0)).any():
             drafts[mine] = 0
+            return None
+        sampled = mine & np.array([not r.params.greedy for r in rows])
+        reading = mine & (drafts > 0)
+        gathered = np.array([self._held_to(slot) - self.read_to[slot] for slot in slots])
+        self.drawn[slots[reading]] = False
+        self.steps = int(self._catch_up(rows, 0, np.where(reading, gathered, 0), reading & sampled))
+        drafts[sampled & ~self.drawn[slots]] = 0  # no draw for it at this catch-up: none to verify
+        drafts[mine & (self.read_to[slots] == 0)] = 0  # the head has read nothing of it yet
+        steps = max((int(d) for d, m in zip(drafts, mine) if m), default=0)
+        if steps == 0:
             return None
         p_min = np.array([offer.source.p_min if m else 0.0 for offer, m in zip(offers, mine)], dtype=np.float32)
         token, confidence, hidden = self.pending[slots], self.confidence[slots], self.hidden[slots]
@@ -195,7 +244,7 @@ class EagleRunner:
 
     def _drafts_here(self, request) -> bool:
         """Whether the request's proposer may offer this runner's drafts (itself, or a member of auto's):
-        only their random streams pay for a draw at the catch-up."""
+        only such a request's features are kept for the head."""
         proposer = request.proposer
         return any(getattr(p, "runner", None) is self for p in (proposer, *getattr(proposer, "members", ())))
 
@@ -203,7 +252,7 @@ class EagleRunner:
 class EagleDraft(Proposer):
     name = "eagle"
     runs_model = True
-    step_cost = "eagle"  # cost_model.EAGLE: head steps, the first draft free (it came with the catch-up)
+    step_cost = "eagle"  # cost_model.EAGLE: a catch-up (which gives the first draft), then head steps
 
     def __init__(self, runner: EagleRunner, p_min: float = 0.0):
         self.runner, self.p_min = runner, p_min
