@@ -99,6 +99,11 @@ def main():
 @click.option("--eagle", "eagle_dir", default=None, type=click.Path(),
               help="EAGLE-3 head directory (the EAGLE authors' or speculators' layout): it drafts from the target's "
               "own hidden states (proposer eagle), beside a draft model or without one.")
+@click.option("--eagle-weights", type=click.Choice(["int8", "int4", "float32", "float16", "bfloat16"]),
+              default="int8", show_default=True, help="EAGLE-3 head matmul weights (as --draft-weights).")
+@click.option("--eagle-vocab", type=int, default=None,
+              help="The EAGLE-3 head drafts only the K most frequent of its tokens (faster head steps; outputs "
+              "unchanged), by its token_frequencies.json or --draft-vocab-corpus.")
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "onnx"]), default="onnxruntime",
               show_default=True,
               help="tensorrt: also build TensorRT engines from the same ONNX graphs (onnx: onnxruntime's old name).")
@@ -108,8 +113,8 @@ def main():
 @click.option("--version-compat", is_flag=True, help="TensorRT: engines loadable by later TensorRT versions.")
 @user_errors
 def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force, target_weights, draft_weights, draft_vocab,
-          draft_vocab_corpus, single_sequence, medusa_dir, eagle_dir, backend, plugin_lib, timing_cache,
-          hardware_compat, version_compat):
+          draft_vocab_corpus, single_sequence, medusa_dir, eagle_dir, eagle_weights, eagle_vocab, backend, plugin_lib,
+          timing_cache, hardware_compat, version_compat):
     """Export a target/draft pair to a bundle of ONNX speculative graphs (and TensorRT engines)."""
     from speccompile.compiler.build import build_bundle
     from speccompile.compiler.tensorrt_build import TensorRTOptions
@@ -118,7 +123,8 @@ def build(target_dir, draft_dir, out_dir, gammas, max_seq, max_batch, force, tar
     build_bundle(target_dir, draft_dir, out_dir, gammas=list(gammas), max_seq=max_seq, max_batch=max_batch, force=force,
                  draft_weights=draft_weights, draft_vocab=draft_vocab, draft_vocab_corpus=draft_vocab_corpus,
                  single_sequence=single_sequence, target_weights=target_weights, medusa_dir=medusa_dir,
-                 eagle_dir=eagle_dir, backend=backend, tensorrt=tensorrt)
+                 eagle_dir=eagle_dir, eagle_weights=eagle_weights, eagle_vocab=eagle_vocab, backend=backend,
+                 tensorrt=tensorrt)
 
 
 @main.command()

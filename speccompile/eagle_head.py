@@ -36,7 +36,7 @@ import enum
 import json
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -291,6 +291,20 @@ def _checked(path: Path, head: Eagle3Head) -> Eagle3Head:
 
 def draft_to_target(head: Eagle3Head, draft_ids: np.ndarray) -> np.ndarray:
     return np.asarray(draft_ids, np.int64) + head.d2t[draft_ids]
+
+
+def with_draft_vocab(head: Eagle3Head, target_ids: np.ndarray) -> Eagle3Head:
+    """The head drafting only `target_ids`, a subset of the target ids it can draft: lm_head keeps their
+    rows (in draft-id order), d2t and t2d map the fewer draft ids. Its greedy draft is unchanged
+    wherever it was one of them, and each step scores fewer rows (as --draft-vocab cuts a draft's)."""
+    targets = draft_to_target(head, np.arange(head.config.draft_vocab_size))
+    keep = np.flatnonzero(np.isin(targets, np.asarray(target_ids, np.int64)))
+    if len(keep) != len(np.unique(target_ids)):
+        raise SpecCompileError("the EAGLE-3 head's vocabulary can only be cut to target ids it drafts")
+    t2d = np.zeros_like(head.t2d)
+    t2d[targets[keep]] = True
+    config = replace(head.config, draft_vocab_size=len(keep))
+    return replace(head, config=config, lm_head=head.lm_head[keep], d2t=targets[keep] - np.arange(len(keep)), t2d=t2d)
 
 
 # safetensors' dtypes as numpy reads them; BF16 is read as its 16 bits and widened to float32

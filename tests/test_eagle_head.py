@@ -17,6 +17,7 @@ from speccompile.eagle_head import (
     head_tensors,
     load_eagle3_head,
     published_names,
+    with_draft_vocab,
     write_eagle3_head,
 )
 from speccompile.errors import SpecCompileError
@@ -150,6 +151,26 @@ def test_d2t_maps_every_draft_id_to_a_target_id_t2d_marks(tmp_path):
     assert head.t2d.sum() == head.config.draft_vocab_size and (targets < head.config.vocab_size).all()
     drafts, _ = draft(head, *prompt(2), k=6, embed_tokens=target_embedding())
     assert head.t2d[drafts].all()
+
+
+def test_a_cut_vocabulary_drafts_the_full_heads_token_wherever_it_kept_it(tmp_path):
+    """with_draft_vocab keeps lm_head's rows of the chosen target ids: the cut head's greedy draft is the
+    whole head's wherever that is one of them, and always one of them; written and read back whole."""
+    head = random_head(TARGET, seed=6)
+    targets = draft_to_target(head, np.arange(head.config.draft_vocab_size))
+    kept = np.sort(np.random.default_rng(0).choice(targets, 20, replace=False))
+    cut = load_eagle3_head(write_eagle3_head(tmp_path / "h", with_draft_vocab(head, kept), Layout.EAGLE))
+    assert cut.config.draft_vocab_size == 20 and cut.lm_head.shape == (20, head.config.hidden_size)
+    assert np.array_equal(draft_to_target(cut, np.arange(20)), kept)
+    assert np.flatnonzero(cut.t2d).tolist() == kept.tolist()
+    hidden = np.random.default_rng(1).standard_normal((200, head.config.hidden_size)).astype(np.float32)
+    whole = targets[(hidden @ head.lm_head.T).argmax(-1)]
+    part = draft_to_target(cut, (hidden @ cut.lm_head.T).argmax(-1))
+    inside = np.isin(whole, kept)
+    assert 0 < inside.sum() < len(whole) and np.array_equal(part[inside], whole[inside])
+    assert np.isin(part, kept).all()
+    with pytest.raises(SpecCompileError, match="target ids it drafts"):
+        with_draft_vocab(head, np.setdiff1d(np.arange(TARGET["vocab_size"]), targets)[:3])
 
 
 def test_an_unreduced_vocabulary_needs_no_maps(tmp_path):

@@ -16,6 +16,7 @@ import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from speccompile.bundle import (
@@ -60,7 +61,14 @@ from speccompile.compiler.transformer import (
 )
 from speccompile.compiler.trt_rules import check_tensorrt_compatible
 from speccompile.eagle_head import CONFIG as EAGLE_CONFIG
-from speccompile.eagle_head import Eagle3Head, aux_layer_ids, check_fits, head_tensors, load_eagle3_head
+from speccompile.eagle_head import (
+    Eagle3Head,
+    aux_layer_ids,
+    check_fits,
+    head_tensors,
+    load_eagle3_head,
+    with_draft_vocab,
+)
 from speccompile.errors import SpecCompileError, read_json_object
 from speccompile.progress import Progress
 
@@ -75,7 +83,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
                  force: bool = False, draft_weights: str = "int8", draft_vocab: int | None = None,
                  draft_vocab_corpus=None, single_sequence: bool = True, target_weights: str | None = None,
                  medusa_dir=None, backend: str = "onnxruntime", tensorrt: TensorRTOptions | None = None,
-                 eagle_aux_layers: tuple[int, ...] | None = None, eagle_dir=None) -> Path:
+                 eagle_aux_layers: tuple[int, ...] | None = None, eagle_dir=None, eagle_weights: str = "int8",
+                 eagle_vocab: int | None = None) -> Path:
     """`target_weights` / `draft_weights`: how each model's projection and LM-head weights are stored:
     "float32", "float16", "bfloat16" (both computed in fp32), "int8" (weight-only, per output
     column) or "int4" (weight-only, blocks of 128 along the input; see GraphBuilder.matmul). The
@@ -103,16 +112,21 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     `eagle_dir`: an EAGLE-3 head (either published layout; eagle_head.py), checked against the target:
     the target's graphs output the features of the layers the head names (or EAGLE-3's default for the
     target's depth; eagle_aux_layers is then left out), and the head's graphs, greedy and sampled
-    (compiler/eagle_graph.py), are written beside them, float32, reading the target's token embedding
-    from its weights file where the head has none of its own. With or without a draft; not with Medusa
-    heads, nor (yet) with TensorRT engines."""
+    (compiler/eagle_graph.py), are written beside them, reading the target's token embedding from its
+    weights file where the head has none of its own. With or without a draft; not with Medusa heads,
+    nor (yet) with TensorRT engines. `eagle_weights`: how the head's matrices are stored (as
+    draft_weights). `eagle_vocab`: the head drafts only the K most frequent of the tokens it can
+    draft (as draft_vocab cuts a draft's LM head, its greedy and sampled graphs alike), by the counts
+    in the head's token_frequencies.json (`distill --eagle3` writes it) or of `draft_vocab_corpus`."""
     out_dir, tensorrt = Path(out_dir), tensorrt or TensorRTOptions()
     engines = _builds_engines(backend, tensorrt)
-    gammas = _check_options(out_dir, list(gammas), max_seq, max_batch, force, draft_vocab, draft_vocab_corpus)
-    for option, value in (("--target-weights", target_weights or "float32"), ("--draft-weights", draft_weights)):
+    gammas = _check_options(out_dir, list(gammas), max_seq, max_batch, force, draft_vocab or eagle_vocab,
+                            draft_vocab_corpus)
+    for option, value in (("--target-weights", target_weights or "float32"), ("--draft-weights", draft_weights),
+                          ("--eagle-weights", eagle_weights)):
         if value not in MATMUL_WEIGHTS:
             raise SpecCompileError(f"{option} must be one of {', '.join(MATMUL_WEIGHTS)}, got {value!r}")
-    _check_eagle_options(eagle_dir, eagle_aux_layers, medusa_dir, engines)
+    _check_eagle_options(eagle_dir, eagle_aux_layers, medusa_dir, engines, eagle_vocab)
     if engines:
         require_tensorrt_build(tensorrt)
     progress = Progress(len(PHASES), logger)
@@ -127,6 +141,9 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     draft = load_checkpoint(draft_dir) if draft_dir is not None else None
     medusa = _load_medusa(medusa_dir, target) if medusa_dir is not None else None
     head = _load_eagle(eagle_dir, target) if eagle_dir is not None else None
+    if eagle_vocab is not None:
+        head = _cut_eagle_vocab(head, eagle_dir, eagle_vocab, draft_vocab_corpus, target_tok,
+                                eos_token_ids(target, target_tok))
     aux_layers = aux_layer_ids(head, target.hp["num_layers"]) if head is not None else aux_layers
     progress.step("check compatibility")
     if draft is None:
@@ -161,7 +178,7 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
                             aux_layers=aux_layers)
     variants = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids, single_sequence=True,
                               heads=heads, aux_layers=aux_layers) if single_sequence else {}
-    eagle_graphs = _eagle_graphs(head, target, max_seq, vocab_out) if head is not None else {}
+    eagle_graphs = _eagle_graphs(head, target, max_seq, vocab_out, eagle_weights) if head is not None else {}
     for name, (builder, _) in {**graphs, **eagle_graphs}.items():
         variant = f", batch-1 variant {len(variants[name][0].nodes)}" if name in variants else ""
         logger.info(f"  {name}: {len(builder.nodes)} nodes{variant}")
@@ -190,7 +207,7 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         models = {role: _model_entry(spec, weight_files[role], weights[role], scored[role], sessions[role],
                                      aux_layers if role == "target" else ())
                   for role, spec, _ in _models(target, draft, vocab_ids)}
-        models |= {HEAD_ROLE: _eagle_entry(head, eagle_dir, target)} if head is not None else {}
+        models |= {HEAD_ROLE: _eagle_entry(head, eagle_dir, target, eagle_weights)} if head is not None else {}
         graph_entries = {name: _graph_entry(staging, graph, needs_plugin[name], name in variants)
                          for name, (_, graph) in {**graphs, **eagle_graphs}.items()}
         heads_entry = _medusa_entry(medusa[0], medusa_dir) if medusa else None
@@ -236,11 +253,11 @@ def _check_options(out_dir: Path, gammas: list[int], max_seq: int, max_batch: in
         raise SpecCompileError(f"{out_dir} already exists and is not empty (pass --force to replace it)")
     if not out_dir.parent.is_dir():
         raise SpecCompileError(f"parent directory of {out_dir} does not exist")
-    # An error, not a warning: the corpus is only counted for --draft-vocab, and a build that
-    # silently drops it would take minutes to produce a bundle other than the one asked for.
+    # An error, not a warning: the corpus is only counted for --draft-vocab (or --eagle-vocab), and a
+    # build that silently drops it would take minutes to produce a bundle other than the one asked for.
     if draft_vocab_corpus is not None and draft_vocab is None:
-        raise SpecCompileError("--draft-vocab-corpus only chooses the tokens of --draft-vocab K: "
-                               "pass --draft-vocab too")
+        raise SpecCompileError("--draft-vocab-corpus only chooses the tokens of --draft-vocab K (or --eagle-vocab K): "
+                               "pass one of them too")
     return list(dict.fromkeys(gammas))  # unique, in the order given
 
 
@@ -260,9 +277,11 @@ def _check_aux_layers(layers, target: ModelSpec) -> tuple[int, ...]:
     return layers
 
 
-def _check_eagle_options(eagle_dir, aux_layers, medusa_dir, engines: bool) -> None:
+def _check_eagle_options(eagle_dir, aux_layers, medusa_dir, engines: bool, eagle_vocab: int | None = None) -> None:
     """What an EAGLE-3 head cannot be built with, refused before anything is read."""
     if eagle_dir is None:
+        if eagle_vocab is not None:
+            raise SpecCompileError("--eagle-vocab cuts an EAGLE-3 head's vocabulary: it needs --eagle")
         return
     if medusa_dir is not None:
         raise SpecCompileError("--eagle and --medusa both add heads that propose from the target: pass one of them")
@@ -284,11 +303,36 @@ def _load_eagle(eagle_dir, target: ModelSpec) -> Eagle3Head:
     return head
 
 
-def _eagle_graphs(head: Eagle3Head, target: ModelSpec, max_seq: int, vocab_out: int) -> dict:
-    """name -> (GraphBuilder, GraphId) of the head's graphs (greedy and sampled), over the target's own
-    embedding tensor where the head has none (so that it is stored under the target's names and bytes);
-    the sampled ones' probs span the bundle's vocabulary, vocab_out, as the verification's draft_probs do."""
-    built = build_eagle_graphs(head, target.weights["embed"], max_seq, sample=True,
+def _cut_eagle_vocab(head: Eagle3Head, eagle_dir, size: int, corpus, tokenizer, eos_ids: list[int]) -> Eagle3Head:
+    """The head drafting only the `size` most frequent tokens it can draft (end-of-sequence ones kept)."""
+    drafts = head.config.draft_vocab_size
+    if not 0 < size < drafts:
+        raise SpecCompileError(f"--eagle-vocab must be between 1 and {drafts - 1} (the head drafts {drafts} tokens), "
+                               f"got {size}")
+    vocab = head.config.vocab_size
+    if corpus is not None:
+        logger.info(f"  counting tokens of {corpus} for the EAGLE-3 head's vocabulary")
+        counts = corpus_frequencies(corpus, tokenizer, vocab)
+    else:
+        counts = read_frequencies(eagle_dir)
+        if counts is None:
+            raise SpecCompileError(f"--eagle-vocab needs token frequencies: {eagle_dir} has no {FREQUENCIES_FILE} "
+                                   f"(speccompile distill --eagle3 writes it); pass --draft-vocab-corpus PATH to "
+                                   "count them")
+    draftable = head.t2d.astype(bool)
+    counts = np.where(draftable, np.pad(counts[:vocab], (0, max(0, vocab - len(counts)))), -1)
+    ids = select_vocab(counts, size, vocab, [i for i in eos_ids if 0 <= i < vocab and draftable[i]])
+    logger.info(f"  EAGLE-3 head's vocabulary: {len(ids)} of its {drafts} tokens, "
+                f"{counts[ids].sum() / max(1, counts[draftable].sum()):.1%} of counted text")
+    return with_draft_vocab(head, ids)
+
+
+def _eagle_graphs(head: Eagle3Head, target: ModelSpec, max_seq: int, vocab_out: int, weights: str) -> dict:
+    """name -> (GraphBuilder, GraphId) of the head's graphs (greedy and sampled), its matrices stored
+    as `weights`, over the target's own embedding tensor where the head has none (so that it is
+    stored under the target's names and bytes); the sampled ones' probs span the bundle's
+    vocabulary, vocab_out, as the verification's draft_probs do."""
+    built = build_eagle_graphs(head, target.weights["embed"], max_seq, matmul_weights=weights, sample=True,
                                target_vocab=vocab_out)
     ids = {graph.name: graph for sample in (False, True)
            for graph in (GraphId.eagle_catch_up(sample), GraphId.eagle_step(sample))}
@@ -303,7 +347,7 @@ def _write_eagle_graphs(staging: Path, head: Eagle3Head, graphs: dict, target_we
     write_eagle_graphs(staging, builders, EAGLE_WEIGHTS, borrowed)
 
 
-def _eagle_entry(head: Eagle3Head, eagle_dir, target: ModelSpec) -> ModelEntry:
+def _eagle_entry(head: Eagle3Head, eagle_dir, target: ModelSpec, matmul_weights: str) -> ModelEntry:
     """The head as a model of the bundle: one layer; its vocabulary the target's (it drafts target ids),
     the tokens it scores its draft vocabulary; its parameters its own (not the maps, not a borrowed table)."""
     c = head.config
@@ -312,7 +356,7 @@ def _eagle_entry(head: Eagle3Head, eagle_dir, target: ModelSpec) -> ModelEntry:
         source=str(Path(eagle_dir).resolve()), source_format=SourceFormat("safetensors", {}, {}), model_type="eagle3",
         num_params=params, num_layers=1, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
         head_dim=c.head_dim, hidden_size=c.hidden_size, vocab_size=target.hp["vocab_size"],
-        weights_file=EAGLE_WEIGHTS, matmul_weights="float32", scored_vocab=c.draft_vocab_size,
+        weights_file=EAGLE_WEIGHTS, matmul_weights=matmul_weights, scored_vocab=c.draft_vocab_size,
         config=read_json_object(Path(eagle_dir) / EAGLE_CONFIG))
 
 

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speccompile.compiler.draft_vocab import count_tokens, select_vocab
+from speccompile.compiler.draft_vocab import count_tokens, select_vocab, write_frequencies
 from speccompile.corpus import sample_windows
 from speccompile.eagle_head import (
     CONFIG,
@@ -122,7 +122,10 @@ def train_eagle3(target_dir, corpus, out_dir, options: Eagle3Options) -> Path:
     training = {"steps": o.steps, "corpus_tokens": len(train_tokens), "wall_s": round(time.time() - started, 1),
                 "draft_vocab_coverage": _coverage(head, train_tokens), "agreement": agreement,
                 "options": asdict(o)}
-    return _write(out_dir, head.to_head(), training)
+    written = _write(out_dir, head.to_head(), training)
+    # what `speccompile build --eagle-vocab K` ranks the head's tokens by: the text it was trained on
+    write_frequencies(out_dir, count_tokens(train_tokens, config.vocab_size), str(corpus))
+    return written
 
 
 # ---------------------------------------------------------------------------------------------

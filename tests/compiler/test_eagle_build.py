@@ -8,6 +8,7 @@ same target graphs), and the manifest's own JSON read back byte for byte.
 
 import json
 
+import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
@@ -75,7 +76,7 @@ def test_the_head_is_the_bundle_s_eagle_model_with_its_two_graphs(built, head_di
     assert bundle.has_eagle and not bundle.has_draft and target.eagle_aux_layers == AUX
     assert (head.num_layers, head.num_heads, head.num_kv_heads, head.head_dim, head.hidden_size) == (1, 4, 2, 16, 64)
     assert (head.vocab_size, head.scored_vocab) == (target.vocab_size, 50)
-    assert (head.weights_file, head.matmul_weights, head.session, head.model_type) == ("eagle.weights", "float32",
+    assert (head.weights_file, head.matmul_weights, head.session, head.model_type) == ("eagle.weights", "int8",
                                                                                      None, "eagle3")
     assert head.config == config and head.eagle_aux_layers == ()
     graphs = {name: entry.id for name, entry in bundle.manifest.graphs.items()
@@ -140,6 +141,8 @@ REFUSED = {
     "Medusa heads too": ({}, dict(medusa_dir="heads"), "--eagle and --medusa"),
     "aux layers given": ({}, dict(eagle_aux_layers=(0, 1, 2)), "eagle_aux_layers is for a bundle without a head"),
     "TensorRT": ({}, dict(backend="tensorrt"), "ONNX Runtime only"),
+    "a vocabulary cut without counts": ({}, dict(eagle_vocab=20), "needs token frequencies"),
+    "a vocabulary cut to all of it": ({}, dict(eagle_vocab=50), "--eagle-vocab must be between 1 and 49"),
     "not a head": ("target", {}, "not an EAGLE-3 head"),
 }
 
@@ -197,6 +200,34 @@ def test_the_manifest_refuses_a_head_its_bundle_cannot_run_in_one_line(change, b
     with pytest.raises(SpecCompileError) as refused:
         Manifest.from_json(data)
     assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_head_is_stored_as_asked_and_cut_to_its_most_frequent_tokens(target, head_dir, built, tmp_path):
+    """--eagle-weights (default int8, as the draft's) stores the head's matrices so; --eagle-vocab K keeps
+    the K tokens of its vocabulary counted most often (its token_frequencies.json), EOS among them."""
+    import shutil
+
+    from speccompile.compiler.draft_vocab import write_frequencies
+    from speccompile.eagle_head import draft_to_target, load_eagle3_head
+
+    int8 = built(True).path / "eagle.weights"
+    floats = build_bundle(target, None, tmp_path / "f", eagle_dir=head_dir(), eagle_weights="float32", **OPTIONS)
+    assert open_bundle(floats).model("eagle").matmul_weights == "float32"
+    assert (floats / "eagle.weights").stat().st_size > 3 * int8.stat().st_size
+    counted = shutil.copytree(head_dir(), tmp_path / "counted")
+    head = load_eagle3_head(counted)
+    vocab = head.config.vocab_size
+    counts = np.random.default_rng(3).integers(1, 1000, vocab)
+    write_frequencies(counted, counts, "test")
+    cut = open_bundle(build_bundle(target, None, tmp_path / "c", eagle_dir=counted, eagle_vocab=12, **OPTIONS))
+    assert cut.model("eagle").scored_vocab == 12
+    draftable = draft_to_target(head, np.arange(head.config.draft_vocab_size))
+    eos = target_config(target)["eos_token_id"]
+    ranked = [i for i in sorted(draftable, key=lambda i: (-counts[i], i)) if i != eos]
+    kept = sorted(ranked[: 12 - (eos in draftable)] + ([eos] if eos in draftable else []))
+    step = onnx.load(str(cut.path / "eagle_step.onnx"))
+    d2t = next(onnx.numpy_helper.to_array(t) for t in step.graph.initializer if t.name == "draft_to_target")
+    assert d2t.tolist() == kept
 
 
 def test_the_cli_builds_a_head_and_generates_with_it(target, head_dir, tmp_path):

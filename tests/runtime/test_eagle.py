@@ -106,7 +106,7 @@ def runtimes(target, head, bigram_target, checkpoints, tmp_path_factory):
                 layout = Layout.EAGLE if name == "eagle" else Layout.SPECULATORS
                 head_dir = write_eagle3_head(root / f"head-{name}", made_head, layout)
                 build_bundle(model, checkpoints("llama", "draft") if name == "eagle" else None, bundle,
-                             gammas=[1, 4], max_seq=96, max_batch=4, eagle_dir=head_dir)
+                             gammas=[1, 4], max_seq=96, max_batch=4, eagle_dir=head_dir, eagle_weights="float32")
             made[key] = speccompile.load(bundle, **options)
         return made[key]
 

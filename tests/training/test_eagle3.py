@@ -118,6 +118,7 @@ def test_the_unroll_computes_the_references_drafting(deep_target, tokenizer, nor
 
 def test_the_draft_vocabulary_is_the_most_frequent_tokens(tmp_path, tokenizer, corpus):  # noqa: F811
     """On a three-layer target, with its three layers named: lm_head starts as the target's rows of them."""
+    from speccompile.compiler.draft_vocab import read_frequencies
     from tests.tiny_models import make_checkpoint
 
     shallow = make_checkpoint(tmp_path / "t", "llama", tokenizer=tokenizer, num_hidden_layers=3)
@@ -129,6 +130,7 @@ def test_the_draft_vocabulary_is_the_most_frequent_tokens(tmp_path, tokenizer, c
     targets = np.arange(40) + head.d2t
     assert targets.tolist() == expected.tolist() and head.t2d.sum() == 40 and head.t2d[targets].all()
     assert head.config.aux_layer_ids == (0, 1, 2)
+    assert read_frequencies(out).tolist() == counts.tolist()  # what build --eagle-vocab ranks by
     lm_head = hf_target(shallow).get_output_embeddings().weight.detach().numpy()
     np.testing.assert_allclose(head.lm_head, lm_head[targets], atol=1e-6)
 
