@@ -12,6 +12,7 @@ requests served at that load and context: a profile only makes its priors right 
 
 import logging
 import time
+from dataclasses import replace
 
 from speccompile.core.cost_model import LoopCosts
 from speccompile.core.gamma_policy import GammaPolicy
@@ -21,14 +22,24 @@ CALIBRATION_REPEATS = 3
 
 
 class LoadPolicies:
-    def __init__(self, profile, gammas: list[int], max_batch: int, max_seq: int):
+    def __init__(self, profile, gammas: list[int], max_batch: int, max_seq: int, head: bool = False):
         self.profile, self.gammas, self.max_batch, self.max_seq = profile, gammas, max_batch, max_seq
+        self.head = head  # the bundle has an EAGLE-3 head, whose calls the costs must price
         self._policies: dict[tuple, GammaPolicy] = {}  # (decoding requests, context point) -> γ policy
-        self.calibration: LoopCosts | None = None  # batch-1 costs measured here (no profile)
+        self.calibration: LoopCosts | None = None  # batch-1 costs measured here (no profile, or one without the head's)
 
     @property
     def needs_calibration(self) -> bool:
-        return self.profile is None and self.calibration is None
+        """No costs for the policies yet: no profile, or (a bundle with a head) a profile that did not
+        time the head, whose drafts would then look free and whose measured calls teach nothing."""
+        if self.calibration is not None:
+            return False
+        return self.profile is None or (self.head and not self._profiled_head)
+
+    @property
+    def _profiled_head(self) -> bool:
+        point = self.profile.points[0]
+        return self.profile.costs(point.batch, point.context).has_head
 
     def policy_for(self, decoding: int, context: int) -> GammaPolicy | None:
         """The γ policy for `decoding` requests at once whose mean context is `context`."""
@@ -36,6 +47,9 @@ class LoadPolicies:
             point = min(self.profile.context_lengths, key=lambda c: (abs(c - context), c))
             if (decoding, point) not in self._policies:
                 costs, acceptance = self.profile.prior(decoding, point)
+                if self.head and not costs.has_head and self.calibration is not None:
+                    timed = self.calibration.at_batch(decoding)
+                    costs = replace(costs, head_step=timed.head_step, head_catch_up=timed.head_catch_up)
                 self._policies[decoding, point] = GammaPolicy(costs, acceptance)
             return self._policies[decoding, point]
         if self.calibration is None:

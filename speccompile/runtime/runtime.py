@@ -54,7 +54,7 @@ class Runtime:
 
         self.fingerprint = fingerprint(backend)
         self.profile = find_profile(bundle.path, self.fingerprint)  # measured on this hardware and backend, if any
-        self.policies = LoadPolicies(self.profile, self.gammas, self.max_batch, self.max_seq)
+        self.policies = LoadPolicies(self.profile, self.gammas, self.max_batch, self.max_seq, self.eagle is not None)
         shape = TreeShape() if bundle.medusa else None
         self.tree_sizing = TreeSizing(bundle, self.target, backend, self.max_batch, shape) if shape else None
         self.proposers = make_proposers(self.draft, self.eagle, self.max_seq, shape,

@@ -322,3 +322,21 @@ def test_a_sampled_request_finds_the_head_s_sampled_graphs_loaded_before_it_runs
                                                            load_graphs(graphs, batch))
     runtime.generate([PROMPTS[0]], proposer="eagle", gamma=4, **SAMPLED)
     assert {"eagle_catch_up_sample", "eagle_step_sample"} <= set(asked)
+
+
+def test_a_profile_that_did_not_time_the_head_is_completed_by_timing_it(target, head, tmp_path):
+    """A γ profile measured without the head's calls (by `speccompile profile`, which times the loop
+    alone) would make its drafts look free, and teach nothing of their cost: the load times the head
+    and the policies' costs from the profile price its calls."""
+    from speccompile.core.cost_model import LoopCosts
+    from tests.runtime.test_profile import write_profile_with
+
+    head_dir = write_eagle3_head(tmp_path / "head", head, Layout.SPECULATORS)
+    bundle = build_bundle(target, None, tmp_path / "bundle", gammas=[1, 4], max_seq=96, max_batch=2, eagle_dir=head_dir)
+    write_profile_with(bundle, [0.5] * 4, LoopCosts(10.0, {1: 0.0, 4: 0.0}, {1: 11.0, 4: 12.0}))
+    with speccompile.load(bundle) as runtime:
+        assert runtime.profile is not None and runtime.policies.calibration.has_head
+        costs = runtime.policies.policy_for(1, 16).costs
+        assert costs.target_step == 10.0 and costs.verify[4] == 12.0  # the profile's
+        assert costs.head_step == runtime.policies.calibration.head_step > 0
+        assert costs.head_catch_up == runtime.policies.calibration.head_catch_up > 0
