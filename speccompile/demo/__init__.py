@@ -1,4 +1,5 @@
-"""The embedded demo pair: a small Python-code target and its distilled draft, shipped in the package.
+"""The embedded demo pair: a small Python-code target and its distilled draft, shipped in the package
+with an EAGLE-3 head and Medusa heads trained on the same target.
 
 Every command that takes a bundle uses the demo bundle when given none. It is built on first use
 into the user cache directory (or $SPECCOMPILE_CACHE), under a name keyed by the sha256 of the demo
@@ -19,12 +20,14 @@ DEMO_ROOT = Path(__file__).resolve().parent
 DEMO_TARGET = DEMO_ROOT / "target"
 DEMO_DRAFT = DEMO_ROOT / "draft"
 DEMO_MEDUSA = DEMO_ROOT / "medusa"  # Medusa heads for the target (`speccompile distill --medusa 4`)
+DEMO_EAGLE = DEMO_ROOT / "eagle"  # an EAGLE-3 head for the target (`speccompile distill --eagle3 7`)
 DEMO_PROMPTS = DEMO_ROOT / "prompts.json"  # what `bench` and `profile` run when given no --prompts
 COMPILER_ROOT = DEMO_ROOT.parent / "compiler"
 DEMO_GAMMAS = [4, 2, 6]  # the first is the default γ
 DEMO_MAX_SEQ = 1024
 DEMO_MAX_BATCH = 8
 DEMO_DRAFT_VOCAB = 3072  # greedy draft steps score the 3072 most frequent tokens (see compiler/draft_vocab.py)
+DEMO_EAGLE_VOCAB = 3072  # and so do the EAGLE-3 head's (build --eagle-vocab)
 logger = logging.getLogger(__name__)
 
 
@@ -40,9 +43,9 @@ def cache_dir() -> Path:
 def demo_key(target: Path | None = None, draft: Path | None = None) -> str:
     """sha256 over the build settings and format version, and the file names and contents of the demo
     checkpoints and the compiler package (the format lives outside it, in bundle.py)."""
-    settings = (DEMO_GAMMAS, DEMO_MAX_SEQ, DEMO_MAX_BATCH, DEMO_DRAFT_VOCAB, FORMAT_VERSION)
+    settings = (DEMO_GAMMAS, DEMO_MAX_SEQ, DEMO_MAX_BATCH, DEMO_DRAFT_VOCAB, DEMO_EAGLE_VOCAB, FORMAT_VERSION)
     digest = hashlib.sha256(repr(settings).encode())
-    for root in (target or DEMO_TARGET, draft or DEMO_DRAFT, COMPILER_ROOT):
+    for root in (target or DEMO_TARGET, draft or DEMO_DRAFT, *_demo_head(), COMPILER_ROOT):
         for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
             digest.update(str(path.relative_to(root.parent)).encode())
             digest.update(path.read_bytes())
@@ -50,12 +53,19 @@ def demo_key(target: Path | None = None, draft: Path | None = None) -> str:
 
 
 def demo_bundle(target: Path | None = None, draft: Path | None = None) -> Path:
-    """The demo bundle's path, building it first if the cache has none for this pair."""
+    """The demo bundle's path, building it first if the cache has none for this pair: the target, the
+    draft and the EAGLE-3 head (where the installation has one)."""
     target, draft = target or DEMO_TARGET, draft or DEMO_DRAFT
     if not (target / "config.json").is_file() or not (draft / "config.json").is_file():
         raise SpecCompileError("this installation has no embedded demo pair; pass a bundle directory")
+    head = {"eagle_dir": path, "eagle_vocab": DEMO_EAGLE_VOCAB} if (path := next(iter(_demo_head()), None)) else {}
     return _built(cache_dir() / f"demo-{demo_key(target, draft)[:16]}", "the demo bundle", target, draft,
-                  draft_vocab=DEMO_DRAFT_VOCAB)
+                  draft_vocab=DEMO_DRAFT_VOCAB, **head)
+
+
+def _demo_head() -> list[Path]:
+    """The EAGLE-3 head's directory, or none."""
+    return [DEMO_EAGLE] if (DEMO_EAGLE / "config.json").is_file() else []
 
 
 def demo_medusa_bundle() -> Path:

@@ -27,6 +27,7 @@ def tiny_demo(tmp_path, monkeypatch, checkpoints):
     monkeypatch.setattr(demo, "DEMO_DRAFT", draft)
     monkeypatch.setattr(demo, "DEMO_MAX_SEQ", 128)
     monkeypatch.setattr(demo, "DEMO_DRAFT_VOCAB", TINY_DRAFT_VOCAB)
+    monkeypatch.setattr(demo, "DEMO_EAGLE", tmp_path / "no-head")  # the shipped head is for the shipped target
     monkeypatch.setenv("SPECCOMPILE_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
 
@@ -48,6 +49,24 @@ def test_shipped_draft_has_the_frequencies_its_vocabulary_is_cut_by():
     counts = read_frequencies(demo.DEMO_DRAFT)
     assert counts is not None and len(counts) == 8192 and counts.sum() > 8_000_000
     assert 0 < demo.DEMO_DRAFT_VOCAB < len(counts)
+
+
+def test_shipped_eagle_head_fits_the_shipped_target_and_keys_the_cache(monkeypatch, tmp_path):
+    """The head the default demo bundle carries: one layer for this target, reading layers it has, its
+    vocabulary cut by the frequencies shipped beside it; a changed head is a new bundle."""
+    from speccompile.eagle_head import aux_layer_ids, check_fits, load_eagle3_head
+
+    head = load_eagle3_head(demo.DEMO_EAGLE)
+    config = json.loads((demo.DEMO_TARGET / "config.json").read_text())
+    check_fits(head, config)
+    assert aux_layer_ids(head, config["num_hidden_layers"]) == (1, 3, 5)
+    assert 0 < demo.DEMO_EAGLE_VOCAB < head.config.draft_vocab_size
+    assert read_frequencies(demo.DEMO_EAGLE).sum() > 8_000_000
+    key = demo.demo_key()
+    monkeypatch.setattr(demo, "DEMO_EAGLE", shutil.copytree(demo.DEMO_EAGLE, tmp_path / "eagle"))
+    assert demo.demo_key() == key
+    (tmp_path / "eagle" / "config.json").write_text((tmp_path / "eagle" / "config.json").read_text() + " ")
+    assert demo.demo_key() != key
 
 
 def test_cache_key_follows_the_pair_contents(tmp_path, checkpoints):
