@@ -210,6 +210,17 @@ def test_every_draft_is_the_reference_s_over_hf_s_hidden_states(runtimes, target
     assert_the_reference_s(log, target, head)
 
 
+def test_samples_of_one_prompt_share_its_prefill_and_the_head_what_it_read(runtimes, target, head, expected):
+    """n samples of a prompt copy its prefilled cache (the target's, and what the head read or holds of
+    it) rather than prefill it again: each sample's drafts are still the reference's."""
+    runtime = runtimes("speculators")
+    log = recorded_drafts(runtime)
+    results = runtime.generate([PROMPTS[0]], max_new_tokens=MAX_NEW, gamma=4, proposer="eagle", n=3)
+    assert [r.token_ids for r in results] == [expected[0]] * 3
+    assert all(r.stats.by_proposer["eagle"][1] > 0 for r in results) and len(log) >= 6
+    assert_the_reference_s(log, target, head)
+
+
 def test_a_head_whose_drafts_are_kept_in_part_reads_back_what_was_kept(runtimes, bigram_target):
     """Verifications that keep all of the head's drafts, some, or none: the head reads the target's
     features of the positions kept (as many as γ + 1 in a call) and drops what it drafted past them,

@@ -59,6 +59,7 @@ class EagleRunner:
         self.in_step = np.zeros(0, dtype=bool)  # per slot: the head holds or has read every position the target kept
         self.read_to = np.zeros(0, dtype=np.int64)  # per slot: the positions the head has read of the target's features
         self.unread: list[list[np.ndarray]] = []  # per slot: the features [n, F] of the positions read_to.., in order
+        self.held = np.zeros(0, dtype=np.int64)  # per slot: how many positions `unread` holds
         self.drawn = np.zeros(0, dtype=bool)  # per slot: `pending` was drawn for a sampled request (its q kept)
         self.pending_probs: np.ndarray | None = None  # per slot [V]: the distribution `pending` was drawn from
 
@@ -77,10 +78,11 @@ class EagleRunner:
         self.in_step = np.zeros(slots, dtype=bool)
         self.read_to = np.zeros(slots, dtype=np.int64)
         self.unread = [[] for _ in range(slots)]
+        self.held = np.zeros(slots, dtype=np.int64)
 
     def admit(self, slot: int) -> None:
         self.engine.cache_lengths[slot] = self.read_to[slot] = 0
-        self.unread[slot] = []
+        self.unread[slot], self.held[slot] = [], 0
         self.in_step[slot] = False  # until the prefill says the request may draft here
 
     def prefill(self, request, tokens: np.ndarray, counts: np.ndarray, slot: int, complete: bool,
@@ -93,7 +95,7 @@ class EagleRunner:
 
     def move(self, source: int, destination: int) -> None:
         self.engine.move(source, destination)
-        states = (self.pending, self.confidence, self.in_step, self.drawn, self.read_to) + \
+        states = (self.pending, self.confidence, self.in_step, self.drawn, self.read_to, self.held) + \
             tuple(state for state in (self.hidden, self.pending_probs) if state is not None)
         for state in states:
             state[destination] = state[source]
@@ -118,31 +120,26 @@ class EagleRunner:
         if features is None:
             self.in_step[slots] = False
             return
-        for b, slot in enumerate(slots):
-            self.in_step[slot] &= self._held_to(slot) >= before[b]
-            if self.in_step[slot]:
-                self._truncate(slot, int(before[b]))
+        self.in_step[slots] &= self.read_to[slots] + self.held[slots] >= before
+        for b in np.flatnonzero(self.in_step[slots] & (self.read_to[slots] + self.held[slots] > before)):
+            self._truncate(int(slots[b]), int(before[b]))  # the target dropped positions the head had
         known = np.array([len(r.tokens) - 1 for r in rows], dtype=np.int64)
         counts = np.where(self.in_step[slots], np.maximum(np.minimum(after, known) - before, 0), 0)
         for b in np.flatnonzero(counts):
             self.unread[slots[b]].append(features[b, : counts[b]].copy())
+        self.held[slots] += counts
         self.in_step[slots[counts < after - before]] = False  # tokens it could not read yet: behind
-        gathered = np.array([self._held_to(slot) - self.read_to[slot] for slot in slots])
-        full = self.in_step[slots] & (gathered >= FLUSH_AFTER)
+        full = self.in_step[slots] & (self.held[slots] >= FLUSH_AFTER)
         if full.any():
-            self._catch_up(rows, first, np.where(full, gathered - 1, 0), np.zeros(len(rows), dtype=bool))
-
-    def _held_to(self, slot: int) -> int:
-        """The end of what the head has read or holds of the target's positions."""
-        return int(self.read_to[slot]) + sum(len(f) for f in self.unread[slot])
+            self._catch_up(rows, first, np.where(full, self.held[slots] - 1, 0), np.zeros(len(rows), dtype=bool))
 
     def _truncate(self, slot: int, length: int) -> None:
         """Forget what the head read or holds of positions `length`.. (the target no longer has them)."""
         if self.read_to[slot] >= length:
-            self.read_to[slot], self.unread[slot] = length, []
-        else:
-            held = np.concatenate(self.unread[slot]) if self.unread[slot] else None
-            self.unread[slot] = [] if held is None else [held[: length - self.read_to[slot]]]
+            self.read_to[slot], self.unread[slot], self.held[slot] = length, [], 0
+        elif self.read_to[slot] + self.held[slot] > length:
+            self.held[slot] = length - self.read_to[slot]
+            self.unread[slot] = [np.concatenate(self.unread[slot])[: self.held[slot]]]
         self.engine.cache_lengths[slot] = min(self.engine.cache_lengths[slot], self.read_to[slot])
 
     def _catch_up(self, rows: list, first: int, counts: np.ndarray, drawing: np.ndarray) -> bool:
@@ -164,6 +161,7 @@ class EagleRunner:
                 features = np.zeros((len(rows), width, held.shape[-1]), dtype=held.dtype)
             features[b, :count] = held[:count]
             self.unread[slot] = [held[count:]] if count < len(held) else []
+            self.held[slot] -= count
             tokens[b, :count] = rows[b].tokens[start + 1 : start + 1 + count]
         lengths = self.engine.cache_lengths
         lengths[slots] = np.where(read, self.read_to[slots], lengths[slots])
@@ -202,9 +200,8 @@ class EagleRunner:
             return None
         sampled = mine & np.array([not r.params.greedy for r in rows])
         reading = mine & (drafts > 0)
-        gathered = np.array([self._held_to(slot) - self.read_to[slot] for slot in slots])
         self.drawn[slots[reading]] = False
-        self.steps = int(self._catch_up(rows, 0, np.where(reading, gathered, 0), reading & sampled))
+        self.steps = int(self._catch_up(rows, 0, np.where(reading, self.held[slots], 0), reading & sampled))
         drafts[sampled & ~self.drawn[slots]] = 0  # no draw for it at this catch-up: none to verify
         drafts[mine & (self.read_to[slots] == 0)] = 0  # the head has read nothing of it yet
         steps = max((int(d) for d, m in zip(drafts, mine) if m), default=0)
