@@ -4,15 +4,17 @@ held-out completion prompts.
     python -m tools.measure eagle [--prompts 16] [--max-new-tokens 64] [--repeats 3] [--batches 1,8]
 
 Prompts: the `completion` workload of the `proposers` scenario (the first 4 lines of held-out stdlib
-functions). Bundles: the default demo bundle (target, draft model and EAGLE-3 head) and the demo
-target with its Medusa heads. Variants: plain decoding; the draft model at γ=4; the head's chain at
-γ=4 and at γ auto; the default call (proposer auto, γ auto: whatever `generate` does with no
-options); and the Medusa tree the runtime sizes. At batch 1 each prompt runs alone; at batch 8
-the prompts run as one `generate` call of 8 at a time. Each repeat runs every variant in the same
-order (interleaved), each after its runtimes forgot what earlier runs taught them; rates are medians
-over repeats, speedups over the plain runs. Beside each: acceptance, mean acceptance length, the
-draft/verify split per iteration, and the cost model's prediction from the load's calibrated costs
-and the acceptance measured (draft model and head at a fixed γ).
+functions). Bundles: the default demo bundle (target, draft model and EAGLE-3 head), the same pair
+built without the head (what carrying the head costs plain decoding and the draft model: the
+target's graphs then return its features) and the demo target with its Medusa heads. Variants:
+plain decoding; the draft model at γ=4; the head's chain at γ=4 and at γ auto; the default call
+(proposer auto, γ auto: whatever `generate` does with no options); and the Medusa tree the runtime
+sizes. At batch 1 each prompt runs alone; at batch 8 the prompts run as one `generate` call of 8
+at a time. Each repeat runs every variant in the same order (interleaved), each after its runtimes
+forgot what earlier runs taught them; rates are medians over repeats, speedups over the plain runs
+of the default bundle. Beside each: acceptance, mean acceptance length, the draft/verify split per
+iteration, and the cost model's prediction from the load's calibrated costs and the acceptance
+measured (draft model and head at a fixed γ).
 """
 
 import statistics
@@ -34,7 +36,9 @@ COLUMNS = (Column("batch"), Column("variant"), Column("tokens_per_s", "tok/s", 1
 # name -> (bundle: "pair" or "medusa", generate's options, the γ and step kind the cost model prices it at)
 VARIANTS = {
     "autoregressive": ("pair", {"mode": "autoregressive"}, None),
+    "autoregressive, bundle without the head": ("no_head", {"mode": "autoregressive"}, None),
     "draft model, γ=4": ("pair", {"proposer": "draft", "gamma": 4}, (4, "draft")),
+    "draft model, γ=4, bundle without the head": ("no_head", {"proposer": "draft", "gamma": 4}, (4, "draft")),
     "EAGLE-3 chain, γ=4": ("pair", {"proposer": "eagle", "gamma": 4}, (4, "eagle")),
     "EAGLE-3 chain, γ auto": ("pair", {"proposer": "eagle"}, None),
     "default (auto, γ auto)": ("pair", {}, None),
@@ -44,6 +48,15 @@ VARIANTS = {
 
 def add_options(parser) -> None:
     parser.add_argument("--batches", default="1,8", help="batch sizes: 1 runs prompts alone, B in calls of B")
+
+
+def bundle_without_head():
+    """The demo pair built as the default demo bundle is, but for its EAGLE-3 head (cached beside it)."""
+    from speccompile import demo
+
+    key = demo.demo_key()[:16]
+    return demo._built(demo.cache_dir() / f"demo-without-head-{key}", "the demo bundle without its head",
+                       demo.DEMO_TARGET, demo.DEMO_DRAFT, draft_vocab=demo.DEMO_DRAFT_VOCAB)
 
 
 def generate_in_batches(runtime, prompts, batch: int, max_new_tokens: int, **options) -> tuple[float, list]:
@@ -82,6 +95,7 @@ def run(args) -> Measured:
 
     prompts = workload(args.prompts, "completion")
     runtimes = {"pair": speccompile.load(demo_bundle(), shared_threads=True),
+                "no_head": speccompile.load(bundle_without_head(), shared_threads=True),
                 "medusa": speccompile.load(demo_medusa_bundle(), shared_threads=True)}
     if not runtimes["pair"].bundle.has_eagle:
         raise SystemExit("the demo bundle has no EAGLE-3 head (speccompile/demo/eagle)")
