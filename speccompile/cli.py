@@ -81,10 +81,10 @@ def main():
               "which the output follows (int8: weight-only, per output column, a quarter of the bytes per decode "
               "step; int4: weight-only in blocks of 128 along the input, about an eighth). Default: float32; for a "
               "GGUF int8, its Q8_0/Q4_0 blocks kept as they are (a float precision takes their exact values).")
-@click.option("--draft-weights", type=click.Choice(["int8", "int4", "float32", "float16", "bfloat16"]), default="int8",
-              show_default=True,
+@click.option("--draft-weights", type=click.Choice(["int8", "int4", "float32", "float16", "bfloat16"]), default=None,
               help="Draft matmul weights: int8 or int4 weight-only (faster draft steps), float32, or float16/bfloat16 "
-              "(half the disk, float32 in memory on CPU); the output is the target's whatever the draft's precision.")
+              "(half the disk, float32 in memory on CPU); the output is the target's whatever the draft's precision. "
+              "Default: int4 for an int4 target, else int8.")
 @click.option("--draft-vocab", type=int, default=None,
               help="Draft LM head scores only the K most frequent tokens (faster draft steps; outputs unchanged).")
 @click.option("--draft-vocab-corpus", default=None,
@@ -100,7 +100,7 @@ def main():
               help="EAGLE-3 head directory (the EAGLE authors' or speculators' layout): it drafts from the target's "
               "own hidden states (proposer eagle), beside a draft model or without one.")
 @click.option("--eagle-weights", type=click.Choice(["int8", "int4", "float32", "float16", "bfloat16"]),
-              default="int8", show_default=True, help="EAGLE-3 head matmul weights (as --draft-weights).")
+              default=None, help="EAGLE-3 head matmul weights (as --draft-weights, and its default).")
 @click.option("--eagle-vocab", type=int, default=None,
               help="The EAGLE-3 head drafts only the K most frequent of its tokens (faster head steps; outputs "
               "unchanged), by its token_frequencies.json or --draft-vocab-corpus.")

@@ -271,6 +271,16 @@ def test_build_reports_phases(tmp_path, checkpoints):
     assert (tmp_path / "b" / "manifest.json").is_file()
 
 
+def test_the_drafts_precision_follows_the_targets_by_default(tmp_path, checkpoints):
+    """int4 for an int4 target (the bits a layer-skip draft shares with it), int8 beside any other."""
+    for target_weights, expected in (("int4", "int4"), ("float32", "int8")):
+        out = tmp_path / target_weights
+        code, output = run(*build_args(checkpoints("llama"), checkpoints("llama", "draft"), out, "--max-seq", 64,
+                                       "--target-weights", target_weights, "--no-single-sequence"))
+        assert code == 0, output
+        assert json.loads((out / "manifest.json").read_text())["models"]["draft"]["matmul_weights"] == expected
+
+
 def test_build_draft_weights_option(tmp_path, checkpoints):
     code, output = run(*build_args(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b", "--max-seq", 64,
                                    "--draft-weights", "float32"))

@@ -80,10 +80,10 @@ logger = logging.getLogger(__name__)
 
 
 def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 1024, max_batch: int = 8,
-                 force: bool = False, draft_weights: str = "int8", draft_vocab: int | None = None,
+                 force: bool = False, draft_weights: str | None = None, draft_vocab: int | None = None,
                  draft_vocab_corpus=None, single_sequence: bool = True, target_weights: str | None = None,
                  medusa_dir=None, backend: str = "onnxruntime", tensorrt: TensorRTOptions | None = None,
-                 eagle_aux_layers: tuple[int, ...] | None = None, eagle_dir=None, eagle_weights: str = "int8",
+                 eagle_aux_layers: tuple[int, ...] | None = None, eagle_dir=None, eagle_weights: str | None = None,
                  eagle_vocab: int | None = None) -> Path:
     """`target_weights` / `draft_weights`: how each model's projection and LM-head weights are stored:
     "float32", "float16", "bfloat16" (both computed in fp32), "int8" (weight-only, per output
@@ -92,6 +92,9 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     decoding of the target *as compiled*. A GGUF's Q8_0 and Q4_0 tensors keep their own blocks at
     int8 and int4 (and their values, exactly, at a float precision); the default target precision is
     float32 for a checkpoint directory and int8 for a GGUF (its blocks kept, other formats at int8).
+    The draft's (and an EAGLE-3 head's) default follows the target's: int4 for an int4 target (the
+    same bits where a draft shares the target's weights, so that it agrees with it as compiled), int8
+    otherwise (a float target's draft too: its steps are what speculation pays for).
     `draft_vocab`: score only the K most frequent tokens in the draft's LM head (see draft_vocab.py),
     by the counts in the draft checkpoint's token_frequencies.json or of `draft_vocab_corpus`.
     `single_sequence`: also write each graph's batch-1 ONNX Runtime variant (fused attention; see
@@ -122,8 +125,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     engines = _builds_engines(backend, tensorrt)
     gammas = _check_options(out_dir, list(gammas), max_seq, max_batch, force, draft_vocab or eagle_vocab,
                             draft_vocab_corpus)
-    for option, value in (("--target-weights", target_weights or "float32"), ("--draft-weights", draft_weights),
-                          ("--eagle-weights", eagle_weights)):
+    for option, value in (("--target-weights", target_weights or "float32"),
+                          ("--draft-weights", draft_weights or "int8"), ("--eagle-weights", eagle_weights or "int8")):
         if value not in MATMUL_WEIGHTS:
             raise SpecCompileError(f"{option} must be one of {', '.join(MATMUL_WEIGHTS)}, got {value!r}")
     _check_eagle_options(eagle_dir, eagle_aux_layers, medusa_dir, engines, eagle_vocab)
@@ -159,6 +162,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     for spec in [target] + ([draft] if draft else []):
         check_max_seq(spec, max_seq)
     target_weights = target_weights or ("int8" if target.source.format == "gguf" else "float32")
+    draft_weights, eagle_weights = (stored or following_precision(target_weights) for stored in (draft_weights,
+                                                                                              eagle_weights))
     for spec, stored in ((target, target_weights), (draft, draft_weights)):
         if spec is not None and spec.source.format == "gguf":
             spec.compile_at(stored)
@@ -228,6 +233,11 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     if engines:
         build_tensorrt_engines(out_dir, tensorrt)
     return out_dir
+
+
+def following_precision(target_weights: str) -> str:
+    """A draft's or head's default precision beside a target stored as `target_weights`."""
+    return "int4" if target_weights == "int4" else "int8"
 
 
 def _builds_engines(backend: str, tensorrt: TensorRTOptions) -> bool:
