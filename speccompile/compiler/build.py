@@ -41,7 +41,12 @@ from speccompile.bundle import (
 from speccompile.compiler.checkpoint import ModelSpec, check_max_seq, load_checkpoint
 from speccompile.compiler.draft_vocab import FREQUENCIES_FILE, corpus_frequencies, read_frequencies, select_vocab
 from speccompile.compiler.eagle_graph import WEIGHTS_FILE as EAGLE_WEIGHTS
-from speccompile.compiler.eagle_graph import borrowed_embedding, build_eagle_graphs, write_eagle_graphs
+from speccompile.compiler.eagle_graph import (
+    borrowed_embedding,
+    build_eagle_graphs,
+    single_sequence_supported,
+    write_eagle_graphs,
+)
 from speccompile.compiler.onnx_graph import MATMUL_WEIGHTS, OPSET, WeightFile
 from speccompile.compiler.session_graph import KINDS, build_session_graph
 from speccompile.compiler.tensorrt_build import (
@@ -184,8 +189,11 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     variants = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids, single_sequence=True,
                               heads=heads, aux_layers=aux_layers) if single_sequence else {}
     eagle_graphs = _eagle_graphs(head, target, max_seq, vocab_out, eagle_weights) if head is not None else {}
+    eagle_variants = _eagle_variants(head, target, max_seq, vocab_out, eagle_weights) \
+        if head is not None and single_sequence else {}
     for name, (builder, _) in {**graphs, **eagle_graphs}.items():
-        variant = f", batch-1 variant {len(variants[name][0].nodes)}" if name in variants else ""
+        batch_1 = variants[name][0] if name in variants else eagle_variants.get(name)
+        variant = f", batch-1 variant {len(batch_1.nodes)}" if batch_1 is not None else ""
         logger.info(f"  {name}: {len(builder.nodes)} nodes{variant}")
 
     _remove_leftovers(out_dir)
@@ -195,12 +203,12 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         sessions = _session_graphs(target, draft, max_seq, vocab_out, weights, vocab_ids, heads, aux_layers)
         weight_files = _write_graphs(staging, graphs, variants, sessions)
         if head is not None:
-            _write_eagle_graphs(staging, head, eagle_graphs, weight_files["target"])
+            _write_eagle_graphs(staging, head, eagle_graphs, weight_files["target"], eagle_variants)
         progress.step("check graphs")
         for builder, _ in sessions.values():
             _check_onnx(staging / f"{builder.name}.onnx", builder.name)
         needs_plugin = {name: _check_graph(staging / f"{name}.onnx", name) for name in {**graphs, **eagle_graphs}}
-        for name in variants:
+        for name in [*variants, *eagle_variants]:
             _check_onnx(staging / variant_file(name), name + SINGLE_SEQUENCE)
         for name, reasons in needs_plugin.items():
             if reasons:
@@ -213,7 +221,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
                                      aux_layers if role == "target" else ())
                   for role, spec, _ in _models(target, draft, vocab_ids)}
         models |= {HEAD_ROLE: _eagle_entry(head, eagle_dir, target, eagle_weights)} if head is not None else {}
-        graph_entries = {name: _graph_entry(staging, graph, needs_plugin[name], name in variants)
+        batch_1 = {*variants, *eagle_variants}
+        graph_entries = {name: _graph_entry(staging, graph, needs_plugin[name], name in batch_1)
                          for name, (_, graph) in {**graphs, **eagle_graphs}.items()}
         heads_entry = _medusa_entry(medusa[0], medusa_dir) if medusa else None
         manifest = _manifest(staging, models, graph_entries, gammas, max_seq, max_batch, vocab_out,
@@ -349,12 +358,23 @@ def _eagle_graphs(head: Eagle3Head, target: ModelSpec, max_seq: int, vocab_out: 
     return {name: (builder, ids[name]) for name, builder in built.items()}
 
 
-def _write_eagle_graphs(staging: Path, head: Eagle3Head, graphs: dict, target_weights: WeightFile) -> None:
-    """The head's graphs and weights file; a head without its own embedding reads the target's where
-    the target's weights file holds it (no second copy: 2 GB for an 8B Llama 3)."""
+def _eagle_variants(head: Eagle3Head, target: ModelSpec, max_seq: int, vocab_out: int, weights: str) -> dict:
+    """name -> GraphBuilder of the head's graphs' batch-1 variants (fused attention), where ONNX
+    Runtime's kernel takes the head's layer (none otherwise)."""
+    if not single_sequence_supported(head, target.weights["embed"], max_seq):
+        return {}
+    return build_eagle_graphs(head, target.weights["embed"], max_seq, matmul_weights=weights, sample=True,
+                              target_vocab=vocab_out, single_sequence=True)
+
+
+def _write_eagle_graphs(staging: Path, head: Eagle3Head, graphs: dict, target_weights: WeightFile,
+                        variants: dict) -> None:
+    """The head's graphs, their batch-1 variants and its weights file; a head without its own embedding
+    reads the target's where the target's weights file holds it (no second copy: 2 GB for an 8B Llama 3)."""
     builders = {name: builder for name, (builder, _) in graphs.items()}
     borrowed = borrowed_embedding(builders, target_weights.locations) if head.embed_tokens is None else None
-    write_eagle_graphs(staging, builders, EAGLE_WEIGHTS, borrowed)
+    write_eagle_graphs(staging, builders, EAGLE_WEIGHTS, borrowed,
+                       {name: (builder, variant_file(name)) for name, builder in variants.items()})
 
 
 def _eagle_entry(head: Eagle3Head, eagle_dir, target: ModelSpec, matmul_weights: str) -> ModelEntry:

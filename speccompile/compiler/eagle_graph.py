@@ -53,6 +53,7 @@ from speccompile.compiler.tensors import LazyTensor, transposed
 from speccompile.compiler.transformer import (
     _attention_layers,
     _embedding,
+    _fused_attention,
     _linear,
     _lm_head,
     _mlp,
@@ -60,6 +61,7 @@ from speccompile.compiler.transformer import (
     _offsets,
     _onnx_attention,
     _sampling_inputs,
+    fused_attention_supported,
     greedy_confidence,
 )
 from speccompile.eagle_head import Eagle3Head, draft_to_target
@@ -80,25 +82,34 @@ ROPE_TYPES = ("default", "linear", "llama3")
 
 def build_eagle_graphs(head: Eagle3Head, embed_tokens: np.ndarray | LazyTensor | None, max_seq: int,
                        matmul_weights: str = "float32", sample: bool = False,
-                       target_vocab: int | None = None) -> dict[str, GraphBuilder]:
+                       target_vocab: int | None = None, single_sequence: bool = False) -> dict[str, GraphBuilder]:
     """{kind: graph} for both kinds (with `sample`, their sampled variants too), each graph named as its
     kind (the builders below take other names). `embed_tokens`: the target's table [V', H] (V' >= the
     head's vocabulary; a checkpoint's lazy tensor is stored as it is, not read here), used where the head
     has no copy of its own. `matmul_weights`: how fc, the projections and lm_head are stored
-    (GraphBuilder.matmul). `target_vocab`: the sampled graphs' V (default: the head's vocab_size)."""
-    graphs = {CATCH_UP: build_catch_up_graph(head, embed_tokens, max_seq, CATCH_UP, matmul_weights),
-              STEP: build_step_graph(head, embed_tokens, max_seq, STEP, matmul_weights)}
+    (GraphBuilder.matmul). `target_vocab`: the sampled graphs' V (default: the head's vocab_size).
+    `single_sequence`: their batch-1 ONNX Runtime variants instead, whose attention is the fused
+    kernel the target's and the draft's variants run (transformer._fused_attention): the same
+    weights under the same names, so one weights file holds both."""
+    build = {CATCH_UP: build_catch_up_graph, STEP: build_step_graph}
+    graphs = {kind: build[kind](head, embed_tokens, max_seq, kind, matmul_weights, single_sequence=single_sequence)
+              for kind in EAGLE_KINDS}
     if sample:
         vocab = target_vocab or head.config.vocab_size
-        graphs[CATCH_UP_SAMPLE] = build_catch_up_graph(head, embed_tokens, max_seq, CATCH_UP_SAMPLE, matmul_weights,
-                                                       sample_vocab=vocab)
-        graphs[STEP_SAMPLE] = build_step_graph(head, embed_tokens, max_seq, STEP_SAMPLE, matmul_weights,
-                                               sample_vocab=vocab)
+        for kind, greedy in zip(SAMPLED_KINDS, EAGLE_KINDS):
+            graphs[kind] = build[greedy](head, embed_tokens, max_seq, kind, matmul_weights, sample_vocab=vocab,
+                                         single_sequence=single_sequence)
     return graphs
 
 
+def single_sequence_supported(head: Eagle3Head, embed_tokens, max_seq: int) -> bool:
+    """Whether ONNX Runtime's fused attention kernel takes the head's layer (head_dim, GQA, rotary)."""
+    return fused_attention_supported(_layer_spec(head, embed_tokens, max_seq))
+
+
 def build_catch_up_graph(head: Eagle3Head, embed_tokens, max_seq: int, name: str = CATCH_UP,
-                         matmul_weights: str = "float32", sample_vocab: int | None = None) -> GraphBuilder:
+                         matmul_weights: str = "float32", sample_vocab: int | None = None,
+                         single_sequence: bool = False) -> GraphBuilder:
     """The head over T positions of target features: a prompt (chunk), or the positions a verification
     accepted, whose aux_hidden the target's graph has just output under the same name and layout."""
     spec = _layer_spec(head, embed_tokens, max_seq)
@@ -108,7 +119,7 @@ def build_catch_up_graph(head: Eagle3Head, embed_tokens, max_seq: int, name: str
     past_len = g.input("past_len", INT64, ["batch"])
     token_count = g.input("token_count", INT64, ["batch"])
     fused = g.matmul(aux, "fc_w", spec.weights["fc_w"])  # [B, T, H]
-    hidden = _layer(g, spec, head, ids, fused, past_len, max_seq)
+    hidden = _layer(g, spec, head, ids, fused, past_len, max_seq, single_sequence)
     # a row that reads nothing (token_count 0: the proposer's rows without new features) reads position 0,
     # an answer nobody takes, rather than index -1, which not every backend wraps
     last = g.op("Unsqueeze", g.op("Max", g.op("Sub", token_count, g.const(1)), g.const(0)), g.const([1]))
@@ -117,31 +128,38 @@ def build_catch_up_graph(head: Eagle3Head, embed_tokens, max_seq: int, name: str
 
 
 def build_step_graph(head: Eagle3Head, embed_tokens, max_seq: int, name: str = STEP,
-                     matmul_weights: str = "float32", sample_vocab: int | None = None) -> GraphBuilder:
+                     matmul_weights: str = "float32", sample_vocab: int | None = None,
+                     single_sequence: bool = False) -> GraphBuilder:
     """One more draft: the previous draft's token with the head's own previous output. `sample_vocab`
-    (both builders): the sampled variant, over a target vocabulary of that size."""
+    (both builders): the sampled variant, over a target vocabulary of that size; `single_sequence`:
+    the batch-1 variant (fused attention)."""
     spec = _layer_spec(head, embed_tokens, max_seq)
     g = GraphBuilder(name, matmul_weights)
     ids = g.input("input_ids", INT64, ["batch", 1])
     fed_back = g.input("hidden_in", FLOAT, ["batch", 1, head.config.hidden_size])
     past_len = g.input("past_len", INT64, ["batch"])
-    hidden = _layer(g, spec, head, ids, fed_back, past_len, max_seq)
+    hidden = _layer(g, spec, head, ids, fed_back, past_len, max_seq, single_sequence)
     _draft(g, spec, head, g.op("Squeeze", hidden, g.const([1])), sample_vocab)  # [B, H]
     return g
 
 
 def _layer(g: GraphBuilder, spec: ModelSpec, head: Eagle3Head, ids: str, features: str, past_len: str,
-           max_seq: int) -> str:
+           max_seq: int, single_sequence: bool = False) -> str:
     """The head's layer over features [B, T, H] (fused target features or the head's own output) and
-    the embeddings of ids [B, T], at positions past_len..; writes the cache; returns [B, T, H]."""
+    the embeddings of ids [B, T], at positions past_len..; writes the cache; returns [B, T, H]. With
+    `single_sequence`, attention is ONNX Runtime's fused kernel (one sequence, every token real)."""
     fed = _norm(g, spec, features, LAYER + "hidden_norm")
     embedded = _norm(g, spec, _embedding(g, spec.weights["embed"], ids), LAYER + "attn_norm")
     x = g.op("Concat", embedded, fed, axis=-1)  # [B, T, 2H]: the attention reads both
     # the EAGLE authors' layer keeps the un-normed features as its residual, speculators' may keep the normed
     residual = fed if head.config.norm_before_residual else features
     num_tokens = g.op("Gather", g.op("Shape", ids), g.const(1))
-    positions = g.op("Add", g.op("Unsqueeze", past_len, g.const([1])), _offsets(g, num_tokens, False, None))
-    core = _onnx_attention(g, spec, past_len, num_tokens, positions, _attention_layers(g, spec, max_seq), max_seq)
+    layers = _attention_layers(g, spec, max_seq)
+    if single_sequence:
+        core = _fused_attention(g, spec, past_len, num_tokens, layers, max_seq)
+    else:
+        positions = g.op("Add", g.op("Unsqueeze", past_len, g.const([1])), _offsets(g, num_tokens, False, None))
+        core = _onnx_attention(g, spec, past_len, num_tokens, positions, layers, max_seq)
     qkv = _linear(g, spec, x, LAYER + "qkv", parts=(LAYER + "q", LAYER + "k", LAYER + "v"))
     attended = g.op("Add", residual, _linear(g, spec, core(g, 0, qkv), LAYER + "o"))
     return g.op("Add", attended, _mlp(g, spec, LAYER, _norm(g, spec, attended, LAYER + "mlp_norm")))
@@ -250,17 +268,23 @@ def _in_out(weight: np.ndarray) -> LazyTensor:
 
 
 def write_eagle_graphs(directory, graphs: dict[str, GraphBuilder], weights_file: str = WEIGHTS_FILE,
-                       borrowed: dict[str, tuple[str, int, int]] | None = None) -> WeightFile:
+                       borrowed: dict[str, tuple[str, int, int]] | None = None,
+                       variants: dict[str, tuple[GraphBuilder, str]] | None = None) -> WeightFile:
     """Each graph as `directory`/<its name>.onnx over one weights file, `weights_file`. `borrowed`:
     weights the graphs read from another file of the directory instead, by name -> (file, offset,
-    length) there (see borrowed_embedding), which then are not copied into `weights_file`."""
-    directory, borrowed = Path(directory), borrowed or {}
+    length) there (see borrowed_embedding), which then are not copied into `weights_file`.
+    `variants`: batch-1 variants as (graph, file name), over the same weights file."""
+    directory, borrowed, variants = Path(directory), borrowed or {}, variants or {}
     weight_file = WeightFile(weights_file)
-    for graph in graphs.values():
+    builders = [*graphs.values(), *(graph for graph, _ in variants.values())]
+    for graph in builders:
         weight_file.add({name: w for name, w in graph.weights.items() if name not in borrowed})
     weight_file.write(directory / weights_file)
+    locations = {**weight_file.locations, **borrowed}
     for graph in graphs.values():
-        onnx.save_model(graph.model({**weight_file.locations, **borrowed}), str(directory / f"{graph.name}.onnx"))
+        onnx.save_model(graph.model(locations), str(directory / f"{graph.name}.onnx"))
+    for graph, file in variants.values():
+        onnx.save_model(graph.model(locations), str(directory / file))
     return weight_file
 
 

@@ -90,7 +90,11 @@ def test_the_head_is_the_bundle_s_eagle_model_with_its_two_graphs(built, head_di
         assert bundle.manifest.read_back(graph) == ("next_token", "probs", "hidden")
     for graph in graphs.values():
         assert bundle.manifest.read_back(graph) == ("next_token", "confidence", "hidden")
-        assert graph.positions_scored == "last" and bundle.graph(graph.name).single_sequence is None
+        assert graph.positions_scored == "last"
+    for name in [*graphs, *sampled]:  # each with its batch-1 variant (fused attention), over the same weights
+        variant = bundle.graph(name).single_sequence
+        assert variant is not None and variant.op_counts.get("GroupQueryAttention") == 1
+        assert set(external(bundle, name).values()) <= {"eagle.weights", "target.weights"}
     catch_up = bundle.graph("eagle_catch_up")
     assert [spec.shape for spec in catch_up.inputs if spec.name == AUX_HIDDEN] == [("batch", "tokens", 3 * 64)]
     assert Manifest.from_json(manifest_json(bundle)) == bundle.manifest

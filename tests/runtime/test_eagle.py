@@ -16,6 +16,7 @@ import torch
 import transformers
 
 import speccompile
+from speccompile.bundle import GraphId
 from speccompile.compiler.build import build_bundle
 from speccompile.eagle_head import Eagle3Head, Layout, write_eagle3_head
 from speccompile.errors import SpecCompileError
@@ -207,6 +208,16 @@ def test_every_draft_is_the_reference_s_over_hf_s_hidden_states(runtimes, target
     log = recorded_drafts(runtime)
     runtime.generate(PROMPTS, max_new_tokens=MAX_NEW, gamma=4, proposer="eagle")
     assert len(log) >= len(PROMPTS) * 3
+    assert_the_reference_s(log, target, head)
+
+
+def test_a_request_alone_drafts_the_reference_s_through_the_batch_1_variants(runtimes, target, head, expected):
+    """One sequence runs the head's batch-1 graphs (fused attention): its drafts are the reference's too."""
+    runtime = runtimes("speculators")
+    log = recorded_drafts(runtime)
+    [result] = runtime.generate([PROMPTS[1]], max_new_tokens=MAX_NEW, gamma=4, proposer="eagle")
+    assert result.token_ids == expected[1] and len(log) >= 3
+    assert runtime.eagle.graph_file(GraphId.eagle_step(), 1).endswith("_b1.onnx")
     assert_the_reference_s(log, target, head)
 
 
