@@ -57,15 +57,25 @@ GRAPH_OUTPUTS = {
     # get no EAGLE drafts)
     "catch_up_sample": ("next_token", "probs", "hidden"),
     "step_sample": ("next_token", "probs", "hidden"),
+    # EAGLE-2's dynamic token tree (core/proposers/eagle_tree.py), drafted by the head and verified by the
+    # target in one pass: the catch-up's draft with the head's TOP_LOGPROBS best tokens there (the
+    # tree's first level); a step over several nodes of the tree at once, each attending to the keys
+    # `visible` says, returning each node's best tokens and its output; and the target's verification
+    # of a tree whose topology is an input, as Medusa's, without the heads (its features read back)
+    "tree_catch_up": ("next_token", "confidence", "hidden", "top_ids", "top_logprobs"),
+    "tree_step": ("top_ids", "top_logprobs", "node_hidden"),
+    "verify_eagle_tree": ("accepted", "next_token", "new_len", "best_node"),
 }
 GRAPH_KINDS = tuple(GRAPH_OUTPUTS)
 # what each kind is, as data (a kind is never tested by its spelling): a step scores each row's last
 # token; a chain verification has a γ; a tree verification takes its topology as an input
 STEP_KINDS = ("forward", "sample")
 CHAIN_KINDS = ("verify", "verify_sample")
-TREE_KINDS = ("verify_tree", "verify_tree_typical")
+TREE_KINDS = ("verify_tree", "verify_tree_typical", "verify_eagle_tree")
+MEDUSA_TREE_KINDS = ("verify_tree", "verify_tree_typical")  # the trees whose graph holds the Medusa heads
 SAMPLING_KINDS = ("sample", "verify_sample", "catch_up_sample", "step_sample")
-HEAD_KINDS = ("catch_up", "step", "catch_up_sample", "step_sample")  # the EAGLE-3 head's, and only its
+HEAD_KINDS = ("catch_up", "step", "catch_up_sample", "step_sample", "tree_catch_up", "tree_step")  # the head's only
+EAGLE_TREE_KINDS = ("tree_catch_up", "tree_step", "verify_eagle_tree")  # a head's dynamic trees (all or none)
 HEAD_ROLE = "eagle"  # an EAGLE-3 head: one layer drafting from the target's features
 ROLES = ("target", "draft", HEAD_ROLE)
 # each read-back output's element type, and whether it has a value per sequence ([B]), per vocabulary
@@ -77,14 +87,14 @@ OUTPUT_TYPES = {"next_token": ("int64", None), "confidence": ("float32", None), 
                 "accepted": ("int64", None), "new_len": ("int64", None), "best_node": ("int64", None),
                 "next_tree": ("int64", "tree"), "token_logprob": ("float32", "positions"),
                 "top_logprobs": ("float32", "top"), "top_ids": ("int64", "top"), "aux_hidden": ("float32", "hidden"),
-                "hidden": ("float32", "state")}
+                "hidden": ("float32", "state"), "node_hidden": ("float32", "hidden")}
 # An output only a bundle built for an EAGLE-3 head has (ModelEntry.eagle_aux_layers), in the target's
 # graphs of AUX_KINDS and its session graph: at every input position (all T of a prefill chunk or a
 # step, all γ+1 of a verification), the residual stream entering each of those layers, side by side in
 # their order: [B, T, len(eagle_aux_layers) * hidden_size]. Not in GRAPH_OUTPUTS, which every bundle's
 # graphs have: Manifest.read_back says which graphs return it.
 AUX_HIDDEN = "aux_hidden"
-AUX_KINDS = (*STEP_KINDS, *CHAIN_KINDS)
+AUX_KINDS = (*STEP_KINDS, *CHAIN_KINDS, "verify_eagle_tree")
 
 
 def output_array(name: str, batch: int, vocab_size: int, tree_size: int = 0, positions: int = 1, hidden: int = 0):
@@ -148,7 +158,13 @@ class GraphId:
     @property
     def positions_scored(self) -> str:
         """How many positions reach the LM head: "last" (each row's last real token) or "all"."""
-        return "last" if self.kind in STEP_KINDS or self.kind in HEAD_KINDS else "all"
+        return "last" if self.kind in STEP_KINDS or (self.kind in HEAD_KINDS and self.kind != "tree_step") else "all"
+
+    @classmethod
+    @functools.cache
+    def eagle_tree(cls, kind: str) -> "GraphId":
+        """One of a dynamic tree's graphs (EAGLE_TREE_KINDS): the head's or the target's."""
+        return cls("target" if kind == "verify_eagle_tree" else "eagle", kind)
 
     @classmethod
     @functools.cache
@@ -599,6 +615,9 @@ class Manifest:
         sampled = [GraphId.eagle_catch_up(True), GraphId.eagle_step(True)]
         if sum(graph.name in self.graphs for graph in sampled) == 1:
             raise _refused("its EAGLE-3 head has one of its sampled graphs without the other")
+        trees = [GraphId.eagle_tree(kind).name in self.graphs for kind in EAGLE_TREE_KINDS]
+        if any(trees) and not all(trees):
+            raise _refused("its EAGLE-3 head has some of the dynamic tree's graphs without the others")
         for graph in [GraphId.eagle_catch_up(), GraphId.eagle_step()] + [g for g in sampled if g.name in self.graphs]:
             entry = self.graphs.get(graph.name)
             if entry is None:
@@ -698,6 +717,11 @@ class Bundle:
     def has_eagle(self) -> bool:
         """Whether the bundle holds an EAGLE-3 head (built with --eagle): its requests may ask for proposer eagle."""
         return "eagle" in self.manifest.models
+
+    @property
+    def eagle_trees(self) -> bool:
+        """Whether its EAGLE-3 head has the graphs of dynamic token trees (EAGLE_TREE_KINDS)."""
+        return self.has_eagle and GraphId.eagle_tree("tree_step").name in self.manifest.graphs
 
     @property
     def eagle_samples(self) -> bool:

@@ -303,7 +303,8 @@ def test_build_draft_vocab_corpus_without_draft_vocab_is_refused(tmp_path, check
     corpus = tmp_path / "corpus.py"
     corpus.write_text("import os\n")
     assert_user_error(build_args(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b",
-                                 "--draft-vocab-corpus", corpus), "--draft-vocab-corpus", "pass --draft-vocab")
+                                 "--draft-vocab-corpus", corpus), "--draft-vocab-corpus",
+                      "--draft-vocab K (or --eagle-vocab K)")
     assert no_partial_output(tmp_path, "b")
 
 

@@ -24,6 +24,7 @@ from speccompile.bundle import (
     FORMAT_VERSION,
     HEAD_KINDS,
     HEAD_ROLE,
+    MEDUSA_TREE_KINDS,
     TREE_KINDS,
     GraphEntry,
     GraphId,
@@ -45,6 +46,7 @@ from speccompile.compiler.eagle_graph import (
     borrowed_embedding,
     build_eagle_graphs,
     single_sequence_supported,
+    tree_graphs_supported,
     write_eagle_graphs,
 )
 from speccompile.compiler.onnx_graph import MATMUL_WEIGHTS, OPSET, WeightFile
@@ -58,6 +60,7 @@ from speccompile.compiler.tensorrt_build import (
 from speccompile.compiler.tokenizer import check_compatible, eos_token_ids, load_tokenizer, save_tokenizer
 from speccompile.compiler.transformer import (
     MEDUSA_CANDIDATES,
+    build_eagle_tree_verify_graph,
     build_forward_graph,
     build_score_graph,
     build_tree_verify_graph,
@@ -184,12 +187,13 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     progress.step("export graphs")
     weights = {"target": target_weights, "draft": draft_weights}
     heads = medusa[1] if medusa else None
+    tree = head is not None and tree_graphs_supported(head)  # the head drafts dynamic trees too
     graphs = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids, heads=heads,
-                            aux_layers=aux_layers)
+                            aux_layers=aux_layers, eagle_tree=tree)
     variants = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids, single_sequence=True,
-                              heads=heads, aux_layers=aux_layers) if single_sequence else {}
-    eagle_graphs = _eagle_graphs(head, target, max_seq, vocab_out, eagle_weights) if head is not None else {}
-    eagle_variants = _eagle_variants(head, target, max_seq, vocab_out, eagle_weights) \
+                              heads=heads, aux_layers=aux_layers, eagle_tree=tree) if single_sequence else {}
+    eagle_graphs = _eagle_graphs(head, target, max_seq, vocab_out, eagle_weights, tree) if head is not None else {}
+    eagle_variants = _eagle_variants(head, target, max_seq, vocab_out, eagle_weights, tree) \
         if head is not None and single_sequence else {}
     for name, (builder, _) in {**graphs, **eagle_graphs}.items():
         batch_1 = variants[name][0] if name in variants else eagle_variants.get(name)
@@ -346,25 +350,28 @@ def _cut_eagle_vocab(head: Eagle3Head, eagle_dir, size: int, corpus, tokenizer, 
     return with_draft_vocab(head, ids)
 
 
-def _eagle_graphs(head: Eagle3Head, target: ModelSpec, max_seq: int, vocab_out: int, weights: str) -> dict:
+def _eagle_graphs(head: Eagle3Head, target: ModelSpec, max_seq: int, vocab_out: int, weights: str,
+                  tree: bool) -> dict:
     """name -> (GraphBuilder, GraphId) of the head's graphs (greedy and sampled), its matrices stored
     as `weights`, over the target's own embedding tensor where the head has none (so that it is
     stored under the target's names and bytes); the sampled ones' probs span the bundle's
-    vocabulary, vocab_out, as the verification's draft_probs do."""
+    vocabulary, vocab_out, as the verification's draft_probs do; `tree`: a dynamic tree's graphs too."""
     built = build_eagle_graphs(head, target.weights["embed"], max_seq, matmul_weights=weights, sample=True,
-                               target_vocab=vocab_out)
+                               target_vocab=vocab_out, tree=tree)
     ids = {graph.name: graph for sample in (False, True)
            for graph in (GraphId.eagle_catch_up(sample), GraphId.eagle_step(sample))}
+    ids |= {graph.name: graph for graph in (GraphId.eagle_tree("tree_catch_up"), GraphId.eagle_tree("tree_step"))}
     return {name: (builder, ids[name]) for name, builder in built.items()}
 
 
-def _eagle_variants(head: Eagle3Head, target: ModelSpec, max_seq: int, vocab_out: int, weights: str) -> dict:
+def _eagle_variants(head: Eagle3Head, target: ModelSpec, max_seq: int, vocab_out: int, weights: str,
+                    tree: bool) -> dict:
     """name -> GraphBuilder of the head's graphs' batch-1 variants (fused attention), where ONNX
     Runtime's kernel takes the head's layer (none otherwise)."""
     if not single_sequence_supported(head, target.weights["embed"], max_seq):
         return {}
     return build_eagle_graphs(head, target.weights["embed"], max_seq, matmul_weights=weights, sample=True,
-                              target_vocab=vocab_out, single_sequence=True)
+                              target_vocab=vocab_out, single_sequence=True, tree=tree)
 
 
 def _write_eagle_graphs(staging: Path, head: Eagle3Head, graphs: dict, target_weights: WeightFile,
@@ -438,11 +445,12 @@ def _medusa_entry(config: dict, medusa_dir) -> MedusaEntry:
 
 def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_out, matmul_weights: dict[str, str],
                    vocab_ids=None, single_sequence: bool = False, heads: list | None = None,
-                   aux_layers: tuple[int, ...] = ()) -> dict:
+                   aux_layers: tuple[int, ...] = (), eagle_tree: bool = False) -> dict:
     """name -> (GraphBuilder, GraphId); with single_sequence, the batch-1 variants under the same names,
     for the models ONNX Runtime's fused attention kernel accepts. Graphs hold lazy weights only.
     `heads`: Medusa heads, read by token-tree verification graphs. `aux_layers`: output by the
-    target's graphs of AUX_KINDS (bundle.py)."""
+    target's graphs of AUX_KINDS (bundle.py). `eagle_tree`: the verification of an EAGLE-3 head's
+    dynamic trees too."""
     graphs = {}
     for role, spec, ids in _models(target, draft, vocab_ids):
         weights = matmul_weights[role]
@@ -471,6 +479,10 @@ def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_o
                                                           typical=graph.kind == "verify_tree_typical",
                                                           matmul_weights=matmul_weights["target"],
                                                           single_sequence=single_sequence), graph)
+    if eagle_tree:
+        graph = GraphId.eagle_tree("verify_eagle_tree")
+        graphs[graph.name] = (build_eagle_tree_verify_graph(target, graph.name, max_seq, vocab_out, aux_layers,
+                                                            matmul_weights["target"], single_sequence), graph)
     return graphs
 
 
@@ -494,7 +506,9 @@ def _session_graphs(target: ModelSpec, draft: ModelSpec, max_seq, vocab_out, mat
     for role, spec, ids in _models(target, draft, vocab_ids):
         kinds = ["forward", "sample"]
         if role == "target":
-            kinds = [k for k in KINDS if k not in HEAD_KINDS and (heads or k not in TREE_KINDS)]
+            # a Medusa tree's kinds where the bundle has the heads; never an EAGLE-3 tree's (its own graph)
+            kinds = [k for k in KINDS
+                     if k not in HEAD_KINDS and (k not in TREE_KINDS or heads and k in MEDUSA_TREE_KINDS)]
         builder = build_session_graph(spec, f"{role}_session", max_seq, vocab_out, kinds, matmul_weights[role], ids,
                                       heads=heads if role == "target" else None,
                                       aux_layers=aux_layers if role == "target" else ())

@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from speccompile.bundle import TOP_LOGPROBS
 from speccompile.compiler.architectures import LLAMA
 from speccompile.compiler.checkpoint import ModelSpec
 from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT64, GraphBuilder, WeightFile, _lazy
@@ -71,6 +72,7 @@ CATCH_UP, STEP = "eagle_catch_up", "eagle_step"
 EAGLE_KINDS = (CATCH_UP, STEP)
 CATCH_UP_SAMPLE, STEP_SAMPLE = "eagle_catch_up_sample", "eagle_step_sample"
 SAMPLED_KINDS = (CATCH_UP_SAMPLE, STEP_SAMPLE)
+TREE_CATCH_UP, TREE_STEP = "eagle_tree_catch_up", "eagle_tree_step"  # a dynamic tree's (core/proposers/eagle_tree.py)
 OUTPUTS = ("next_token", "confidence", "hidden")  # what a runtime reads back from either graph (the rest: cache)
 SAMPLED_OUTPUTS = ("next_token", "probs", "hidden")  # and from a sampled one
 EMBEDDING_WEIGHTS = ("embed", "embed_q", "embed_scale")  # the names _embedding stores a table under
@@ -82,7 +84,8 @@ ROPE_TYPES = ("default", "linear", "llama3")
 
 def build_eagle_graphs(head: Eagle3Head, embed_tokens: np.ndarray | LazyTensor | None, max_seq: int,
                        matmul_weights: str = "float32", sample: bool = False,
-                       target_vocab: int | None = None, single_sequence: bool = False) -> dict[str, GraphBuilder]:
+                       target_vocab: int | None = None, single_sequence: bool = False,
+                       tree: bool = False) -> dict[str, GraphBuilder]:
     """{kind: graph} for both kinds (with `sample`, their sampled variants too), each graph named as its
     kind (the builders below take other names). `embed_tokens`: the target's table [V', H] (V' >= the
     head's vocabulary; a checkpoint's lazy tensor is stored as it is, not read here), used where the head
@@ -90,7 +93,8 @@ def build_eagle_graphs(head: Eagle3Head, embed_tokens: np.ndarray | LazyTensor |
     (GraphBuilder.matmul). `target_vocab`: the sampled graphs' V (default: the head's vocab_size).
     `single_sequence`: their batch-1 ONNX Runtime variants instead, whose attention is the fused
     kernel the target's and the draft's variants run (transformer._fused_attention): the same
-    weights under the same names, so one weights file holds both."""
+    weights under the same names, so one weights file holds both. `tree`: a dynamic tree's two
+    graphs too (tree_graphs_supported says where)."""
     build = {CATCH_UP: build_catch_up_graph, STEP: build_step_graph}
     graphs = {kind: build[kind](head, embed_tokens, max_seq, kind, matmul_weights, single_sequence=single_sequence)
               for kind in EAGLE_KINDS}
@@ -99,7 +103,17 @@ def build_eagle_graphs(head: Eagle3Head, embed_tokens: np.ndarray | LazyTensor |
         for kind, greedy in zip(SAMPLED_KINDS, EAGLE_KINDS):
             graphs[kind] = build[greedy](head, embed_tokens, max_seq, kind, matmul_weights, sample_vocab=vocab,
                                          single_sequence=single_sequence)
+    if tree:
+        graphs[TREE_CATCH_UP] = build_catch_up_graph(head, embed_tokens, max_seq, TREE_CATCH_UP, matmul_weights,
+                                                     single_sequence=single_sequence, top=True)
+        graphs[TREE_STEP] = build_tree_step_graph(head, embed_tokens, max_seq, TREE_STEP, matmul_weights,
+                                                  single_sequence)
     return graphs
+
+
+def tree_graphs_supported(head: Eagle3Head) -> bool:
+    """A dynamic tree's graphs report each node's TOP_LOGPROBS best tokens: a head drafting fewer has none."""
+    return head.config.draft_vocab_size >= TOP_LOGPROBS
 
 
 def single_sequence_supported(head: Eagle3Head, embed_tokens, max_seq: int) -> bool:
@@ -109,9 +123,10 @@ def single_sequence_supported(head: Eagle3Head, embed_tokens, max_seq: int) -> b
 
 def build_catch_up_graph(head: Eagle3Head, embed_tokens, max_seq: int, name: str = CATCH_UP,
                          matmul_weights: str = "float32", sample_vocab: int | None = None,
-                         single_sequence: bool = False) -> GraphBuilder:
+                         single_sequence: bool = False, top: bool = False) -> GraphBuilder:
     """The head over T positions of target features: a prompt (chunk), or the positions a verification
-    accepted, whose aux_hidden the target's graph has just output under the same name and layout."""
+    accepted, whose aux_hidden the target's graph has just output under the same name and layout.
+    `top`: a tree's catch-up, which also returns the best tokens at the last position (_top)."""
     spec = _layer_spec(head, embed_tokens, max_seq)
     g = GraphBuilder(name, matmul_weights)
     ids = g.input("input_ids", INT64, ["batch", "tokens"])
@@ -123,8 +138,40 @@ def build_catch_up_graph(head: Eagle3Head, embed_tokens, max_seq: int, name: str
     # a row that reads nothing (token_count 0: the proposer's rows without new features) reads position 0,
     # an answer nobody takes, rather than index -1, which not every backend wraps
     last = g.op("Unsqueeze", g.op("Max", g.op("Sub", token_count, g.const(1)), g.const(0)), g.const([1]))
-    _draft(g, spec, head, g.op("GatherND", hidden, last, batch_dims=1), sample_vocab)  # [B, H]
+    _draft(g, spec, head, g.op("GatherND", hidden, last, batch_dims=1), sample_vocab, top)  # [B, H]
     return g
+
+
+def build_tree_step_graph(head: Eagle3Head, embed_tokens, max_seq: int, name: str = TREE_STEP,
+                          matmul_weights: str = "float32", single_sequence: bool = False) -> GraphBuilder:
+    """T nodes of a dynamic token tree at once, each its token with its parent's output (hidden_in),
+    at its own position (positions [B, T]: the depth's), attending to the keys `visible` [B, T, L]
+    marks (L = past_len + T: the prefix the head has read and the tree's nodes written so far, in
+    the order they were, then these T, written at past_len..): its ancestors and itself. Returns each
+    node's best tokens (top_ids [B, T, K], target ids; top_logprobs, log-softmax over the draft
+    vocabulary) and its output (node_hidden [B, T, H]), which its children read."""
+    spec = _layer_spec(head, embed_tokens, max_seq)
+    g = GraphBuilder(name, matmul_weights)
+    ids = g.input("input_ids", INT64, ["batch", "tree_nodes"])
+    fed_back = g.input("hidden_in", FLOAT, ["batch", "tree_nodes", head.config.hidden_size])
+    past_len = g.input("past_len", INT64, ["batch"])
+    positions = g.input("positions", INT64, ["batch", "tree_nodes"])
+    visible = g.input("visible", BOOL, ["batch", "tree_nodes", "keys"])
+    hidden = _layer(g, spec, head, ids, fed_back, past_len, max_seq, single_sequence, (positions, visible))
+    top_ids, top_logprobs = _top(g, head, _lm_head(g, spec, hidden, head.config.draft_vocab_size))
+    g.output(top_ids, "top_ids", INT64, ["batch", "tree_nodes", TOP_LOGPROBS])
+    g.output(top_logprobs, "top_logprobs", FLOAT, ["batch", "tree_nodes", TOP_LOGPROBS])
+    g.output(hidden, "node_hidden", FLOAT, ["batch", "tree_nodes", head.config.hidden_size])
+    return g
+
+
+def _top(g: GraphBuilder, head: Eagle3Head, logits: str) -> tuple[str, str]:
+    """The TOP_LOGPROBS best draft tokens of logits [..., V'] as target ids, with their log-probabilities
+    (log-softmax over the draft vocabulary), best first."""
+    logprobs = g.op("LogSoftmax", logits, axis=-1)
+    values, indices = g.op("TopK", logprobs, g.const([TOP_LOGPROBS]), axis=-1, largest=1, sorted=1, outputs=2)
+    targets = g.weight("draft_to_target", draft_to_target(head, np.arange(head.config.draft_vocab_size)))
+    return g.op("Gather", targets, indices), values
 
 
 def build_step_graph(head: Eagle3Head, embed_tokens, max_seq: int, name: str = STEP,
@@ -144,10 +191,11 @@ def build_step_graph(head: Eagle3Head, embed_tokens, max_seq: int, name: str = S
 
 
 def _layer(g: GraphBuilder, spec: ModelSpec, head: Eagle3Head, ids: str, features: str, past_len: str,
-           max_seq: int, single_sequence: bool = False) -> str:
+           max_seq: int, single_sequence: bool = False, tree: tuple[str, str] | None = None) -> str:
     """The head's layer over features [B, T, H] (fused target features or the head's own output) and
     the embeddings of ids [B, T], at positions past_len..; writes the cache; returns [B, T, H]. With
-    `single_sequence`, attention is ONNX Runtime's fused kernel (one sequence, every token real)."""
+    `single_sequence`, attention is ONNX Runtime's fused kernel (one sequence, every token real).
+    `tree`: (positions [B, T], visible [B, T, L]) that replace the causal rule's (build_tree_step_graph)."""
     fed = _norm(g, spec, features, LAYER + "hidden_norm")
     embedded = _norm(g, spec, _embedding(g, spec.weights["embed"], ids), LAYER + "attn_norm")
     x = g.op("Concat", embedded, fed, axis=-1)  # [B, T, 2H]: the attention reads both
@@ -156,7 +204,14 @@ def _layer(g: GraphBuilder, spec: ModelSpec, head: Eagle3Head, ids: str, feature
     num_tokens = g.op("Gather", g.op("Shape", ids), g.const(1))
     layers = _attention_layers(g, spec, max_seq)
     if single_sequence:
-        core = _fused_attention(g, spec, past_len, num_tokens, layers, max_seq)
+        bias = None
+        if tree is not None:  # the kernel stays causal: the bias hides the earlier keys a node does not see
+            hidden = g.const(float(np.finfo(np.float32).min), np.float32)
+            mask = g.op("Unsqueeze", tree[1], g.const([1]))  # [1, 1, T, L]
+            bias = (tree[0], {None: g.op("Where", mask, g.const(0.0, np.float32), hidden)})
+        core = _fused_attention(g, spec, past_len, num_tokens, layers, max_seq, bias)
+    elif tree is not None:
+        core = _onnx_attention(g, spec, past_len, num_tokens, tree[0], layers, max_seq, visible=tree[1])
     else:
         positions = g.op("Add", g.op("Unsqueeze", past_len, g.const([1])), _offsets(g, num_tokens, False, None))
         core = _onnx_attention(g, spec, past_len, num_tokens, positions, layers, max_seq)
@@ -165,10 +220,16 @@ def _layer(g: GraphBuilder, spec: ModelSpec, head: Eagle3Head, ids: str, feature
     return g.op("Add", attended, _mlp(g, spec, LAYER, _norm(g, spec, attended, LAYER + "mlp_norm")))
 
 
-def _draft(g: GraphBuilder, spec: ModelSpec, head: Eagle3Head, hidden: str, sample_vocab: int | None) -> None:
-    """Outputs next_token (a target id), confidence (sampled: probs) and hidden of the layer's output [B, H]."""
+def _draft(g: GraphBuilder, spec: ModelSpec, head: Eagle3Head, hidden: str, sample_vocab: int | None,
+           top: bool = False) -> None:
+    """Outputs next_token (a target id), confidence (sampled: probs) and hidden of the layer's output [B, H];
+    `top`: also the best tokens there, as a tree step's [B, 1, K] (from the same logits)."""
     draft_vocab = head.config.draft_vocab_size
     logits = _lm_head(g, spec, hidden, draft_vocab)  # [B, draft vocabulary]
+    if top:
+        top_ids, top_logprobs = _top(g, head, g.op("Unsqueeze", logits, g.const([1])))
+        g.output(top_ids, "top_ids", INT64, ["batch", 1, TOP_LOGPROBS])
+        g.output(top_logprobs, "top_logprobs", FLOAT, ["batch", 1, TOP_LOGPROBS])
     targets_of = draft_to_target(head, np.arange(draft_vocab))
     if sample_vocab is None:
         targets = g.weight("draft_to_target", targets_of)

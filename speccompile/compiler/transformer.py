@@ -152,6 +152,22 @@ def build_tree_verify_graph(spec: ModelSpec, name: str, heads: list, max_seq: in
     return g
 
 
+def build_eagle_tree_verify_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int,
+                                  aux_layers: tuple[int, ...], matmul_weights: str = "float32",
+                                  single_sequence: bool = False) -> GraphBuilder:
+    """Score a dynamic token tree [B, N] drafted by an EAGLE-3 head (topology as an input, as
+    build_tree_verify_graph's) and apply the tree SpecAccept: (accepted, next_token, new_len,
+    best_node), and every node's features (aux_hidden), of which the head reads the accepted path's."""
+    g = GraphBuilder(name, matmul_weights)
+    ids = g.input("input_ids", INT64, ["batch", "tree_nodes"])
+    past_len = g.input("past_len", INT64, ["batch"])
+    hidden = _decoder(g, spec, ids, past_len, max_seq, single_sequence, tree=True, aux_layers=aux_layers)
+    logits = _lm_head(g, spec, hidden, vocab_out)  # [B, N, V]
+    for tensor, output in zip(accept_tree(g, logits, ids, past_len, False, vocab_out), TREE_OUTPUTS):
+        g.output(tensor, output, INT64, ["batch"])
+    return g
+
+
 # ---------------------------------------------------------------------------------------------
 # what follows the LM head: shared by the graphs of each kind and the session graph
 
@@ -473,16 +489,23 @@ def _qk_normed(g, spec, i, qkv):
     return g.op("Reshape", g.op("Concat", q, k, v, axis=2), g.const([0, 0, -1]))
 
 
-def _onnx_attention(g, spec, past_len, num_tokens, positions, layers, max_seq, tree=False, tree_flag=None):
+def _onnx_attention(g, spec, past_len, num_tokens, positions, layers, max_seq, tree=False, tree_flag=None,
+                    visible=None):
     """Standard ONNX ops, any batch: RoPE, the cache write, and ONNX Attention (GQA from the shapes),
-    after one fused QKV projection.
+    after one fused QKV projection. `visible` (a model without sliding windows): the keys each token
+    sees, given as a [B, T, max(past_len) + T] boolean input instead of the causal or tree rule.
 
     Few, large nodes on purpose: each is one fused kernel in ONNX Runtime (three projections cost
     one GEMV launch instead of three), and TensorRT maps RotaryEmbedding/Attention to fused layers.
     """
     hp = spec.hp
     heads, kv_heads, head_dim = hp["num_heads"], hp["num_kv_heads"], hp["head_dim"]
-    kv_len, masks = _attention_mask(g, past_len, num_tokens, positions, tree, tree_flag, _windows(layers))
+    if visible is None:
+        kv_len, masks = _attention_mask(g, past_len, num_tokens, positions, tree, tree_flag, _windows(layers))
+    else:
+        assert _windows(layers) == [None], "a given mask is for models without sliding windows"
+        kv_len = g.op("Add", g.op("ReduceMax", past_len, keepdims=1), g.op("Unsqueeze", num_tokens, g.const([0])))
+        masks = {None: g.op("Unsqueeze", visible, g.const([1]))}  # [B, 1, T, L]
     rotary = {} if hp["rotary_dim"] in (None, head_dim) else {"rotary_embedding_dim": hp["rotary_dim"]}
 
     def core(b, i, qkv):

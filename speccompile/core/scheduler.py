@@ -50,6 +50,7 @@ from speccompile.core.gamma_policy import GammaPolicy, Timing
 from speccompile.core.processors import grammar_masks, processing_inputs, words
 from speccompile.core.proposers import Offer, Proposers
 from speccompile.core.proposers.draft_model import DraftModel, DraftRunner, sampling_params
+from speccompile.core.proposers.eagle_tree import draft_tree
 from speccompile.core.request import AUTO, Request
 from speccompile.core.sampling import draws
 
@@ -71,6 +72,7 @@ class Plan:
     gamma: int
     policy: GammaPolicy | None = None
     tree: bool = False  # a token-tree verification (Medusa) instead of a chain
+    eagle_tree: bool = False  # an EAGLE-3 head's dynamic tree (one request: core/proposers/eagle_tree.py)
 
 
 class Scheduler:
@@ -88,6 +90,7 @@ class Scheduler:
         self.runners = self.proposers.runners
         # runners that read the target's features of every position it caches (EAGLE-3): after each call
         self.feature_readers = [runner for runner in self.runners if runner.reads_target_features]
+        self.verifies_trees = bool(getattr(target, "drafts_trees", False))  # an EAGLE-3 head's dynamic trees
         self.waiting: deque[Request] = deque()  # appended by any thread; popped here only
         self.decoding: list[Request] = []  # slot i holds decoding[i]
         self.joining: Request | None = None  # partly prefilled, in slot len(decoding)
@@ -264,6 +267,9 @@ class Scheduler:
         """Decide this iteration: γ, each row's offer and drafts, and the graph that verifies them."""
         if any(r.proposer.tree and r.gamma != 0 for r in rows):
             return Plan(rows, [], np.zeros(len(rows), dtype=np.int64), 0, tree=True)
+        if len(rows) == 1 and self.verifies_trees and rows[0].proposer.drafts_tree(rows[0], 1,
+                                                                                self.max_seq - len(rows[0].tokens)):
+            return Plan(rows, [], np.zeros(1, dtype=np.int64), 0, eagle_tree=True)
         policy = None
         if self.policy_for and any(r.gamma == AUTO or r.proposer.compares_costs for r in rows):
             policy = self.policy_for(len(rows), round(sum(len(r.tokens) for r in rows) / len(rows)))
@@ -343,6 +349,9 @@ class Scheduler:
         """Run the plan; its times (None for a token tree, whose sizing measured its own)."""
         if plan.tree:
             self._tree_iteration(plan.rows)
+            return None
+        if plan.eagle_tree:
+            self._eagle_tree_iteration(plan.rows[0])
             return None
         began = time.perf_counter()
         if plan.gamma == 0:
@@ -493,6 +502,32 @@ class Scheduler:
             request.stats.tree_nodes += int(draft_len[row])
             request.proposer.next_tree = next_tree[row]
             request.emit([*tokens[row, path], next_token[row]], self.eos_ids)
+
+    def _eagle_tree_iteration(self, request: Request) -> None:
+        """An EAGLE-3 head's dynamic tree (core/proposers/eagle_tree.py) for one request, verified by the
+        target in one pass; the head then reads the features of the root and the accepted path. Where
+        the head drafts none (out of step), a plain step."""
+        began = time.perf_counter()
+        drafted = draft_tree(request.proposer.runner, request, request.proposer.shape)
+        if drafted is None:
+            self._plain_iteration([request], began)
+            return
+        tree, nodes = drafted
+        tokens = np.concatenate([[request.tokens[-1]], nodes])[None]
+        verifying = time.perf_counter()
+        before = self._lengths_before(0, 1)
+        best, next_token = self.target.verify_eagle_tree(tokens, tree)
+        done = time.perf_counter()
+        path = tree.path_to(int(best[0]))
+        stats = request.stats
+        stats.draft_ms += (verifying - began) * 1e3
+        stats.verify_ms += (done - verifying) * 1e3
+        stats.record_iteration(len(path), int(tree.max_depth), request.proposer.name)
+        stats.tree_nodes += tree.size - 1
+        request.emit([*tokens[0, path], next_token[0]], self.eos_ids)
+        features = self.target.last_aux_hidden[:, [0, *path]]  # the kept positions', in order
+        for runner in self.feature_readers:
+            runner.after_target([request], 0, before, self.target.cache_lengths[:1].copy(), features)
 
     def _tree_masks(self, rows: list[Request], tokens: np.ndarray, draft_len: np.ndarray, tree) -> np.ndarray | None:
         """[B, N, W]: the grammar's mask at each verified node of each constrained row, after the path

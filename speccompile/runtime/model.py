@@ -184,6 +184,57 @@ class CachedModel:
         self.cache_lengths[rows] += counts
         return out["next_token"].copy(), out["confidence"].copy(), out["hidden"].copy()
 
+    def tree_catch_up(self, tokens: np.ndarray, features: np.ndarray, counts: np.ndarray,
+                      first: int = 0) -> tuple[np.ndarray, ...]:
+        """catch_up that also returns the best tokens after each row's last position read, the first
+        level of a dynamic tree: (next_token, confidence, hidden [B, H], top_ids [B, K] (target ids),
+        top_logprobs [B, K])."""
+        rows = self._rows(first, len(tokens))
+        past_len = np.where(counts > 0, self.cache_lengths[rows],
+                            np.minimum(self.cache_lengths[rows], self.max_seq - tokens.shape[1]))
+        out = self._run(GraphId.eagle_tree("tree_catch_up"), first, input_ids=tokens, aux_hidden=features,
+                        past_len=past_len, token_count=counts)
+        self.cache_lengths[rows] += counts
+        return (out["next_token"].copy(), out["confidence"].copy(), out["hidden"].copy(), out["top_ids"][:, 0].copy(),
+                out["top_logprobs"][:, 0].copy())
+
+    def tree_step(self, tokens: np.ndarray, hidden: np.ndarray, positions: np.ndarray, visible: np.ndarray,
+                  first: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """T nodes of each row's dynamic tree [B, T], each with its parent's output hidden [B, T, H], at
+        its own position [B, T], seeing the keys visible [B, T, L] marks (L: the cache length + T),
+        written at the row's cache length on: (top_ids [B, T, K], top_logprobs [B, T, K], node_hidden
+        [B, T, H]). The caller keeps every row's nodes within the cache."""
+        rows = self._rows(first, len(tokens))
+        out = self._run(GraphId.eagle_tree("tree_step"), first, input_ids=tokens, hidden_in=hidden,
+                        past_len=self.cache_lengths[rows], positions=positions, visible=visible)
+        self.cache_lengths[rows] += tokens.shape[1]
+        return out["top_ids"].copy(), out["top_logprobs"].copy(), out["node_hidden"].copy()
+
+    def verify_eagle_tree(self, tokens: np.ndarray, tree: TokenTree, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """The target over a dynamic tree's tokens [B, N] (node 0 the last accepted token; every node
+        verified), greedy: (best_node [B], next_token [B]); the accepted path's cache entries moved into
+        place, and every node's features kept (last_aux_hidden [B, N, F], in node order)."""
+        rows = self._rows(first, len(tokens))
+        past_len = self.cache_lengths[rows].copy()
+        off = self._switches(len(tokens), None, False, tree.size)
+        out = self._run(GraphId.eagle_tree("verify_eagle_tree"), first, input_ids=tokens, past_len=past_len,
+                        draft_len=np.full(len(tokens), tree.size - 1, dtype=np.int64), tree_parents=tree.parents,
+                        tree_depths=tree.depths, tree_mask=tree.ancestors, constrain=OFF, forbidden=off["forbidden"])
+        for row, node in enumerate(out["best_node"]):
+            sources, destinations = compaction(tree, int(node))
+            if len(sources):
+                self._move_positions(first + row, past_len[row] + sources, past_len[row] + destinations)
+        self.cache_lengths[rows] = out["new_len"]
+        self._keep(out, False)
+        return out["best_node"].copy(), out["next_token"].copy()
+
+    @property
+    def drafts_trees(self) -> bool:
+        """As a head: whether it has a dynamic tree's graphs (tree_catch_up, tree_step). As a target:
+        whether it verifies such trees (its bundle has the graph, and it runs a graph per call: a
+        target on one session graph has none of a head's tree)."""
+        return self.bundle.eagle_trees and getattr(self, "_session_graph", None) is None
+
     @property
     def samples_drafts(self) -> bool:
         """Whether the head has its sampled graphs (catch_up_sample, step_sample): drafts for sampled requests."""

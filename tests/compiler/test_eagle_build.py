@@ -13,7 +13,7 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-from speccompile.bundle import AUX_HIDDEN, MANIFEST, GraphId, Manifest, open_bundle
+from speccompile.bundle import AUX_HIDDEN, EAGLE_TREE_KINDS, MANIFEST, GraphId, Manifest, open_bundle
 from speccompile.cli import main
 from speccompile.compiler.build import build_bundle
 from speccompile.eagle_head import Layout, write_eagle3_head
@@ -80,8 +80,12 @@ def test_the_head_is_the_bundle_s_eagle_model_with_its_two_graphs(built, head_di
                                                                                      None, "eagle3")
     assert head.config == config and head.eagle_aux_layers == ()
     graphs = {name: entry.id for name, entry in bundle.manifest.graphs.items()
-              if entry.id.model == "eagle" and not entry.id.sampling}
+              if entry.id.model == "eagle" and not entry.id.sampling and entry.id.kind not in EAGLE_TREE_KINDS}
     assert graphs == {"eagle_catch_up": GraphId.eagle_catch_up(), "eagle_step": GraphId.eagle_step()}
+    trees = {name: entry.id for name, entry in bundle.manifest.graphs.items() if entry.id.kind in EAGLE_TREE_KINDS}
+    assert trees == {graph.name: graph for graph in map(GraphId.eagle_tree, EAGLE_TREE_KINDS)} and bundle.eagle_trees
+    assert bundle.manifest.read_back(GraphId.eagle_tree("verify_eagle_tree"))[-1] == AUX_HIDDEN
+    assert GraphId.eagle_tree("tree_step").positions_scored == "all"
     sampled = {name: entry.id for name, entry in bundle.manifest.graphs.items()
                if entry.id.model == "eagle" and entry.id.sampling}
     assert sampled == {"eagle_catch_up_sample": GraphId.eagle_catch_up(True),
@@ -91,9 +95,10 @@ def test_the_head_is_the_bundle_s_eagle_model_with_its_two_graphs(built, head_di
     for graph in graphs.values():
         assert bundle.manifest.read_back(graph) == ("next_token", "confidence", "hidden")
         assert graph.positions_scored == "last"
-    for name in [*graphs, *sampled]:  # each with its batch-1 variant (fused attention), over the same weights
+    for name in [*graphs, *sampled, *trees]:  # each with its batch-1 variant (fused attention), over the same weights
         variant = bundle.graph(name).single_sequence
-        assert variant is not None and variant.op_counts.get("GroupQueryAttention") == 1
+        layers = target.num_layers if trees.get(name) == GraphId.eagle_tree("verify_eagle_tree") else 1
+        assert variant is not None and variant.op_counts.get("GroupQueryAttention") == layers
         assert set(external(bundle, name).values()) <= {"eagle.weights", "target.weights"}
     catch_up = bundle.graph("eagle_catch_up")
     assert [spec.shape for spec in catch_up.inputs if spec.name == AUX_HIDDEN] == [("batch", "tokens", 3 * 64)]
@@ -124,7 +129,8 @@ def test_a_bundle_without_a_head_is_the_one_built_before_heads(built):
     assert plain.model("target").session.kinds == {"forward": 0, "sample": 1, "verify": 2, "verify_sample": 3,
                                                    "score": 4}
     assert with_head.model("target").session.kinds == plain.model("target").session.kinds
-    target_graphs = {name for name, entry in with_head.manifest.graphs.items() if entry.id.model == "target"}
+    target_graphs = {name for name, entry in with_head.manifest.graphs.items()
+                     if entry.id.model == "target" and entry.id.kind not in EAGLE_TREE_KINDS}  # a head's own tree
     assert set(plain.manifest.graphs) == target_graphs
     assert plain.manifest.files["target_score.onnx"] == with_head.manifest.files["target_score.onnx"]
 
@@ -180,6 +186,7 @@ def _output(data: dict, graph: str, name: str) -> dict:
 MANIFEST_CHANGES = {
     "a head without the target's features": (_without_features, "records no eagle_aux_layers"),
     "a head without its step": (lambda d: d["graphs"].pop("eagle_step"), "without its graph eagle_step"),
+    "a tree without its step": (lambda d: d["graphs"].pop("eagle_tree_step"), "some of the dynamic tree's graphs"),
     "a head of two layers": (lambda d: d["models"]["eagle"].update(num_layers=2), "has 2 layers"),
     "features of another width": (lambda d: next(i for i in d["graphs"]["eagle_catch_up"]["inputs"]
                                                  if i["name"] == AUX_HIDDEN)["shape"].__setitem__(2, 100),

@@ -18,6 +18,8 @@ from speccompile.compiler.eagle_graph import (
     EAGLE_KINDS,
     OUTPUTS,
     STEP,
+    TREE_CATCH_UP,
+    TREE_STEP,
     WEIGHTS_FILE,
     borrowed_embedding,
     build_eagle_graphs,
@@ -287,3 +289,40 @@ def test_what_the_graphs_cannot_take_is_refused_in_one_line(embed, config, messa
     head = with_config(random_head(TARGET, seed=1), **config)
     with pytest.raises(SpecCompileError, match=message):
         build_eagle_graphs(head, target_embedding() if isinstance(embed, str) else embed, MAX_SEQ)
+
+
+def test_a_tree_step_is_the_chain_step_of_each_node_and_its_batch_1_variant_agrees(tmp_path):
+    """A dynamic tree's step over several nodes, each seeing the prefix and its ancestors: every node's
+    output is what the chain step gives after its own path, in the standard graph and in the batch-1
+    variant (fused attention and a bias); the tree catch-up's best tokens are its draft's distribution's."""
+    head, embed = random_head(TARGET, seed=3), target_embedding()
+    variants = build_eagle_graphs(head, embed, MAX_SEQ, tree=True, single_sequence=True)
+    write_eagle_graphs(tmp_path, build_eagle_graphs(head, embed, MAX_SEQ, tree=True),
+                       variants={kind: (graph, f"{kind}_b1.onnx") for kind, graph in variants.items()})
+    features, tokens = prompt(5, 6)
+    chain = {kind: ort.InferenceSession(str(tmp_path / f"{kind}.onnx")) for kind in (CATCH_UP, STEP)}
+    for suffix in ("", "_b1"):
+        graph = {kind: ort.InferenceSession(str(tmp_path / f"{kind}{suffix}.onnx"))
+                 for kind in (TREE_CATCH_UP, TREE_STEP)}
+        cache = empty_cache(head, 1)
+        root = run(graph[TREE_CATCH_UP], catch_up_feeds([(features, tokens)], [0]), cache)
+        assert root["top_ids"][0, 0, 0] == root["next_token"][0]
+        # level 1: the root's two best tokens; level 2: a child of the first (nodes written at 6, 7, then 8)
+        first = root["top_ids"][0, 0, :2]
+        visible = np.array([[[True] * 6 + [True, False], [True] * 6 + [False, True]]])
+        level1 = run(graph[TREE_STEP], {"input_ids": first[None], "hidden_in": np.repeat(root["hidden"][:, None], 2, 1),
+                                        "past_len": np.array([6]), "positions": np.array([[6, 6]]),
+                                        "visible": visible}, cache)
+        child = level1["top_ids"][0, 1, 0]  # the second node's best token
+        level2 = run(graph[TREE_STEP], {"input_ids": np.array([[child]]), "hidden_in": level1["node_hidden"][:, 1:2],
+                                        "past_len": np.array([8]), "positions": np.array([[7]]),
+                                        "visible": np.array([[[True] * 6 + [False, True, True]]])}, cache)
+        for path, out, node in (([first[0]], level1, 0), ([first[1]], level1, 1), ([first[1], child], level2, 0)):
+            chain_cache = empty_cache(head, 1)
+            hidden = run(chain[CATCH_UP], catch_up_feeds([(features, tokens)], [0]), chain_cache)["hidden"]
+            for k, token in enumerate(path):
+                step = run(chain[STEP], {"input_ids": np.array([[token]]), "hidden_in": hidden[:, None],
+                                         "past_len": np.array([6 + k])}, chain_cache)
+                hidden = step["hidden"]
+            np.testing.assert_allclose(out["node_hidden"][0, node], hidden[0], rtol=1e-4, atol=1e-4)
+            assert out["top_ids"][0, node, 0] == step["next_token"][0], (suffix, path)

@@ -22,7 +22,7 @@ from speccompile.errors import SpecCompileError
     ({"logit_bias": "x"}, "logit_bias must map token ids to biases"),
     ({"p_min": 2}, r"p_min must be a probability in \[0, 1\]"),
     ({"n": 0}, "n must be a positive integer"),
-    ({"proposer": "oracle"}, "proposer must be one of draft, ngram, suffix, medusa, eagle, auto"),
+    ({"proposer": "oracle"}, "proposer must be one of draft, ngram, suffix, medusa, eagle, eagle_tree, auto"),
     ({"colour": "blue"}, "unknown generation option 'colour'"),
     ({"regex": "a+", "choice": ["a"]}, "give one constraint, not regex and choice"),
 ])

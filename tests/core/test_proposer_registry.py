@@ -35,7 +35,7 @@ def test_each_bundle_offers_its_kinds_and_auto_is_made_of_them():
     (Proposers(), "draft", "no draft model"),
     (with_draft(), "medusa", "needs a bundle built with --medusa"),
     (Proposers(tree=TreeShape()), "ngram", "speculates with Medusa heads"),
-    (with_draft(), "oracle", "proposer must be one of draft, ngram, suffix, medusa, eagle, auto"),
+    (with_draft(), "oracle", "proposer must be one of draft, ngram, suffix, medusa, eagle, eagle_tree, auto"),
     (with_draft(), "eagle", "needs a bundle built with an EAGLE-3 head"),
 ])
 def test_a_kind_the_bundle_cannot_serve_is_refused_in_one_line(proposers, name, message):

@@ -18,9 +18,9 @@ import transformers
 import speccompile
 from speccompile.bundle import GraphId
 from speccompile.compiler.build import build_bundle
-from speccompile.eagle_head import Eagle3Head, Layout, write_eagle3_head
+from speccompile.eagle_head import Eagle3Head, Layout, draft_to_target, write_eagle3_head
 from speccompile.errors import SpecCompileError
-from tests.eagle_reference import draft, random_head
+from tests.eagle_reference import Eagle3Reference, draft, random_head
 from tests.runtime.test_generate import hf_greedy
 from tests.tiny_models import make_checkpoint
 
@@ -362,3 +362,64 @@ def test_a_profile_that_did_not_time_the_head_is_completed_by_timing_it(target, 
         assert costs.target_step == 10.0 and costs.verify[4] == 12.0  # the profile's
         assert costs.head_step == runtime.policies.calibration.head_step > 0
         assert costs.head_catch_up == runtime.policies.calibration.head_catch_up > 0
+
+
+def recorded_trees(monkeypatch) -> list:
+    """Every dynamic tree drafted from now on: (the request's tokens then, the tree, its nodes' tokens)."""
+    from speccompile.core import scheduler
+
+    log, drafting = [], scheduler.draft_tree
+
+    def draft_and_record(runner, request, shape, slot=0):
+        drafted = drafting(runner, request, shape, slot)
+        if drafted is not None:
+            log.append((list(request.tokens), *drafted))
+        return drafted
+
+    monkeypatch.setattr(scheduler, "draft_tree", draft_and_record)
+    return log
+
+
+def test_every_tree_node_is_among_the_reference_heads_best_after_its_path(runtimes, target, head, monkeypatch):
+    """Each node of a drafted tree is one of the `children` best tokens of the torch reference's head
+    after the request's history and the node's path (each path fed through the reference afresh): the
+    tree step's positions and masks are a chain's for every path."""
+    from speccompile.core.proposers.eagle_tree import TreeShape
+
+    runtime, shape = runtimes("speculators"), TreeShape()
+    log = recorded_trees(monkeypatch)
+    runtime.generate([PROMPTS[0]], max_new_tokens=MAX_NEW, proposer="eagle_tree")
+    assert len(log) >= 3
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target).eval()
+    embedding = hf.get_input_embeddings().weight.detach().numpy()
+    for tokens, tree, nodes in log[:3]:
+        with torch.no_grad():
+            states = hf(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+        features = np.concatenate([states[i][0].numpy() for i in AUX], axis=-1)
+        assert tree.size - 1 == len(nodes) == shape.nodes and tree.max_depth <= shape.depth
+        for node in range(1, tree.size):
+            path = [int(nodes[n - 1]) for n in tree.path_to(node)]
+            with torch.no_grad():
+                ref = Eagle3Reference(head, embedding)
+                hidden = ref.forward(ref.fuse(features), tokens[1:])[-1:]
+                for token in path[:-1]:
+                    hidden = ref.forward(hidden, [token])
+                best = ref.logits(hidden[-1]).topk(shape.children).indices.numpy()
+            assert path[-1] in draft_to_target(head, best).tolist(), (tokens, path)
+
+
+def test_a_dynamic_tree_keeps_the_target_s_greedy_output(runtimes, bigram_target, expected):
+    """EAGLE-2's tree (proposer eagle_tree) for a request alone: the target's greedy output exactly, with
+    a random head and with an agreeing one; in a batch the proposer drafts the chain."""
+    agreeing = runtimes("agreeing")
+    assert agreeing.eagle.drafts_trees and agreeing.target.drafts_trees
+    for prompt in PROMPTS:
+        [result] = agreeing.generate([prompt], max_new_tokens=MAX_NEW, proposer="eagle_tree")
+        assert result.token_ids == hf_greedy(bigram_target, prompt, MAX_NEW)
+        assert list(result.stats.by_proposer) == ["eagle_tree"] and result.stats.accepted_tokens > 0
+    random = runtimes("speculators")
+    for prompt, tokens in zip(PROMPTS, expected):
+        [result] = random.generate([prompt], max_new_tokens=MAX_NEW, proposer="eagle_tree")
+        assert result.token_ids == tokens and result.stats.tree_nodes > 0
+    batch = random.generate(PROMPTS, max_new_tokens=MAX_NEW, proposer="eagle_tree", gamma=4)
+    assert [r.token_ids for r in batch] == expected and all(r.stats.tree_nodes == 0 for r in batch)

@@ -5,6 +5,7 @@
 - "suffix": suffix decoding over the request's text and earlier requests' outputs (suffix.py).
 - "medusa": a Medusa bundle's heads, proposing token trees (medusa.py).
 - "eagle": an EAGLE-3 head drafting from the target's own features (eagle.py).
+- "eagle_tree": the head's dynamic token trees (EAGLE-2) where a request decodes alone (eagle_tree.py).
 - "auto": per iteration, the member predicted fastest (auto.py); on a Medusa bundle, the heads.
 
 Adding a proposer: a module with its `Proposer` subclass and one `Kind` entry in `KINDS` below.
@@ -17,6 +18,7 @@ from speccompile.core.proposers.auto import Auto
 from speccompile.core.proposers.base import Offer, Proposer, Runner
 from speccompile.core.proposers.draft_model import DraftModel, DraftRunner
 from speccompile.core.proposers.eagle import EagleDraft, EagleRunner
+from speccompile.core.proposers.eagle_tree import EagleTree
 from speccompile.core.proposers.lookup import NgramIndex, PromptLookup
 from speccompile.core.proposers.medusa import MedusaHeads, TreeShape
 from speccompile.core.proposers.suffix import MAX_DEPTH as SUFFIX_DEPTH
@@ -42,6 +44,7 @@ KINDS = {
     "suffix": Kind(lambda shared, p_min: SuffixDecoding(shared.suffix)),
     "medusa": Kind(lambda shared, p_min: MedusaHeads(shared.tree), needs="tree"),
     "eagle": Kind(lambda shared, p_min: EagleDraft(shared.eagle, p_min), needs="eagle"),
+    "eagle_tree": Kind(lambda shared, p_min: EagleTree(shared.eagle, p_min), needs="eagle"),
     "auto": Kind(lambda shared, p_min: shared.auto(p_min)),
 }
 # Free proposers first: they win ties. Suffix decoding joins only where no model drafts: beside the

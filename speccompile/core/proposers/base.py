@@ -72,6 +72,11 @@ class Proposer:
         own γ) asks of a model drafter, `cap` the most its length leaves room for."""
         raise NotImplementedError
 
+    def drafts_tree(self, request, batch: int, room: int) -> bool:
+        """Whether this iteration, of `batch` requests, verifies a dynamic tree of its own instead of an
+        offer (an EAGLE-3 head's: core/proposers/eagle_tree.py); `room`: cache positions left."""
+        return False
+
     def observe(self, stats, offer: Offer, drafts: int, accepted: int) -> None:
         """The verification kept the first `accepted` of the `drafts` proposed (drafts may be fewer than
         offered: a runner can stop early, the graph can hold fewer): count the iteration in the

@@ -64,6 +64,11 @@ class EagleRunner:
         self.pending_probs: np.ndarray | None = None  # per slot [V]: the distribution `pending` was drawn from
 
     @property
+    def trees(self) -> bool:
+        """Whether the head drafts dynamic trees (its bundle has their graphs: core/proposers/eagle_tree.py)."""
+        return bool(getattr(self.engine, "drafts_trees", False))
+
+    @property
     def samples(self) -> bool:
         """Whether the head drafts for sampled requests (its bundle has the sampled graphs)."""
         return bool(getattr(self.engine, "samples_drafts", False))
@@ -142,15 +147,17 @@ class EagleRunner:
             self.unread[slot] = [np.concatenate(self.unread[slot])[: self.held[slot]]]
         self.engine.cache_lengths[slot] = min(self.engine.cache_lengths[slot], self.read_to[slot])
 
-    def _catch_up(self, rows: list, first: int, counts: np.ndarray, drawing: np.ndarray) -> bool:
+    def _catch_up(self, rows: list, first: int, counts: np.ndarray, drawing: np.ndarray, top: bool = False):
         """The head reads the first counts[b] positions it holds of each row b (slots first..), each
         with the token after it, from where it last read the target's features: one batched call. Its
         output after a row's last position read is the row's next draft (`pending`); a `drawing` row's
-        is drawn (a sampled request, for the output position after its last token). Whether it ran."""
+        is drawn (a sampled request, for the output position after its last token). Whether it ran;
+        with `top` (a dynamic tree's first level), the best tokens there instead: (top_ids [B, K],
+        top_logprobs [B, K]), or None."""
         slots = np.arange(first, first + len(rows))
         read = counts > 0
         if not read.any():
-            return False
+            return None if top else False
         width = int(counts.max())
         tokens = np.zeros((len(rows), width), dtype=np.int64)
         features = None
@@ -173,6 +180,8 @@ class EagleRunner:
             if self.pending_probs is None:
                 self.pending_probs = np.zeros((len(self.pending), probs.shape[-1]), dtype=np.float32)
             self.pending_probs[slots[drawing]] = probs[drawing]
+        elif top:
+            token, confidence, hidden, *best = self.engine.tree_catch_up(tokens, features, counts, first=first)
         else:
             token, confidence, hidden = self.engine.catch_up(tokens, features, counts, first=first)
         self.read_to[slots] += counts
@@ -181,7 +190,20 @@ class EagleRunner:
             self.hidden = np.zeros((len(self.pending), hidden.shape[-1]), dtype=np.float32)
         self.pending[slots[read]], self.confidence[slots[read]], self.hidden[slots[read]] = \
             token[read], confidence[read], hidden[read]
-        return True
+        return tuple(best) if top else True
+
+    def read_for_tree(self, request, slot: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """A greedy row about to draft a dynamic tree: the head reads every position it holds of it
+        (core/proposers/eagle_tree.py) and returns the tree's first level, its best tokens after the
+        row's last token (top_ids [K], top_logprobs [K]); its output there is hidden[slot]. None where
+        the row is out of step or holds nothing to read (the tree needs the catch-up's output)."""
+        if not self.in_step[slot] or self.held[slot] == 0:
+            return None
+        counts = np.zeros(slot + 1, dtype=np.int64)
+        counts[slot] = self.held[slot]
+        rows = [request] * (slot + 1)  # slots before `slot` read nothing
+        top_ids, top_logprobs = self._catch_up(rows, 0, counts, np.zeros(slot + 1, dtype=bool), top=True)
+        return top_ids[slot], top_logprobs[slot]
 
     def draft(self, rows: list, offers: list[Offer], drafts: np.ndarray, proposed: np.ndarray,
               sampling: bool) -> np.ndarray | None:
