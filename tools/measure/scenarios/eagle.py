@@ -7,7 +7,8 @@ Prompts: the `completion` workload of the `proposers` scenario (the first 4 line
 functions). Bundles: the default demo bundle (target, draft model and EAGLE-3 head), the same pair
 built without the head (what carrying the head costs plain decoding and the draft model: the
 target's graphs then return its features) and the demo target with its Medusa heads. Variants:
-plain decoding; the draft model at γ=4; the head's chain at γ=4 and at γ auto; the default call
+plain decoding; the draft model at γ=4; the head's chain at γ=4 and at γ auto; its dynamic tree
+(EAGLE-2, proposer eagle_tree, the default TreeShape; a request alone only); the default call
 (proposer auto, γ auto: whatever `generate` does with no options); and the Medusa tree the runtime
 sizes. At batch 1 each prompt runs alone; at batch 8 the prompts run as one `generate` call of 8
 at a time. Each repeat runs every variant in the same order (interleaved), each after its runtimes
@@ -41,6 +42,7 @@ VARIANTS = {
     "draft model, γ=4, bundle without the head": ("no_head", {"proposer": "draft", "gamma": 4}, (4, "draft")),
     "EAGLE-3 chain, γ=4": ("pair", {"proposer": "eagle", "gamma": 4}, (4, "eagle")),
     "EAGLE-3 chain, γ auto": ("pair", {"proposer": "eagle"}, None),
+    "EAGLE-2 tree over the head (batch 1; a chain, γ auto, in a batch)": ("pair", {"proposer": "eagle_tree"}, None),
     "default (auto, γ auto)": ("pair", {}, None),
     "Medusa tree (sized)": ("medusa", {}, None),
 }
