@@ -188,7 +188,7 @@ def test_a_draft_larger_than_the_target_builds_with_a_warning(tmp_path, checkpoi
 
 def test_a_draft_vocab_corpus_without_draft_vocab_is_refused_before_any_work(tmp_path, checkpoints, monkeypatch):
     monkeypatch.setattr(build_module, "load_checkpoint", lambda path: pytest.fail("loaded a checkpoint"))
-    with pytest.raises(SpecCompileError, match="pass --draft-vocab too"):
+    with pytest.raises(SpecCompileError, match="--draft-vocab K \\(or --eagle-vocab K\\)"):
         build_bundle(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b",
                      draft_vocab_corpus="corpus.txt")
     assert list(tmp_path.iterdir()) == []
