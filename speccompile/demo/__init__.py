@@ -27,7 +27,7 @@ DEMO_GAMMAS = [4, 2, 6]  # the first is the default γ
 DEMO_MAX_SEQ = 1024
 DEMO_MAX_BATCH = 8
 DEMO_DRAFT_VOCAB = 3072  # greedy draft steps score the 3072 most frequent tokens (see compiler/draft_vocab.py)
-DEMO_EAGLE_VOCAB = 3072  # and so do the EAGLE-3 head's (build --eagle-vocab)
+DEMO_EAGLE_VOCAB = 3072  # and so do the EAGLE-3 head's, in demo_eagle_bundle (build --eagle-vocab)
 logger = logging.getLogger(__name__)
 
 
@@ -43,9 +43,9 @@ def cache_dir() -> Path:
 def demo_key(target: Path | None = None, draft: Path | None = None) -> str:
     """sha256 over the build settings and format version, and the file names and contents of the demo
     checkpoints and the compiler package (the format lives outside it, in bundle.py)."""
-    settings = (DEMO_GAMMAS, DEMO_MAX_SEQ, DEMO_MAX_BATCH, DEMO_DRAFT_VOCAB, DEMO_EAGLE_VOCAB, FORMAT_VERSION)
+    settings = (DEMO_GAMMAS, DEMO_MAX_SEQ, DEMO_MAX_BATCH, DEMO_DRAFT_VOCAB, FORMAT_VERSION)
     digest = hashlib.sha256(repr(settings).encode())
-    for root in (target or DEMO_TARGET, draft or DEMO_DRAFT, *_demo_head(), COMPILER_ROOT):
+    for root in (target or DEMO_TARGET, draft or DEMO_DRAFT, COMPILER_ROOT):
         for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
             digest.update(str(path.relative_to(root.parent)).encode())
             digest.update(path.read_bytes())
@@ -53,19 +53,23 @@ def demo_key(target: Path | None = None, draft: Path | None = None) -> str:
 
 
 def demo_bundle(target: Path | None = None, draft: Path | None = None) -> Path:
-    """The demo bundle's path, building it first if the cache has none for this pair: the target, the
-    draft and the EAGLE-3 head (where the installation has one)."""
+    """The demo bundle's path, building it first if the cache has none for this pair."""
     target, draft = target or DEMO_TARGET, draft or DEMO_DRAFT
     if not (target / "config.json").is_file() or not (draft / "config.json").is_file():
         raise SpecCompileError("this installation has no embedded demo pair; pass a bundle directory")
-    head = {"eagle_dir": path, "eagle_vocab": DEMO_EAGLE_VOCAB} if (path := next(iter(_demo_head()), None)) else {}
     return _built(cache_dir() / f"demo-{demo_key(target, draft)[:16]}", "the demo bundle", target, draft,
-                  draft_vocab=DEMO_DRAFT_VOCAB, **head)
+                  draft_vocab=DEMO_DRAFT_VOCAB)
 
 
-def _demo_head() -> list[Path]:
-    """The EAGLE-3 head's directory, or none."""
-    return [DEMO_EAGLE] if (DEMO_EAGLE / "config.json").is_file() else []
+def demo_eagle_bundle() -> Path:
+    """The demo pair with its EAGLE-3 head beside the draft (`build --eagle`, its vocabulary cut as the
+    draft's), built on first use like the demo bundle. Not the default bundle: carrying the head
+    made the default call slower there (the head's model card has the measurements)."""
+    if not (DEMO_EAGLE / "config.json").is_file():
+        raise SpecCompileError("this installation has no embedded EAGLE-3 head for the demo target")
+    key = hashlib.sha256((demo_key() + demo_key(DEMO_EAGLE, DEMO_EAGLE) + str(DEMO_EAGLE_VOCAB)).encode()).hexdigest()
+    return _built(cache_dir() / f"demo-eagle-{key[:16]}", "the demo EAGLE-3 bundle", DEMO_TARGET, DEMO_DRAFT,
+                  draft_vocab=DEMO_DRAFT_VOCAB, eagle_dir=DEMO_EAGLE, eagle_vocab=DEMO_EAGLE_VOCAB)
 
 
 def demo_medusa_bundle() -> Path:

@@ -27,7 +27,6 @@ def tiny_demo(tmp_path, monkeypatch, checkpoints):
     monkeypatch.setattr(demo, "DEMO_DRAFT", draft)
     monkeypatch.setattr(demo, "DEMO_MAX_SEQ", 128)
     monkeypatch.setattr(demo, "DEMO_DRAFT_VOCAB", TINY_DRAFT_VOCAB)
-    monkeypatch.setattr(demo, "DEMO_EAGLE", tmp_path / "no-head")  # the shipped head is for the shipped target
     monkeypatch.setenv("SPECCOMPILE_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
 
@@ -51,9 +50,10 @@ def test_shipped_draft_has_the_frequencies_its_vocabulary_is_cut_by():
     assert 0 < demo.DEMO_DRAFT_VOCAB < len(counts)
 
 
-def test_shipped_eagle_head_fits_the_shipped_target_and_keys_the_cache(monkeypatch, tmp_path):
-    """The head the default demo bundle carries: one layer for this target, reading layers it has, its
-    vocabulary cut by the frequencies shipped beside it; a changed head is a new bundle."""
+def test_shipped_eagle_head_fits_the_shipped_target_and_keys_its_bundle(monkeypatch, tmp_path):
+    """The head demo_eagle_bundle carries: one layer for this target, reading layers it has, its
+    vocabulary cut by the frequencies shipped beside it; a changed head is a new bundle, the default
+    demo bundle the same."""
     from speccompile.eagle_head import aux_layer_ids, check_fits, load_eagle3_head
 
     head = load_eagle3_head(demo.DEMO_EAGLE)
@@ -62,11 +62,14 @@ def test_shipped_eagle_head_fits_the_shipped_target_and_keys_the_cache(monkeypat
     assert aux_layer_ids(head, config["num_hidden_layers"]) == (1, 3, 5)
     assert 0 < demo.DEMO_EAGLE_VOCAB < head.config.draft_vocab_size
     assert read_frequencies(demo.DEMO_EAGLE).sum() > 8_000_000
-    key = demo.demo_key()
+    monkeypatch.setenv("SPECCOMPILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(demo, "_built", lambda bundle, *args, **options: (bundle, options))
+    (path, options), default = demo.demo_eagle_bundle(), demo.demo_key()
+    assert options["eagle_dir"] == demo.DEMO_EAGLE and options["eagle_vocab"] == demo.DEMO_EAGLE_VOCAB
     monkeypatch.setattr(demo, "DEMO_EAGLE", shutil.copytree(demo.DEMO_EAGLE, tmp_path / "eagle"))
-    assert demo.demo_key() == key
+    assert demo.demo_eagle_bundle()[0] == path
     (tmp_path / "eagle" / "config.json").write_text((tmp_path / "eagle" / "config.json").read_text() + " ")
-    assert demo.demo_key() != key
+    assert demo.demo_eagle_bundle()[0] != path and demo.demo_key() == default
 
 
 def test_cache_key_follows_the_pair_contents(tmp_path, checkpoints):

@@ -9,7 +9,7 @@ import transformers
 import speccompile
 from speccompile.demo import DEMO_DRAFT, DEMO_ROOT, DEMO_TARGET
 
-MAX_SHIPPED_MB = 60
+MAX_SHIPPED_MB = 70  # the pair (50 MB), its Medusa heads (2 MB) and its EAGLE-3 head (17 MB, fp16)
 
 
 def test_the_pair_is_shipped_small():

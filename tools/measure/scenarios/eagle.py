@@ -4,9 +4,10 @@ held-out completion prompts.
     python -m tools.measure eagle [--prompts 16] [--max-new-tokens 64] [--repeats 3] [--batches 1,8]
 
 Prompts: the `completion` workload of the `proposers` scenario (the first 4 lines of held-out stdlib
-functions). Bundles: the default demo bundle (target, draft model and EAGLE-3 head), the same pair
-built without the head (what carrying the head costs plain decoding and the draft model: the
-target's graphs then return its features) and the demo target with its Medusa heads. Variants:
+functions). Bundles: the demo EAGLE-3 bundle (target, draft model and EAGLE-3 head:
+demo_eagle_bundle), the default demo bundle, which is the same pair without the head (what
+carrying the head costs plain decoding, the draft model and the default call), and the demo target
+with its Medusa heads. Variants:
 plain decoding; the draft model at γ=4; the head's chain at γ=4 and at γ auto; its dynamic tree
 (EAGLE-2, proposer eagle_tree, the default TreeShape; a request alone only); the default call
 (proposer auto, γ auto: whatever `generate` does with no options); and the Medusa tree the runtime
@@ -37,28 +38,20 @@ COLUMNS = (Column("batch"), Column("variant"), Column("tokens_per_s", "tok/s", 1
 # name -> (bundle: "pair" or "medusa", generate's options, the γ and step kind the cost model prices it at)
 VARIANTS = {
     "autoregressive": ("pair", {"mode": "autoregressive"}, None),
-    "autoregressive, bundle without the head": ("no_head", {"mode": "autoregressive"}, None),
+    "autoregressive, default demo bundle (no head)": ("no_head", {"mode": "autoregressive"}, None),
     "draft model, γ=4": ("pair", {"proposer": "draft", "gamma": 4}, (4, "draft")),
-    "draft model, γ=4, bundle without the head": ("no_head", {"proposer": "draft", "gamma": 4}, (4, "draft")),
+    "draft model, γ=4, default demo bundle": ("no_head", {"proposer": "draft", "gamma": 4}, (4, "draft")),
     "EAGLE-3 chain, γ=4": ("pair", {"proposer": "eagle", "gamma": 4}, (4, "eagle")),
     "EAGLE-3 chain, γ auto": ("pair", {"proposer": "eagle"}, None),
     "EAGLE-2 tree over the head (batch 1; a chain, γ auto, in a batch)": ("pair", {"proposer": "eagle_tree"}, None),
     "default (auto, γ auto)": ("pair", {}, None),
+    "default (auto, γ auto), default demo bundle": ("no_head", {}, None),
     "Medusa tree (sized)": ("medusa", {}, None),
 }
 
 
 def add_options(parser) -> None:
     parser.add_argument("--batches", default="1,8", help="batch sizes: 1 runs prompts alone, B in calls of B")
-
-
-def bundle_without_head():
-    """The demo pair built as the default demo bundle is, but for its EAGLE-3 head (cached beside it)."""
-    from speccompile import demo
-
-    key = demo.demo_key()[:16]
-    return demo._built(demo.cache_dir() / f"demo-without-head-{key}", "the demo bundle without its head",
-                       demo.DEMO_TARGET, demo.DEMO_DRAFT, draft_vocab=demo.DEMO_DRAFT_VOCAB)
 
 
 def generate_in_batches(runtime, prompts, batch: int, max_new_tokens: int, **options) -> tuple[float, list]:
@@ -93,14 +86,14 @@ def row(batch: int, name: str, rates: list[float], stats, plain: float, predicti
 
 def run(args) -> Measured:
     from speccompile.core.stats import pooled
-    from speccompile.demo import demo_bundle, demo_medusa_bundle
+    from speccompile.demo import demo_bundle, demo_eagle_bundle, demo_medusa_bundle
 
     prompts = workload(args.prompts, "completion")
-    runtimes = {"pair": speccompile.load(demo_bundle(), shared_threads=True),
-                "no_head": speccompile.load(bundle_without_head(), shared_threads=True),
+    runtimes = {"pair": speccompile.load(demo_eagle_bundle(), shared_threads=True),
+                "no_head": speccompile.load(demo_bundle(), shared_threads=True),
                 "medusa": speccompile.load(demo_medusa_bundle(), shared_threads=True)}
     if not runtimes["pair"].bundle.has_eagle:
-        raise SystemExit("the demo bundle has no EAGLE-3 head (speccompile/demo/eagle)")
+        raise SystemExit("the demo EAGLE-3 bundle has no head (speccompile/demo/eagle)")
     batches = [int(b) for b in args.batches.split(",")]
     calls = {(batch, name): (runtimes[bundle], options) for batch in batches
              for name, (bundle, options, _) in VARIANTS.items()}
