@@ -40,6 +40,7 @@ EAGLE_PRIOR, EAGLE_PRIOR_WEIGHT = 0.7, 2.0
 # one call, so a row decoding plainly pays about 1/FLUSH_AFTER of a head call per token, in memory
 # FLUSH_AFTER feature rows (3 hidden sizes each)
 FLUSH_AFTER = 32
+SHORT_READ = 8  # positions a batched catch-up reads per row at most: more (a row that declined) is read alone
 
 
 class EagleRunner:
@@ -134,9 +135,9 @@ class EagleRunner:
             self.unread[slots[b]].append(features[b, : counts[b]].copy())
         self.held[slots] += counts
         self.in_step[slots[counts < after - before]] = False  # tokens it could not read yet: behind
-        full = self.in_step[slots] & (self.held[slots] >= FLUSH_AFTER)
-        if full.any():
-            self._catch_up(rows, first, np.where(full, self.held[slots] - 1, 0), np.zeros(len(rows), dtype=bool))
+        # each full row alone: a batched call would run every row over the longest one's positions
+        for b in np.flatnonzero(self.in_step[slots] & (self.held[slots] >= FLUSH_AFTER)):
+            self._catch_up([rows[b]], first + b, self.held[slots[b : b + 1]] - 1, np.zeros(1, dtype=bool))
 
     def _truncate(self, slot: int, length: int) -> None:
         """Forget what the head read or holds of positions `length`.. (the target no longer has them)."""
@@ -192,6 +193,13 @@ class EagleRunner:
             token[read], confidence[read], hidden[read]
         return tuple(best) if top else True
 
+    def _read_long_alone(self, rows: list, reading: np.ndarray) -> None:
+        """Rows about to be read that hold more than SHORT_READ positions (they declined for a while)
+        read all but their last alone first: the batched catch-up then runs every row over a few
+        positions, not over the longest row's."""
+        for b in np.flatnonzero(reading & (self.held[: len(rows)] > SHORT_READ)):
+            self._catch_up([rows[b]], int(b), self.held[b : b + 1] - 1, np.zeros(1, dtype=bool))
+
     def read_for_tree(self, request, slot: int) -> tuple[np.ndarray, np.ndarray] | None:
         """A greedy row about to draft a dynamic tree: the head reads every position it holds of it
         (core/proposers/eagle_tree.py) and returns the tree's first level, its best tokens after the
@@ -223,6 +231,7 @@ class EagleRunner:
         sampled = mine & np.array([not r.params.greedy for r in rows])
         reading = mine & (drafts > 0)
         self.drawn[slots[reading]] = False
+        self._read_long_alone(rows, reading)
         self.steps = int(self._catch_up(rows, 0, np.where(reading, self.held[slots], 0), reading & sampled))
         drafts[sampled & ~self.drawn[slots]] = 0  # no draw for it at this catch-up: none to verify
         drafts[mine & (self.read_to[slots] == 0)] = 0  # the head has read nothing of it yet
