@@ -279,6 +279,7 @@ class Scheduler:
                   else Offer(0, r.proposer) for r, w in zip(rows, np.minimum(wanted, needed))]
         if policy is not None:
             offers = self._against_plain(rows, offers, policy)
+            offers = self._one_model_drafter(rows, offers, policy)
         # A request near its end drafts only what it still needs, but a model drafter's row keeps the
         # graph of the γ it wanted: switching graphs costs more than the padded slots.
         counts = np.array([w if o.source.runs_model and o.count else o.count for o, w in zip(offers, wanted)],
@@ -306,6 +307,23 @@ class Scheduler:
             if not runs:
                 offers[row] = Offer(0, offers[row].source)
         return offers
+
+    @staticmethod
+    def _one_model_drafter(rows: list[Request], offers: list[Offer], policy: GammaPolicy) -> list[Offer]:
+        """Rows whose offers draft with different models (a draft model and an EAGLE-3 head, under
+        auto) would make the iteration pay both models' calls over every row, which no row's offer
+        counts: the model whose offers promise the most tokens per ms, summed over its rows, drafts,
+        and the other model's rows that may decode plainly (γ auto) do so this iteration."""
+        by_runner: dict[int, list[int]] = {}
+        for row, offer in enumerate(offers):
+            if offer.count and offer.source.runner is not None:
+                by_runner.setdefault(id(offer.source.runner), []).append(row)
+        if len(by_runner) < 2:
+            return offers
+        costs = policy.costs_now()
+        kept = max(by_runner.values(), key=lambda group: sum(offers[row].rate(costs) for row in group))
+        return [Offer(0, offer.source) if offer.count and offer.source.runner is not None and row not in kept
+                and rows[row].gamma == AUTO and rows[row].allow_plain else offer for row, offer in enumerate(offers)]
 
     def _wanted_gamma(self, rows: list[Request], policy: GammaPolicy | None) -> tuple[np.ndarray, int | None]:
         """The drafts each row asks of a model drafter this iteration: its own γ, or under AUTO the

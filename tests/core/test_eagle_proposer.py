@@ -131,3 +131,46 @@ def test_requests_that_never_draft_with_the_head_cost_it_nothing():
     run(scheduler, requests)
     assert [r.generated for r in requests] == [reference(r.prompt, 8) for r in requests]
     assert head.catch_ups == head.steps == 0
+
+
+def test_rows_that_would_draft_with_two_models_draft_with_one_per_iteration():
+    """Under γ auto, a row offering the draft model's drafts beside a row offering the head's would make
+    the iteration run both models over every row: one model drafts (the one whose offers promise the
+    most tokens per ms), the other's rows decode plainly that iteration; the output is the target's."""
+    from speccompile.core.cost_model import LoopCosts
+    from speccompile.core.gamma_policy import GammaPolicy
+    from speccompile.core.proposers.draft_model import DraftRunner
+    from speccompile.core.request import AUTO
+
+    runners = {"draft": DraftRunner(FakeEngine(capacity=256), 256), "eagle": EagleRunner(FakeHead(), 256)}
+    costs = LoopCosts(10.0, {1: 0.5, 2: 1.0, 4: 2.0}, {1: 11.0, 2: 11.5, 4: 12.5}, head_step=0.5, head_catch_up=0.5)
+    policy = GammaPolicy(costs, [0.9] * 4, prior_weight=2.0)
+    scheduler = Scheduler(FeatureTarget(capacity=256), None, 4, 256, [1, 2, 4], set(), policy_for=lambda n, c: policy,
+                          proposers=Proposers(draft=runners["draft"], eagle=runners["eagle"]))
+    drafted = []  # per iteration: the runners whose rows drafted
+    for name, runner in runners.items():
+        drafting = runner.draft
+
+        def draft_and_record(rows, offers, drafts, proposed, sampling, name=name, drafting=drafting):
+            out = drafting(rows, offers, drafts, proposed, sampling)
+            if any(offer.source.runner is runners[name] and d for offer, d in zip(offers, drafts)):
+                drafted.append((scheduler.iterations, name))
+            return out
+
+        runner.draft = draft_and_record
+    scheduler.iterations = 0
+    step = scheduler.step
+
+    def counted_step():
+        step()
+        scheduler.iterations += 1
+
+    scheduler.step = counted_step
+    requests = [Request(PROMPTS[0], 24, gamma=AUTO, proposer="draft"), Request(PROMPTS[2], 24, gamma=AUTO,
+                                                                                proposer="eagle")]
+    for request in requests:
+        request.proposer = scheduler.proposers.make(request.proposer)
+    run(scheduler, requests)
+    assert [r.generated for r in requests] == [reference(p, 24) for p in (PROMPTS[0], PROMPTS[2])]
+    iterations = [i for i, _ in drafted]
+    assert drafted and len(iterations) == len(set(iterations)), drafted  # never both models in one iteration
