@@ -50,14 +50,10 @@ class DistillOptions:
 
 def distill(target_dir, corpus, out_dir, options: DistillOptions) -> Path:
     import torch
-    import transformers
 
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     _check_options(options)
-    model_type = _check_target(target_dir)
-    logger.info(f"loading target {target_dir} ({model_type})")
-    target = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(target_dir)
+    target, tokenizer, model_type = load_target(target_dir)
     train_tokens, eval_tokens = _corpus_tokens(corpus, tokenizer, options.seq_len)
     draft = _new_draft(target, model_type, options)
     optimizer = torch.optim.AdamW(draft.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -88,6 +84,19 @@ def _check_options(o: DistillOptions) -> None:
     heads = o.heads or max(1, o.hidden // 64)
     if o.hidden % heads:
         raise SpecCompileError(f"--hidden {o.hidden} is not divisible by {heads} heads")
+
+
+def load_target(target_dir: Path) -> tuple:
+    """(the frozen float32 target in eval mode, its tokenizer, its model_type): what every trainer
+    here (a draft, Medusa heads, an EAGLE-3 head) learns from; refused in one line unless supported."""
+    import torch
+    import transformers
+
+    model_type = _check_target(target_dir)
+    logger.info(f"loading target {target_dir} ({model_type})")
+    target = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    target.requires_grad_(False)
+    return target, transformers.AutoTokenizer.from_pretrained(target_dir), model_type
 
 
 def _check_target(target_dir: Path) -> str:

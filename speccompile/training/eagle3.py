@@ -57,11 +57,11 @@ from speccompile.progress import Progress
 from speccompile.training.distill import (
     LOG,
     _batch,
-    _check_target,
     _checkpoint,
     _corpus_tokens,
     _lr,
     _resume,
+    load_target,
 )
 
 STEP_WEIGHT = 0.8  # step s's loss is weighted STEP_WEIGHT ** s (the EAGLE authors' main.py)
@@ -92,15 +92,10 @@ class Eagle3Options:
 
 
 def train_eagle3(target_dir, corpus, out_dir, options: Eagle3Options) -> Path:
-    import transformers
 
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     _check_options(options)
-    model_type = _check_target(target_dir)
-    logger.info(f"loading target {target_dir} ({model_type})")
-    target = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    target.requires_grad_(False)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(target_dir)
+    target, tokenizer, _ = load_target(target_dir)
     config = head_config(target, target_dir, options)
     o = _resolved(options, config)
     torch.manual_seed(o.seed)

@@ -27,11 +27,11 @@ from speccompile.progress import Progress
 from speccompile.training.distill import (
     LOG,
     _batch,
-    _check_target,
     _checkpoint,
     _corpus_tokens,
     _lr,
     _resume,
+    load_target,
 )
 
 RANKS = 10  # top_k_accuracy keeps the hit rate of each of the first RANKS ranks
@@ -61,15 +61,10 @@ class MedusaOptions:
 
 def train_medusa(target_dir, corpus, out_dir, options: MedusaOptions) -> Path:
     import torch
-    import transformers
 
     target_dir, out_dir, o = Path(target_dir), Path(out_dir), options
     _check_options(o)
-    model_type = _check_target(target_dir)
-    logger.info(f"loading target {target_dir} ({model_type})")
-    target = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    target.requires_grad_(False)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(target_dir)
+    target, tokenizer, model_type = load_target(target_dir)
     vocab, hidden = target.get_output_embeddings().weight.shape
     heads = new_heads(hidden, o.heads)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=o.lr, betas=(0.9, 0.95), weight_decay=0.0)

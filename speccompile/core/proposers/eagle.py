@@ -207,11 +207,9 @@ class EagleRunner:
         the row is out of step or holds nothing to read (the tree needs the catch-up's output)."""
         if not self.in_step[slot] or self.held[slot] == 0:
             return None
-        counts = np.zeros(slot + 1, dtype=np.int64)
-        counts[slot] = self.held[slot]
-        rows = [request] * (slot + 1)  # slots before `slot` read nothing
-        top_ids, top_logprobs = self._catch_up(rows, 0, counts, np.zeros(slot + 1, dtype=bool), top=True)
-        return top_ids[slot], top_logprobs[slot]
+        counts = self.held[slot : slot + 1].copy()  # a copy: the catch-up counts `held` down as it reads
+        top_ids, top_logprobs = self._catch_up([request], slot, counts, np.zeros(1, dtype=bool), top=True)
+        return top_ids[0], top_logprobs[0]
 
     def draft(self, rows: list, offers: list[Offer], drafts: np.ndarray, proposed: np.ndarray,
               sampling: bool) -> np.ndarray | None:
