@@ -205,18 +205,25 @@ class GammaPolicy:
             self._chosen = {allow_zero: self.current}
         return self._chosen[allow_zero]
 
-    def worth_running(self, offers: list[tuple[str, float, float]]) -> list[bool]:
+    def worth_running(self, offers: list[tuple[str, float, float]], batch: int | None = None,
+                      committed: bool = False) -> list[bool]:
         """offers: one per row that may decode plainly, (its proposer's name, the offer's expected
         tokens per ms, the ms of an iteration that carries it), all at costs_now(). Whether each
         runs this iteration (False: the row decodes plainly): where it beats a plain step (by
-        SWITCH_MARGIN to change from what its proposer did last), or where its proposer's probe is
-        due. Rows of the same proposer are decided together: one probe serves them all."""
+        SWITCH_MARGIN to change from what its proposer did last) and the iteration as a whole beats
+        one (`_batch_pays`), or where its proposer's probe is due. Rows of the same proposer are
+        decided together: one probe serves them all. batch: the rows of the iteration (default: the
+        offers'); committed: some other row speculates anyway (its γ is fixed), so the iteration
+        pays for a verification whatever these rows do."""
         costs = self.costs_now()
         plain = 1.0 / costs.plain_ms
-        verdicts = []
+        verdicts, margins = [], []
         for kind, rate, _ in offers:
             margin = 1 - SWITCH_MARGIN if self.declined.get(kind, 0) == 0 else 1 + SWITCH_MARGIN
             verdicts.append(rate >= plain * margin)
+            margins.append(margin)
+        if not committed and not _batch_pays(offers, verdicts, margins, batch or len(offers), plain):
+            verdicts = [False] * len(offers)
         intervals = {kind: probe_interval(ms + self.switch_ms.get(kind, 0.0), costs.plain_ms)
                      for (kind, _, ms), runs in zip(offers, verdicts) if not runs}
         probing = {kind for kind, interval in intervals.items() if self.declined.get(kind, 0) >= interval}
@@ -274,6 +281,22 @@ class GammaPolicy:
     def _add(self, kind: str, ratio: float) -> None:
         self._ratios[kind][0] += ratio
         self._ratios[kind][1] += 1
+
+
+def _batch_pays(offers: list[tuple[str, float, float]], runs: list[bool], margins: list[float], batch: int,
+                plain: float) -> bool:
+    """Whether an iteration in which the `runs` offers draft beats a plain step of all `batch` rows.
+    Each offer's rate prices the whole iteration (a verification of every row at its γ) against
+    that one row's tokens, which is the iteration's rate only when every row drafts alike: where a
+    few rows of a batch would draft, the batch pays for a verification and their drafts while the
+    other rows gain nothing (demo pair with its EAGLE-3 head, batch 8: 2.6 of 8 rows drafting per
+    verification ran at 0.70x plain decoding). The iteration's expected tokens are each running
+    row's (rate x ms) and one for each other row, over the longest running offer's ms."""
+    running = [(rate, ms, margin) for (_, rate, ms), run, margin in zip(offers, runs, margins) if run]
+    if not running:
+        return False
+    tokens = sum(rate * ms for rate, ms, _ in running) + batch - len(running)
+    return tokens / max(ms for _, ms, _ in running) >= batch * plain * min(margin for _, _, margin in running)
 
 
 def probe_interval(iteration_ms: float, plain_ms: float) -> int:

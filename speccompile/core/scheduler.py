@@ -300,8 +300,9 @@ class Scheduler:
         if not free:
             return offers
         costs = policy.costs_now()
+        committed = any(o.count for row, o in enumerate(offers) if row not in set(free))
         verdicts = policy.worth_running([(offers[row].source.name, offers[row].rate(costs),
-                                          offers[row].iteration_ms(costs)) for row in free])
+                                          offers[row].iteration_ms(costs)) for row in free], len(rows), committed)
         offers = list(offers)
         for row, runs in zip(free, verdicts):
             if not runs:

@@ -146,6 +146,17 @@ def test_an_offer_runs_only_where_it_beats_a_plain_step_and_changing_takes_a_mar
     assert policy.worth_running([("draft", 0.1 * (1 - SWITCH_MARGIN / 2), 14.0)]) == [True]
 
 
+def test_a_batch_speculates_only_where_the_whole_iteration_beats_a_plain_step():
+    """An offer's rate prices the whole iteration against one row's tokens: in a batch of 8 where one
+    row would draft, the batch pays the verification for that row's gain alone."""
+    policy = GammaPolicy(LoopCosts.from_timings(TIMINGS), [0.5] * 8)  # a plain step: 10 ms, 0.1 tokens per ms
+    one_row = [("draft", 0.2, 14.0)]  # 2.8 tokens of a 14 ms iteration: twice a plain step's rate, alone
+    assert policy.worth_running(one_row) == [True]
+    assert policy.worth_running(one_row, batch=8) == [False]  # (8 + 1.8) / 14 ms < 8 / 10 ms
+    assert policy.worth_running(one_row * 8, batch=8) == [True] * 8  # every row gains: 22.4 / 14 > 8 / 10
+    assert policy.worth_running(one_row, batch=8, committed=True) == [True]  # a fixed-γ row verifies anyway
+
+
 def test_a_declined_proposer_is_probed_at_an_interval_whose_cost_is_the_probe_budget():
     policy = GammaPolicy(LoopCosts.from_timings(TIMINGS), [0.0] * 8)
     iteration_ms = 16.0  # 6 ms more than a plain step of 10 ms: one probe per 6 / (budget x 10) plain steps

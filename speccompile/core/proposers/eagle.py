@@ -123,6 +123,8 @@ class EagleRunner:
         whose token t + 1 the request has, to be read later. A row with a gap before them, or whose
         features did not come, falls out of step; one that has gathered FLUSH_AFTER reads them now."""
         slots = np.arange(first, first + len(rows))
+        if not self.in_step[slots].any():  # none may draft here (plain requests): nothing to keep
+            return
         if features is None:
             self.in_step[slots] = False
             return
