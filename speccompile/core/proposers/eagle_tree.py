@@ -12,6 +12,7 @@ log-probability (the sum over its path), which the authors show tracks how often
      head in one call (each with its parent's output and its own token, at its depth's position,
      attending to the prefix and its ancestors), and each adds its `children` best tokens, scored
      by its score plus their log-probability, as the next level.
+     An expansion none of whose children could be chosen in step 3 is not run (nor any after it).
   3. Reranking: the `nodes` best-scored nodes of all levels form the tree. A child scores at most
      its parent (log-probabilities are <= 0; ties go to the shallower), so the choice holds every
      chosen node's ancestors.
@@ -69,6 +70,8 @@ def draft_tree(runner: EagleRunner, request, shape: TreeShape, slot: int = 0) ->
     level, written, outputs = list(range(len(nodes))), 0, {-1: runner.hidden[slot]}
     for depth in range(1, shape.depth):
         frontier = sorted(level, key=lambda i: -nodes[i].score)[: shape.width]
+        if not _can_enter(nodes, frontier, shape.nodes):
+            break
         tokens = np.array([[nodes[i].token for i in frontier]], dtype=np.int64)
         hidden = np.stack([outputs[nodes[i].parent] for i in frontier])[None]
         positions = np.full((1, len(frontier)), prefix + depth - 1, dtype=np.int64)
@@ -83,6 +86,17 @@ def draft_tree(runner: EagleRunner, request, shape: TreeShape, slot: int = 0) ->
                                    nodes[i].score + float(top_logprobs[0, j, rank]), rank))
         written += len(frontier)
     return _tree_of(nodes, shape.nodes)
+
+
+def _can_enter(nodes: list[_Node], frontier: list[int], count: int) -> bool:
+    """Whether a child of the frontier could be among the `count` best-scored nodes: a child scores at
+    most its parent, and loses a tie to every node drafted so far (all shallower), so where the best
+    frontier node scores no more than the count-th best node so far, neither it nor any descendant
+    is chosen and the expansions left would cost head calls for nothing. The tree is the same."""
+    if len(nodes) < count:
+        return True
+    kept = sorted((node.score for node in nodes), reverse=True)[count - 1]
+    return max(nodes[i].score for i in frontier) > kept
 
 
 def _visible(nodes: list[_Node], frontier: list[int], prefix: int, written: int) -> np.ndarray:
