@@ -189,6 +189,14 @@ class LoopCosts:
                          {g: call(batch * (g + 1)) for g in self.verify}, self.overhead, self.plain_overhead,
                          self.head_step * growth, self.head_catch_up * growth)
 
+    def verification_line(self) -> tuple[float, float]:
+        """(ms per token, fixed ms) of one row's verification as a line in the positions it scores,
+        through each compiled γ's (γ + 1) and, with one γ only, the plain step (1): a prior for what
+        a token tree of any size costs to verify. (A plain step's graph costs less than any
+        verification's, so it would steepen the line.)"""
+        points = [(g + 1, ms) for g, ms in self.verify.items()]
+        return _line(points if len(points) > 1 else [(1, self.target_step)] + points)
+
     def scaled(self, target: float, draft: float, overhead: float, plain_overhead: float,
                head: float = 1.0) -> "LoopCosts":
         """Every target call's time times `target`, every draft step's times `draft`, every head step's

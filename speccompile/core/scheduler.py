@@ -50,7 +50,7 @@ from speccompile.core.gamma_policy import GammaPolicy, Timing
 from speccompile.core.processors import grammar_masks, processing_inputs, words
 from speccompile.core.proposers import Offer, Proposers
 from speccompile.core.proposers.draft_model import DraftModel, DraftRunner, sampling_params
-from speccompile.core.proposers.eagle_tree import draft_tree
+from speccompile.core.proposers.eagle_tree import TreeEconomy, TreeSizing, draft_tree
 from speccompile.core.request import AUTO, Request
 from speccompile.core.sampling import draws
 
@@ -96,6 +96,7 @@ class Scheduler:
         self.joining: Request | None = None  # partly prefilled, in slot len(decoding)
         self._started = False
         self.last_gamma = 0  # the γ of the last decoding iteration's verification (0: a plain step), for metrics
+        self.tree_economy = TreeEconomy()  # what EAGLE-2 trees have kept and cost so far (their sizing)
 
     # -- the queue --------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -527,17 +528,20 @@ class Scheduler:
         target in one pass; the head then reads the features of the root and the accepted path. Where
         the head drafts none (out of step), a plain step."""
         began = time.perf_counter()
-        drafted = draft_tree(request.proposer.runner, request, request.proposer.shape)
+        sizing = self._tree_sizing(request, began)
+        drafted = draft_tree(request.proposer.runner, request, request.proposer.shape, sizing=sizing)
         if drafted is None:
             self._plain_iteration([request], began)
             return
-        tree, nodes = drafted
+        tree, nodes, expected = drafted
         tokens = np.concatenate([[request.tokens[-1]], nodes])[None]
         verifying = time.perf_counter()
         before = self._lengths_before(0, 1)
         best, next_token = self.target.verify_eagle_tree(tokens, tree)
         done = time.perf_counter()
         path = tree.path_to(int(best[0]))
+        if sizing is not None:
+            self.tree_economy.observe(expected, len(path) - 1, (done - verifying) * 1e3, sizing.line_ms(tree.size))
         stats = request.stats
         stats.draft_ms += (verifying - began) * 1e3
         stats.verify_ms += (done - verifying) * 1e3
@@ -547,6 +551,15 @@ class Scheduler:
         features = self.target.last_aux_hidden[:, [0, *path]]  # the kept positions', in order
         for runner in self.feature_readers:
             runner.after_target([request], 0, before, self.target.cache_lengths[:1].copy(), features)
+
+    def _tree_sizing(self, request: Request, began: float) -> TreeSizing | None:
+        """The loop's costs for sizing this request's dynamic tree (TreeSizing), as the γ policy of a
+        request alone has measured them; None without a policy (the tree shape's own size)."""
+        policy = self.policy_for(1, len(request.tokens)) if self.policy_for else None
+        if policy is None:
+            return None
+        costs, economy = policy.costs_now(), self.tree_economy
+        return TreeSizing(costs.verification_line(), economy.extra_ms, costs.overhead, economy.scale, began)
 
     def _tree_masks(self, rows: list[Request], tokens: np.ndarray, draft_len: np.ndarray, tree) -> np.ndarray | None:
         """[B, N, W]: the grammar's mask at each verified node of each constrained row, after the path

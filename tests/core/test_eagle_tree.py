@@ -1,10 +1,21 @@
 """EAGLE-2's dynamic tree drafting (core/proposers/eagle_tree.py) over a scripted head: the tree
 keeps the best-scored nodes, and expansions none of whose children could be kept are not run."""
 
+import time
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from speccompile.core.proposers.eagle_tree import TreeShape, _can_enter, _Node, _tree_of, draft_tree
+from speccompile.core.proposers.eagle_tree import (
+    TreeEconomy,
+    TreeShape,
+    TreeSizing,
+    _can_enter,
+    _Node,
+    _tree_of,
+    draft_tree,
+)
 
 VOCAB = 50
 
@@ -56,8 +67,8 @@ def unpruned(runner, shape: TreeShape, monkeypatch):
 def test_expansions_that_cannot_change_the_tree_are_not_run_and_the_tree_is_the_same(shape, steepness, first, calls,
                                                                                    monkeypatch):
     head, reference = ScriptedHead(steepness), ScriptedHead(steepness)
-    tree, tokens = draft_tree(ScriptedRunner(head, first), None, shape)
-    tree_all, tokens_all = unpruned(ScriptedRunner(reference, first), shape, monkeypatch)
+    tree, tokens, _ = draft_tree(ScriptedRunner(head, first), None, shape)
+    tree_all, tokens_all, _ = unpruned(ScriptedRunner(reference, first), shape, monkeypatch)
     assert tree.paths == tree_all.paths and tokens.tolist() == tokens_all.tolist()
     assert reference.calls == shape.depth - 1 and head.calls == calls
 
@@ -69,3 +80,45 @@ def test_a_child_tying_the_last_kept_node_loses_to_it():
     assert _can_enter(nodes, [1], count=3)  # room left: anything enters
     tree, tokens = _tree_of(nodes + [_Node(3, 1, 2, -2.0, 0)], 2)
     assert tokens.tolist() == [1, 2]
+
+
+def sizing(per_token_ms: float, scale: float = 1.0) -> TreeSizing:
+    return TreeSizing((per_token_ms, 4.0), 0.0, 0.0, scale, time.perf_counter())
+
+
+def test_a_node_is_verified_where_the_tokens_it_is_expected_to_add_pay_for_its_verification():
+    scores = np.log([0.9, 0.8, 0.5, 0.3, 0.1, 0.05, 0.02])
+    assert sizing(0.0).count(scores) == len(scores)  # verification free per token (a GPU): every node
+    # 0.25 ms a token on a 4 ms call: a node pays where its chance beats the rate times 0.25 ms
+    count = sizing(0.25).count(scores)
+    rates = [(1 + np.exp(scores[:n]).sum()) / (4.0 + 0.25 * (n + 1)) for n in range(1, len(scores) + 1)]
+    assert count == int(np.argmax(rates)) + 1 == 4
+    assert sizing(0.25, scale=0.2).count(scores) < count  # drafts kept less often than scored: fewer nodes
+    assert sizing(50.0).count(scores) == 1  # at least one
+
+
+def test_an_expansion_is_skipped_where_even_its_best_child_would_not_pay():
+    scores = np.log([0.9, 0.8, 0.5])
+    assert sizing(0.25).expands(np.log(0.5), scores)
+    assert not sizing(0.25).expands(np.log(0.01), scores)
+    assert sizing(0.0).expands(np.log(0.01), scores)  # free verification: anything may pay
+
+
+def test_sized_drafting_keeps_the_best_nodes_of_the_full_tree(monkeypatch):
+    shape = TreeShape(depth=5, width=2, children=3, nodes=12)
+    first = [-0.1, -1.5, -3.0]
+    head = ScriptedHead(0.7)
+    tree, tokens, expected = draft_tree(ScriptedRunner(head, first), None, shape, sizing=sizing(0.25))
+    assert 1 <= len(tokens) < shape.nodes and head.calls < shape.depth - 1 and expected > 0
+    best, best_tokens, _ = unpruned(ScriptedRunner(ScriptedHead(0.7), first), replace(shape, nodes=len(tokens)),
+                                    monkeypatch)  # the same number of best nodes of every expansion
+    assert tree.paths == best.paths and tokens.tolist() == best_tokens.tolist()
+
+
+def test_the_economy_learns_how_often_scored_drafts_are_kept_and_what_trees_cost():
+    economy = TreeEconomy()
+    assert economy.scale == 1.0 and economy.extra_ms == 0.0
+    for _ in range(300):
+        economy.observe(expected=3.0, kept=1, verify_ms=6.0, predicted_ms=5.5)
+    # the priors stay mixed in, as a few trees' worth against the horizon's 64
+    assert economy.scale == pytest.approx(1 / 3, rel=0.1) and economy.extra_ms == pytest.approx(0.5, rel=0.05)

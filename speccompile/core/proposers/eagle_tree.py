@@ -26,6 +26,8 @@ bundle whose head has the tree's graphs and whose target runs its own graph per 
 session graph). Elsewhere the proposer drafts the head's chain, as `eagle` does.
 """
 
+import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +49,89 @@ class TreeShape:
         return (self.depth - 1) * self.width
 
 
+class TreeSizing:
+    """How many of a tree's nodes to verify, and whether to expand it further, at the loop's costs.
+
+    EAGLE-2 verifies a fixed number of nodes, sized for a GPU, where verifying 60 tokens costs about
+    what verifying 1 does. On a CPU each verified token costs (demo target, 2 cores: about 0.25 ms
+    on a 4 ms step), so a node is worth verifying only where the tokens it is expected to add pay
+    for it. A node's chance of being kept is taken as exp(score), its path's draft probability (the
+    EAGLE-2 authors show it tracks acceptance), times `scale`, the measured ratio of tokens kept to
+    tokens so expected (TreeEconomy). The iteration's rate with the n best nodes is
+
+        (1 + scale x sum of their exp(score)) / (drafting so far + verify(n + 1 tokens) + overhead)
+
+    and the n of the best rate is verified (the n best always hold their ancestors). An expansion
+    is skipped where even a child as likely as its parent would not pay its verification."""
+
+    def __init__(self, line: tuple[float, float], extra_ms: float, overhead_ms: float, scale: float, began: float):
+        """line: (ms per token, fixed ms) of a verification as a line in the tokens it scores; extra_ms:
+        what a tree's costs beyond it; began: the iteration's start (time.perf_counter), from which
+        the drafting spent so far is measured."""
+        self.line, self.extra_ms, self.overhead_ms, self.scale, self.began = line, extra_ms, overhead_ms, scale, began
+
+    def line_ms(self, tokens: int) -> float:
+        per_token, fixed = self.line
+        return fixed + per_token * tokens
+
+    def verify_ms(self, tokens: int) -> float:
+        """A tree verification scoring `tokens` positions (its root included), in ms."""
+        return self.line_ms(tokens) + self.extra_ms
+
+    def expected(self, scores: np.ndarray) -> float:
+        """The tokens nodes of these scores are expected to keep."""
+        return float(self.scale * np.exp(scores).sum())
+
+    def rates(self, scores: np.ndarray) -> np.ndarray:
+        """Tokens per ms with the 1..len(scores) best of these nodes verified (scores best first)."""
+        spent = (time.perf_counter() - self.began) * 1e3 + self.overhead_ms
+        tokens = 1.0 + self.scale * np.cumsum(np.exp(scores))
+        return tokens / np.array([spent + self.verify_ms(n + 1) for n in range(1, len(scores) + 1)])
+
+    def count(self, scores: np.ndarray) -> int:
+        """How many of the best nodes to verify (at least one)."""
+        return int(np.argmax(self.rates(scores))) + 1
+
+    def expands(self, best: float, scores: np.ndarray) -> bool:
+        """Whether a child of a frontier whose best node scores `best` could pay for its own
+        verification at the best rate the nodes so far give (its head call not even counted)."""
+        rates = self.rates(scores)
+        n = int(np.argmax(rates)) + 1
+        marginal_ms = self.verify_ms(n + 2) - self.verify_ms(n + 1)
+        return self.scale * math.exp(best) >= rates[n - 1] * marginal_ms
+
+
+class TreeEconomy:
+    """What the loop learns of a head's trees, older trees fading (time constant `horizon`, in trees):
+    `scale`, the drafts kept over those the nodes' scores expected (a ratio of sums, from a prior of
+    `prior_tokens` at 1), and `extra_ms`, what a tree's verification costs beyond the γ
+    verifications' line (its graph and mask; about 0.3 ms on the demo target), a mean from a prior
+    of `prior_trees` trees at 0. The line's slope stays the calibrated one: the trees' own sizes
+    vary too little to fit it (a sizing that finds large trees cheap verifies only large trees)."""
+
+    def __init__(self, prior_tokens: float = 8.0, prior_trees: float = 2.0, horizon: float = 64.0):
+        self.prior_tokens, self.prior_trees, self.fade = prior_tokens, prior_trees, math.exp(-1.0 / horizon)
+        self.kept = self.expected = prior_tokens
+        self.trees, self.extra_sum = prior_trees, 0.0
+
+    @property
+    def scale(self) -> float:
+        return min(4.0, max(0.1, self.kept / self.expected))
+
+    @property
+    def extra_ms(self) -> float:
+        return self.extra_sum / self.trees
+
+    def observe(self, expected: float, kept: int, verify_ms: float, predicted_ms: float) -> None:
+        """One verified tree: the drafts its scores expected and those kept, its verification's
+        measured ms and the line's prediction (extra_ms not included)."""
+        if math.isfinite(expected):
+            self.kept = self.prior_tokens + self.fade * (self.kept - self.prior_tokens) + kept
+            self.expected = self.prior_tokens + self.fade * (self.expected - self.prior_tokens) + expected
+        self.trees = self.prior_trees + self.fade * (self.trees - self.prior_trees) + 1.0
+        self.extra_sum = self.fade * self.extra_sum + (verify_ms - predicted_ms)
+
+
 @dataclass
 class _Node:
     token: int
@@ -57,9 +142,12 @@ class _Node:
     written: int = -1  # where its head output sits past the prefix (-1: never expanded)
 
 
-def draft_tree(runner: EagleRunner, request, shape: TreeShape, slot: int = 0) -> tuple[TokenTree, np.ndarray] | None:
+def draft_tree(runner: EagleRunner, request, shape: TreeShape, slot: int = 0,
+               sizing: "TreeSizing | None" = None) -> tuple[TokenTree, np.ndarray, float] | None:
     """The dynamic tree after the request's last token: (its topology, its non-root nodes' tokens in
-    the topology's order); None where the head cannot draft one (out of step, nothing to read)."""
+    the topology's order, the tokens its draft scores expect it to keep); None where the head cannot
+    draft one (out of step, nothing to read). With `sizing`, expansions and nodes that do not pay
+    at the loop's costs are left out (TreeSizing); without, the shape's `nodes`."""
     first = runner.read_for_tree(request, slot)
     if first is None:
         return None
@@ -70,7 +158,8 @@ def draft_tree(runner: EagleRunner, request, shape: TreeShape, slot: int = 0) ->
     level, written, outputs = list(range(len(nodes))), 0, {-1: runner.hidden[slot]}
     for depth in range(1, shape.depth):
         frontier = sorted(level, key=lambda i: -nodes[i].score)[: shape.width]
-        if not _can_enter(nodes, frontier, shape.nodes):
+        if not _can_enter(nodes, frontier, shape.nodes) or (
+                sizing is not None and not sizing.expands(nodes[frontier[0]].score, _scores(nodes))):
             break
         tokens = np.array([[nodes[i].token for i in frontier]], dtype=np.int64)
         hidden = np.stack([outputs[nodes[i].parent] for i in frontier])[None]
@@ -85,7 +174,14 @@ def draft_tree(runner: EagleRunner, request, shape: TreeShape, slot: int = 0) ->
                 nodes.append(_Node(int(top_ids[0, j, rank]), i, depth + 1,
                                    nodes[i].score + float(top_logprobs[0, j, rank]), rank))
         written += len(frontier)
-    return _tree_of(nodes, shape.nodes)
+    count = shape.nodes if sizing is None else sizing.count(_scores(nodes)[: shape.nodes])
+    tree, tokens = _tree_of(nodes, count)
+    return tree, tokens, sizing.expected(_scores(nodes)[:count]) if sizing is not None else float("nan")
+
+
+def _scores(nodes: list[_Node]) -> np.ndarray:
+    """Every node's score, best first."""
+    return np.sort(np.array([node.score for node in nodes]))[::-1]
 
 
 def _can_enter(nodes: list[_Node], frontier: list[int], count: int) -> bool:
