@@ -98,6 +98,10 @@ class Scheduler:
         self.last_gamma = 0  # the γ of the last decoding iteration's verification (0: a plain step), for metrics
         self.tree_economy = TreeEconomy()  # what EAGLE-2 trees have kept and cost so far (their sizing)
 
+    def forget(self) -> None:
+        """Forget what the load's dynamic trees taught their sizing (Runtime.forget)."""
+        self.tree_economy = TreeEconomy()
+
     # -- the queue --------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         """Queue a request (thread-safe). Its γ and length must have been checked (see `fits`); its

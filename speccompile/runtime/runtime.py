@@ -102,13 +102,15 @@ class Runtime:
         self.forget()
 
     def forget(self) -> None:
-        """Back to what a fresh load knows: finished requests' outputs (suffix decoding's cache)
-        and what the γ policies learned are forgotten; measured priors (profile, calibration) stay.
-        Only while idle. What `bench` does before each measured run, so that none learns from another."""
+        """Back to what a fresh load knows: finished requests' outputs (suffix decoding's cache) and
+        what the γ policies, the head's acceptance and its trees' sizing learned are forgotten;
+        measured priors (profile, calibration) stay. Only while idle. What `bench` does before each
+        measured run, so that none learns from another."""
         if not self.scheduler.idle:
             raise SpecCompileError("a runtime can only forget while no request is in flight")
-        self.proposers.forget_outputs()
+        self.proposers.forget()
         self.policies.forget()
+        self.scheduler.forget()
 
     UNHEALTHY_AFTER = 3  # failed iterations in a row after which the runtime reports itself unhealthy
 

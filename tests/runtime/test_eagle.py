@@ -9,6 +9,7 @@ to agree with a target often, so that the head reads back verifications that kep
 
 import dataclasses
 import json
+import types
 
 import numpy as np
 import pytest
@@ -284,6 +285,26 @@ def test_auto_weighs_the_head_and_chooses_it_where_its_drafts_are_kept(runtimes,
     results = runtimes("agreeing").generate(PROMPTS, max_new_tokens=MAX_NEW, proposer="auto")
     assert [r.token_ids for r in results] == [hf_greedy(bigram_target, prompt, MAX_NEW) for prompt in PROMPTS]
     assert all(list(r.stats.by_proposer) == ["eagle"] for r in results), [r.stats.by_proposer for r in results]
+
+
+def test_what_the_head_s_drafts_taught_carries_to_the_next_request_until_the_runtime_forgets(runtimes):
+    """How often the head's drafts are kept is learned over the load, as the draft model's is: a new
+    request's offers start from it, not from the prior; Runtime.forget goes back to the prior."""
+    from speccompile.core.proposers.eagle import EAGLE_PRIOR
+
+    runtime = runtimes("speculators")
+    runtime.forget()
+    runner = runtime.proposers.eagle
+    assert runner.acceptance.by_position(1) == [pytest.approx(EAGLE_PRIOR)]
+    [result] = runtime.generate([PROMPTS[0]], max_new_tokens=MAX_NEW, proposer="eagle", gamma=4)
+    drafted, kept = result.stats.by_proposer["eagle"][1:]
+    learned = runner.acceptance.by_position(1)[0]
+    assert learned < EAGLE_PRIOR and kept < drafted / 2  # a random head's drafts are rarely kept
+    greedy = types.SimpleNamespace(params=types.SimpleNamespace(greedy=True))
+    offer = runtime.proposers.make("eagle").offer(greedy, 4, 4, None)  # what a next request expects
+    assert offer.acceptance_by_position()[0] == pytest.approx(learned)
+    runtime.forget()
+    assert runner.acceptance.by_position(1) == [pytest.approx(EAGLE_PRIOR)]
 
 
 SAMPLED = dict(max_new_tokens=MAX_NEW, temperature=0.9, seed=7)

@@ -67,9 +67,12 @@ class Proposers:
         self.draft, self.tree, self.lookup_priors, self.eagle = draft, tree, lookup_priors, eagle
         self.suffix = SuffixCache(max_depth=SUFFIX_DEPTH)
 
-    def forget_outputs(self) -> None:
-        """Forget what finished requests answered (suffix decoding's cross-request tree)."""
+    def forget(self) -> None:
+        """Forget what finished requests taught: what they answered (suffix decoding's cross-request
+        tree) and how often the EAGLE-3 head's drafts were kept."""
         self.suffix.forget_outputs()
+        if self.eagle is not None:
+            self.eagle.forget()
 
     @property
     def runners(self) -> list[Runner]:

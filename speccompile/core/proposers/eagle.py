@@ -28,13 +28,13 @@ the next output position (`pending_probs` keeps its q); the rest at the steps.
 
 import numpy as np
 
-from speccompile.core.gamma_policy import Acceptance, GammaPolicy
+from speccompile.core.gamma_policy import ACCEPTANCE_HORIZON, Acceptance, GammaPolicy
 from speccompile.core.proposers.base import Offer, Proposer
 from speccompile.core.proposers.draft_model import sampled_confidence, sampling_params
 from speccompile.core.sampling import draws
 
-# What a request believes of the head until it has its own (EAGLE-3's published acceptance is higher
-# than a small draft model's; a prior only orders the first iterations of `auto`)
+# What the load believes of the head before it has seen it draft (EAGLE-3's published acceptance is
+# higher than a small draft model's; a prior only orders the first iterations of `auto`)
 EAGLE_PRIOR, EAGLE_PRIOR_WEIGHT = 0.7, 2.0
 # A declining row's features are read once this many have gathered: a catch-up over them costs about
 # one call, so a row decoding plainly pays about 1/FLUSH_AFTER of a head call per token, in memory
@@ -53,6 +53,10 @@ class EagleRunner:
 
     def __init__(self, engine, max_seq: int):
         self.engine, self.max_seq = engine, max_seq
+        # how often the head's drafts are kept, learned over every request of the load, as the γ
+        # policy learns the draft model's: a request that starts believing the prior pays for its first
+        # iterations of a head that drafts worse (demo pair, batch 1: `auto` at 1.81x beside 2.27x without it)
+        self.forget()
         self.steps, self.catch_up_ms = 0, 0.0  # of the last draft: head calls (its catch-up the first), and 0
         self.pending = np.zeros(0, dtype=np.int64)  # per slot: the first draft, read at the last catch-up
         self.confidence = np.zeros(0, dtype=np.float32)
@@ -63,6 +67,10 @@ class EagleRunner:
         self.held = np.zeros(0, dtype=np.int64)  # per slot: how many positions `unread` holds
         self.drawn = np.zeros(0, dtype=bool)  # per slot: `pending` was drawn for a sampled request (its q kept)
         self.pending_probs: np.ndarray | None = None  # per slot [V]: the distribution `pending` was drawn from
+
+    def forget(self) -> None:
+        """Back to the prior of how often the head's drafts are kept (Runtime.forget)."""
+        self.acceptance = Acceptance([EAGLE_PRIOR], EAGLE_PRIOR_WEIGHT, ACCEPTANCE_HORIZON)
 
     @property
     def trees(self) -> bool:
@@ -284,15 +292,14 @@ class EagleDraft(Proposer):
 
     def __init__(self, runner: EagleRunner, p_min: float = 0.0):
         self.runner, self.p_min = runner, p_min
-        self.acceptance = Acceptance([EAGLE_PRIOR], EAGLE_PRIOR_WEIGHT)
 
     def offer(self, request, wanted: int, cap: int, policy: GammaPolicy | None) -> Offer:
         """`wanted` drafts (for a sampled request, where the head has its sampled graphs: drafts drawn
-        from its distribution, verified exactly with it), expected to be kept as this request's drafts were."""
+        from its distribution, verified exactly with it), expected to be kept as the load's were."""
         count = wanted if request.params.greedy or self.runner.samples else 0
-        return Offer(count, self, None, lambda: self.acceptance.by_position(count))
+        return Offer(count, self, None, lambda: self.runner.acceptance.by_position(count))
 
     def observe(self, stats, offer: Offer, drafts: int, accepted: int) -> None:
         stats.record_iteration(accepted, drafts, self.name)
         if drafts:
-            self.acceptance.observe(drafts, accepted)
+            self.runner.acceptance.observe(drafts, accepted)
