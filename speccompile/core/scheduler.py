@@ -305,7 +305,8 @@ class Scheduler:
         if not free:
             return offers
         costs = policy.costs_now()
-        committed = any(o.count for row, o in enumerate(offers) if row not in set(free))
+        free_rows = set(free)
+        committed = any(o.count for row, o in enumerate(offers) if row not in free_rows)  # drafting whatever these do
         verdicts = policy.worth_running([(offers[row].source.name, offers[row].rate(costs),
                                           offers[row].iteration_ms(costs)) for row in free], len(rows), committed)
         offers = list(offers)
