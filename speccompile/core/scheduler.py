@@ -73,6 +73,7 @@ class Plan:
     policy: GammaPolicy | None = None
     tree: bool = False  # a token-tree verification (Medusa) instead of a chain
     eagle_tree: bool = False  # an EAGLE-3 head's dynamic tree (one request: core/proposers/eagle_tree.py)
+    tree_or_chain: bool = False  # a request that may draft a dynamic tree: this iteration's rate chooses (TreeEconomy)
 
 
 class Scheduler:
@@ -155,7 +156,11 @@ class Scheduler:
         if self.decoding:
             began = time.perf_counter()
             plan = self.plan(self.decoding)
+            emitted = len(plan.rows[0].tokens) if plan.tree_or_chain else 0
             timing = self.execute(plan)
+            if plan.tree_or_chain:  # which pays, a tree or the chain (or the plain step it chose), measured
+                self.tree_economy.observe_rate(plan.eagle_tree, len(plan.rows[0].tokens) - emitted,
+                                               (time.perf_counter() - began) * 1e3)
             if plan.policy is not None and timing is not None:  # what the iteration cost teaches the policy
                 timing.total_ms = (time.perf_counter() - began) * 1e3 - timing.catch_up_ms
                 plan.policy.observe_timing(timing)
@@ -272,9 +277,10 @@ class Scheduler:
         """Decide this iteration: γ, each row's offer and drafts, and the graph that verifies them."""
         if any(r.proposer.tree and r.gamma != 0 for r in rows):
             return Plan(rows, [], np.zeros(len(rows), dtype=np.int64), 0, tree=True)
-        if len(rows) == 1 and self.verifies_trees and rows[0].proposer.drafts_tree(rows[0], 1,
-                                                                                self.max_seq - len(rows[0].tokens)):
-            return Plan(rows, [], np.zeros(1, dtype=np.int64), 0, eagle_tree=True)
+        tree_or_chain = len(rows) == 1 and self.verifies_trees and rows[0].proposer.drafts_tree(
+            rows[0], 1, self.max_seq - len(rows[0].tokens))
+        if tree_or_chain and self.tree_economy.tree_turn():
+            return Plan(rows, [], np.zeros(1, dtype=np.int64), 0, eagle_tree=True, tree_or_chain=True)
         policy = None
         if self.policy_for and any(r.gamma == AUTO or r.proposer.compares_costs for r in rows):
             policy = self.policy_for(len(rows), round(sum(len(r.tokens) for r in rows) / len(rows)))
@@ -295,7 +301,7 @@ class Scheduler:
             if request.grammar is not None and offer.tokens is not None and drafts[row]:
                 # a lookup's proposal is cut where the grammar forbids it (the draft model's is masked)
                 drafts[row] = request.grammar.valid_prefix(offer.tokens[: drafts[row]])
-        return Plan(rows, offers, drafts, gamma if drafts.max() > 0 else 0, policy)
+        return Plan(rows, offers, drafts, gamma if drafts.max() > 0 else 0, policy, tree_or_chain=tree_or_chain)
 
     def _against_plain(self, rows: list[Request], offers: list[Offer], policy: GammaPolicy) -> list[Offer]:
         """Under γ auto, a row whose offer promises fewer tokens per ms than a plain step decodes

@@ -122,3 +122,17 @@ def test_the_economy_learns_how_often_scored_drafts_are_kept_and_what_trees_cost
         economy.observe(expected=3.0, kept=1, verify_ms=6.0, predicted_ms=5.5)
     # the priors stay mixed in, as a few trees' worth against the horizon's 64
     assert economy.scale == pytest.approx(1 / 3, rel=0.1) and economy.extra_ms == pytest.approx(0.5, rel=0.05)
+
+
+def test_the_faster_of_tree_and_chain_drafts_and_the_other_is_tried_now_and_then():
+    economy = TreeEconomy()
+    assert economy.tree_turn()  # a tree first,
+    economy.observe_rate(True, tokens=3, ms=10.0)
+    assert not economy.tree_turn()  # then the chain, once
+    economy.observe_rate(False, tokens=3, ms=6.0)
+    turns = [economy.tree_turn() for _ in range(4 * TreeEconomy.EXPLORE_EVERY)]
+    assert sum(turns) == 4  # the chain pays more: a tree once every EXPLORE_EVERY iterations
+    for _ in range(200):  # the text turns: trees now pay more
+        economy.observe_rate(True, tokens=5, ms=8.0)
+    turns = [economy.tree_turn() for _ in range(4 * TreeEconomy.EXPLORE_EVERY)]
+    assert len(turns) - sum(turns) == 4

@@ -386,9 +386,11 @@ def test_a_profile_that_did_not_time_the_head_is_completed_by_timing_it(target, 
 
 
 def recorded_trees(monkeypatch) -> list:
-    """Every dynamic tree drafted from now on: (the request's tokens then, the tree, its nodes' tokens)."""
+    """Every dynamic tree drafted from now on: (the request's tokens then, the tree, its nodes' tokens);
+    every iteration that may draft a tree does (whatever the chain's measured rate)."""
     from speccompile.core import scheduler
 
+    always_trees(monkeypatch)
     log, drafting = [], scheduler.draft_tree
 
     def draft_and_record(runner, request, shape, slot=0, sizing=None):
@@ -429,9 +431,16 @@ def test_every_tree_node_is_among_the_reference_heads_best_after_its_path(runtim
             assert path[-1] in draft_to_target(head, best).tolist(), (tokens, path)
 
 
-def test_a_dynamic_tree_keeps_the_target_s_greedy_output(runtimes, bigram_target, expected):
+def always_trees(monkeypatch) -> None:
+    from speccompile.core.proposers.eagle_tree import TreeEconomy
+
+    monkeypatch.setattr(TreeEconomy, "tree_turn", lambda self: True)
+
+
+def test_a_dynamic_tree_keeps_the_target_s_greedy_output(runtimes, bigram_target, expected, monkeypatch):
     """EAGLE-2's tree (proposer eagle_tree) for a request alone: the target's greedy output exactly, with
     a random head and with an agreeing one; in a batch the proposer drafts the chain."""
+    always_trees(monkeypatch)
     agreeing = runtimes("agreeing")
     assert agreeing.eagle.drafts_trees and agreeing.target.drafts_trees
     for prompt in PROMPTS:
@@ -444,3 +453,22 @@ def test_a_dynamic_tree_keeps_the_target_s_greedy_output(runtimes, bigram_target
         assert result.token_ids == tokens and result.stats.tree_nodes > 0
     batch = random.generate(PROMPTS, max_new_tokens=MAX_NEW, proposer="eagle_tree", gamma=4)
     assert [r.token_ids for r in batch] == expected and all(r.stats.tree_nodes == 0 for r in batch)
+
+
+def test_trees_and_chains_taking_turns_keep_the_target_s_greedy_output(runtimes, bigram_target):
+    """Where the tree and the chain alternate (TreeEconomy.tree_turn), the head's state after a tree is
+    what its chain reads on, and the other way round: the output is the target's, and both run."""
+    from speccompile.core.proposers.eagle_tree import TreeEconomy
+
+    turns = iter([True, False] * MAX_NEW)
+    agreeing = runtimes("agreeing")
+    original = TreeEconomy.tree_turn
+    TreeEconomy.tree_turn = lambda self: next(turns)
+    try:
+        for prompt in PROMPTS:
+            [result] = agreeing.generate([prompt], max_new_tokens=MAX_NEW, proposer="eagle_tree", gamma=4)
+            assert result.token_ids == hf_greedy(bigram_target, prompt, MAX_NEW)
+            assert result.stats.tree_nodes > 0 and result.stats.gammas_used.get(4, 0) > 0
+            assert result.stats.accepted_tokens > result.stats.iterations / 2  # the chain's drafts kept too
+    finally:
+        TreeEconomy.tree_turn = original

@@ -109,10 +109,36 @@ class TreeEconomy:
     of `prior_trees` trees at 0. The line's slope stays the calibrated one: the trees' own sizes
     vary too little to fit it (a sizing that finds large trees cheap verifies only large trees)."""
 
+    EXPLORE_EVERY = 8  # iterations: one in this many runs the form (tree or chain) that measured slower
+
     def __init__(self, prior_tokens: float = 8.0, prior_trees: float = 2.0, horizon: float = 64.0):
         self.prior_tokens, self.prior_trees, self.fade = prior_tokens, prior_trees, math.exp(-1.0 / horizon)
         self.kept = self.expected = prior_tokens
         self.trees, self.extra_sum = prior_trees, 0.0
+        self.measured = {True: [0.0, 0.0], False: [0.0, 0.0]}  # tree?: [tokens, ms] of its iterations, fading
+        self.turns = 0
+
+    def rate(self, tree: bool) -> float | None:
+        """Tokens per ms the tree's (or the chain's) iterations gave a request asking for trees."""
+        tokens, ms = self.measured[tree]
+        return tokens / ms if ms > 0 else None
+
+    def tree_turn(self) -> bool:
+        """Whether this iteration drafts a tree rather than the head's chain (which γ auto may turn into a
+        plain step): whichever has measured the more tokens per ms, the other once every
+        EXPLORE_EVERY iterations (each first tried once). On a CPU a tree's verification costs by
+        the token, and the chain may well pay more (demo pair, 2 cores: the sized tree at 1.29x
+        beside the chain's 1.57x)."""
+        self.turns += 1
+        tree, chain = self.rate(True), self.rate(False)
+        if tree is None or chain is None:
+            return tree is None
+        return (tree >= chain) != (self.turns % self.EXPLORE_EVERY == 0)
+
+    def observe_rate(self, tree: bool, tokens: int, ms: float) -> None:
+        """One iteration of a request asking for trees, as a tree or as the chain: what it emitted, in how long."""
+        pair = self.measured[tree]
+        pair[0], pair[1] = self.fade * pair[0] + tokens, self.fade * pair[1] + ms
 
     @property
     def scale(self) -> float:
