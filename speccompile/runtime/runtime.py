@@ -102,10 +102,8 @@ class Runtime:
         self.forget()
 
     def forget(self) -> None:
-        """Back to what a fresh load knows: finished requests' outputs (suffix decoding's cache) and
-        what the γ policies, the head's acceptance and its trees' sizing learned are forgotten;
-        measured priors (profile, calibration) stay. Only while idle. What `bench` does before each
-        measured run, so that none learns from another."""
+        """Back to a fresh load's knowledge (measured priors stay): outputs, policies, the head's
+        acceptance and trees. Only while idle; `bench` does it before each measured run."""
         if not self.scheduler.idle:
             raise SpecCompileError("a runtime can only forget while no request is in flight")
         self.proposers.forget()
