@@ -8,8 +8,9 @@ functions). Bundles: the demo EAGLE-3 bundle (target, draft model and EAGLE-3 he
 demo_eagle_bundle), the default demo bundle, which is the same pair without the head (what
 carrying the head costs plain decoding, the draft model and the default call), and the demo target
 with its Medusa heads. Variants:
-plain decoding; the draft model at γ=4; the head's chain at γ=4 and at γ auto; its dynamic tree
-(EAGLE-2, proposer eagle_tree, the default TreeShape; a request alone only); the default call
+plain decoding; the draft model at γ=4; the head's chain at γ=4 and at γ auto; proposer eagle_tree
+(EAGLE-2 trees of the default TreeShape, sized at the loop's costs, or the chain where that measured
+faster; trees for a request alone only); the default call
 (proposer auto, γ auto: whatever `generate` does with no options); and the Medusa tree the runtime
 sizes. At batch 1 each prompt runs alone; at batch 8 the prompts run as one `generate` call of 8
 at a time. Each repeat runs every variant in the same order (interleaved), each after its runtimes
