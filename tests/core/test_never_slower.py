@@ -167,7 +167,10 @@ def test_a_head_whose_drafts_are_never_kept_stops_drafting_but_for_bounded_probe
     assert head.catch_ups <= drafting + 1 + len(request.tokens) / FLUSH_AFTER, head.catch_ups
     plain, plain_ms, _ = serve_with_head(-1, 0)
     assert request.generated == plain.generated
-    assert auto_ms <= plain_ms / 0.9, (auto_ms, plain_ms)  # the draft model's test's margin
+    # Its probes, the catch-ups they need and the offers weighed every iteration cost about 8% here
+    # (1.06-1.11 over 12 runs); a catch-up after every token, the failure this guards against, cost 44%.
+    # (Plain decoding here keeps no features for the head at all, so it is the faster baseline.)
+    assert auto_ms <= plain_ms / 0.88, (auto_ms, plain_ms)
 
 
 def test_a_head_whose_drafts_are_kept_drafts_and_beats_plain_decoding():

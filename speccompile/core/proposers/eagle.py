@@ -130,24 +130,27 @@ class EagleRunner:
         returned their features [B, T, F] (None: it returned none): keep those of each position t
         whose token t + 1 the request has, to be read later. A row with a gap before them, or whose
         features did not come, falls out of step; one that has gathered FLUSH_AFTER reads them now."""
-        slots = np.arange(first, first + len(rows))
-        if not self.in_step[slots].any():  # none may draft here (plain requests): nothing to keep
+        rows_here = slice(first, first + len(rows))  # views: writes through them update the slots' state
+        in_step = self.in_step[rows_here]
+        if not in_step.any():  # none may draft here (plain requests): nothing to keep
             return
         if features is None:
-            self.in_step[slots] = False
+            in_step[:] = False
             return
-        self.in_step[slots] &= self.read_to[slots] + self.held[slots] >= before
-        for b in np.flatnonzero(self.in_step[slots] & (self.read_to[slots] + self.held[slots] > before)):
-            self._truncate(int(slots[b]), int(before[b]))  # the target dropped positions the head had
-        known = np.array([len(r.tokens) - 1 for r in rows], dtype=np.int64)
-        counts = np.where(self.in_step[slots], np.maximum(np.minimum(after, known) - before, 0), 0)
+        ends = self.read_to[rows_here] + self.held[rows_here]
+        in_step &= ends >= before
+        for b in np.flatnonzero(in_step & (ends > before)):
+            self._truncate(first + int(b), int(before[b]))  # the target dropped positions the head had
+        known = np.fromiter((len(r.tokens) - 1 for r in rows), dtype=np.int64, count=len(rows))
+        counts = np.where(in_step, np.maximum(np.minimum(after, known) - before, 0), 0)
         for b in np.flatnonzero(counts):
-            self.unread[slots[b]].append(features[b, : counts[b]].copy())
-        self.held[slots] += counts
-        self.in_step[slots[counts < after - before]] = False  # tokens it could not read yet: behind
+            self.unread[first + b].append(features[b, : counts[b]].copy())
+        held = self.held[rows_here]
+        held += counts
+        in_step &= counts >= after - before  # tokens it could not read yet: behind
         # each full row alone: a batched call would run every row over the longest one's positions
-        for b in np.flatnonzero(self.in_step[slots] & (self.held[slots] >= FLUSH_AFTER)):
-            self._catch_up([rows[b]], first + b, self.held[slots[b : b + 1]] - 1, np.zeros(1, dtype=bool))
+        for b in np.flatnonzero(in_step & (held >= FLUSH_AFTER)):
+            self._catch_up([rows[b]], first + int(b), held[b : b + 1] - 1, np.zeros(1, dtype=bool))
 
     def _truncate(self, slot: int, length: int) -> None:
         """Forget what the head read or holds of positions `length`.. (the target no longer has them)."""
@@ -206,7 +209,9 @@ class EagleRunner:
     def _read_long_alone(self, rows: list, reading: np.ndarray) -> None:
         """Rows about to be read that hold more than SHORT_READ positions (they declined for a while)
         read all but their last alone first: the batched catch-up then runs every row over a few
-        positions, not over the longest row's."""
+        positions, not over the longest row's. A row read alone in its batch needs no such split."""
+        if np.count_nonzero(reading) < 2:
+            return
         for b in np.flatnonzero(reading & (self.held[: len(rows)] > SHORT_READ)):
             self._catch_up([rows[b]], int(b), self.held[b : b + 1] - 1, np.zeros(1, dtype=bool))
 
