@@ -47,7 +47,7 @@ class ScriptedRunner:
 def unpruned(runner, shape: TreeShape, monkeypatch):
     import speccompile.core.proposers.eagle_tree as module
 
-    monkeypatch.setattr(module, "_can_enter", lambda nodes, frontier, count: True)
+    monkeypatch.setattr(module, "_can_enter", lambda scores, best, count: True)
     try:
         return draft_tree(runner, None, shape)
     finally:
@@ -75,9 +75,10 @@ def test_expansions_that_cannot_change_the_tree_are_not_run_and_the_tree_is_the_
 
 def test_a_child_tying_the_last_kept_node_loses_to_it():
     nodes = [_Node(1, -1, 1, -1.0, 0), _Node(2, -1, 1, -2.0, 1)]
-    assert not _can_enter(nodes, [1], count=2)  # its children score at most -2.0: the kept node wins ties
-    assert _can_enter(nodes, [0], count=2)
-    assert _can_enter(nodes, [1], count=3)  # room left: anything enters
+    scores = np.array([-1.0, -2.0])
+    assert not _can_enter(scores, -2.0, count=2)  # its children score at most -2.0: the kept node wins ties
+    assert _can_enter(scores, -1.0, count=2)
+    assert _can_enter(scores, -2.0, count=3)  # room left: anything enters
     tree, tokens = _tree_of(nodes + [_Node(3, 1, 2, -2.0, 0)], 2)
     assert tokens.tolist() == [1, 2]
 

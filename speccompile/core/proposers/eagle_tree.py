@@ -53,8 +53,8 @@ class TreeSizing:
     """How many of a tree's nodes to verify, and whether to expand it further, at the loop's costs.
 
     EAGLE-2 verifies a fixed number of nodes, sized for a GPU, where verifying 60 tokens costs about
-    what verifying 1 does. On a CPU each verified token costs (demo target, 2 cores: about 0.25 ms
-    on a 4 ms step), so a node is worth verifying only where the tokens it is expected to add pay
+    what verifying 1 does. On a CPU each verified token costs (demo target, 2 cores: about 0.11 ms
+    on a 4.4 ms verification), so a node is worth verifying only where the tokens it is expected to add pay
     for it. A node's chance of being kept is taken as exp(score), its path's draft probability (the
     EAGLE-2 authors show it tracks acceptance), times `scale`, the measured ratio of tokens kept to
     tokens so expected (TreeEconomy). The iteration's rate with the n best nodes is
@@ -86,7 +86,9 @@ class TreeSizing:
         """Tokens per ms with the 1..len(scores) best of these nodes verified (scores best first)."""
         spent = (time.perf_counter() - self.began) * 1e3 + self.overhead_ms
         tokens = 1.0 + self.scale * np.cumsum(np.exp(scores))
-        return tokens / np.array([spent + self.verify_ms(n + 1) for n in range(1, len(scores) + 1)])
+        per_token, fixed = self.line
+        verified = np.arange(2, len(scores) + 2)  # n nodes and the root
+        return tokens / (spent + fixed + self.extra_ms + per_token * verified)
 
     def count(self, scores: np.ndarray) -> int:
         """How many of the best nodes to verify (at least one)."""
@@ -105,7 +107,7 @@ class TreeEconomy:
     """What the loop learns of a head's trees, older trees fading (time constant `horizon`, in trees):
     `scale`, the drafts kept over those the nodes' scores expected (a ratio of sums, from a prior of
     `prior_tokens` at 1), and `extra_ms`, what a tree's verification costs beyond the γ
-    verifications' line (its graph and mask; about 0.3 ms on the demo target), a mean from a prior
+    verifications' line (its graph and mask; about 0.8 ms on the demo target), a mean from a prior
     of `prior_trees` trees at 0. The line's slope stays the calibrated one: the trees' own sizes
     vary too little to fit it (a sizing that finds large trees cheap verifies only large trees)."""
 
@@ -184,8 +186,8 @@ def draft_tree(runner: EagleRunner, request, shape: TreeShape, slot: int = 0,
     level, written, outputs = list(range(len(nodes))), 0, {-1: runner.hidden[slot]}
     for depth in range(1, shape.depth):
         frontier = sorted(level, key=lambda i: -nodes[i].score)[: shape.width]
-        if not _can_enter(nodes, frontier, shape.nodes) or (
-                sizing is not None and not sizing.expands(nodes[frontier[0]].score, _scores(nodes))):
+        scores, best = _scores(nodes), nodes[frontier[0]].score
+        if not _can_enter(scores, best, shape.nodes) or (sizing is not None and not sizing.expands(best, scores)):
             break
         tokens = np.array([[nodes[i].token for i in frontier]], dtype=np.int64)
         hidden = np.stack([outputs[nodes[i].parent] for i in frontier])[None]
@@ -200,9 +202,10 @@ def draft_tree(runner: EagleRunner, request, shape: TreeShape, slot: int = 0,
                 nodes.append(_Node(int(top_ids[0, j, rank]), i, depth + 1,
                                    nodes[i].score + float(top_logprobs[0, j, rank]), rank))
         written += len(frontier)
-    count = shape.nodes if sizing is None else sizing.count(_scores(nodes)[: shape.nodes])
+    scores = _scores(nodes)
+    count = shape.nodes if sizing is None else sizing.count(scores[: shape.nodes])
     tree, tokens = _tree_of(nodes, count)
-    return tree, tokens, sizing.expected(_scores(nodes)[:count]) if sizing is not None else float("nan")
+    return tree, tokens, sizing.expected(scores[:count]) if sizing is not None else float("nan")
 
 
 def _scores(nodes: list[_Node]) -> np.ndarray:
@@ -210,15 +213,13 @@ def _scores(nodes: list[_Node]) -> np.ndarray:
     return np.sort(np.array([node.score for node in nodes]))[::-1]
 
 
-def _can_enter(nodes: list[_Node], frontier: list[int], count: int) -> bool:
-    """Whether a child of the frontier could be among the `count` best-scored nodes: a child scores at
-    most its parent, and loses a tie to every node drafted so far (all shallower), so where the best
-    frontier node scores no more than the count-th best node so far, neither it nor any descendant
-    is chosen and the expansions left would cost head calls for nothing. The tree is the same."""
-    if len(nodes) < count:
-        return True
-    kept = sorted((node.score for node in nodes), reverse=True)[count - 1]
-    return max(nodes[i].score for i in frontier) > kept
+def _can_enter(scores: np.ndarray, best: float, count: int) -> bool:
+    """Whether a child of a frontier whose best node scores `best` could be among the `count`
+    best-scored nodes (`scores`: every node's so far, best first): a child scores at most its
+    parent, and loses a tie to every node drafted so far (all shallower), so where `best` is no more
+    than the count-th best score, neither the frontier's children nor their descendants are chosen
+    and the expansions left would cost head calls for nothing. The tree is the same."""
+    return len(scores) < count or best > scores[count - 1]
 
 
 def _visible(nodes: list[_Node], frontier: list[int], prefix: int, written: int) -> np.ndarray:
