@@ -54,17 +54,20 @@ def shared_thread_pool(threads: int | None = None, create: bool = True) -> bool:
     return _process_has_shared_pool()
 
 
+# A one-node model (Identity, x -> y, float [1], opset 13), serialized: what onnx.helper makes of it,
+# kept as bytes so that a load need not import onnx (about 1 s, most of it its ml_dtypes import) to
+# ask ONNX Runtime a question. tests/runtime/test_threads.py rebuilds it with onnx and compares.
+PROBE_MODEL = (b'\x08\x08:;\n\x10\n\x01x\x12\x01y"\x08Identity\x12\x05probeZ\x0f\n\x01x\x12\n\n\x08\x08\x01'
+               b'\x12\x04\n\x02\x08\x01b\x0f\n\x01y\x12\n\n\x08\x08\x01\x12\x04\n\x02\x08\x01B\x04\n\x00\x10\r')
+
+
 def _process_has_shared_pool() -> bool:
     """ONNX Runtime refuses a session with its own threads in a process that has the shared pool."""
-    from onnx import TensorProto, helper
     from onnxruntime import SessionOptions
     from onnxruntime.capi import _pybind_state
 
-    x, y = (helper.make_tensor_value_info(name, TensorProto.FLOAT, [1]) for name in "xy")
-    probe = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [x], [y]),
-                              opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
     try:  # the binding's own session class: no provider fallback that would print the error first
-        _pybind_state.InferenceSession(SessionOptions(), probe.SerializeToString(), False, False)
+        _pybind_state.InferenceSession(SessionOptions(), PROBE_MODEL, False, False)
     except RuntimeError as e:
         if "global thread pool" in str(e):
             return True

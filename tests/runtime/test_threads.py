@@ -111,3 +111,21 @@ def test_the_default_binds_nothing_and_releases_its_threads_after_every_run(bund
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
     assert options.get_session_config_entry("session.force_spinning_stop") == "1"
     assert session_options(spinning=False).get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
+def test_the_probe_is_the_model_onnx_makes_and_a_load_imports_no_onnx(bundles):
+    """The shared-pool probe is kept as bytes so that load() and a first token never import onnx
+    (about 1 s of a real-size model's start): the bytes are onnx.helper's model, and a fresh process
+    that loads a bundle and generates has not imported it."""
+    from onnx import TensorProto, helper
+
+    from speccompile.runtime.onnxruntime_engine import PROBE_MODEL
+
+    x, y = (helper.make_tensor_value_info(name, TensorProto.FLOAT, [1]) for name in "xy")
+    probe = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    assert probe.SerializeToString() == PROBE_MODEL
+    code = ("import sys, speccompile\n"
+            "speccompile.load(sys.argv[1]).generate([[5, 6, 7]], max_new_tokens=4)\n"
+            "print(sorted(m for m in ('onnx', 'torch', 'transformers') if m in sys.modules))")
+    assert run_python(code, bundles("llama", "copy")).stdout.strip() == "[]"
