@@ -32,6 +32,19 @@ def measure_costs(target, draft, gammas: list[int], batch: int, context: int, re
                      {g: _median_after_warm_up(times[g], 1) for g in gammas}, **head)
 
 
+# From this size of target weights up, load() does not warm up (Runtime.warm_up): a first run's own
+# cost (buffers allocated, threads started) is small beside its compute, and warming costs the start
+# the compute. 1.1B int8 target (1.4 GB), 2 cores: load() 5.5 s with warm-up, 2.7 s without; the first
+# token of an 8-token prompt after it 0.27 s and 0.28 s (`python -m tools.measure load`). On the demo
+# pair (16 MB) the warm-up is what keeps a first request's TTFT near a later one's (Runtime.warm_up).
+WARM_UP_MAX_BYTES = 256 << 20
+
+
+def first_runs_matter(target) -> bool:
+    """Whether the model's first runs cost noticeably more than later ones (see WARM_UP_MAX_BYTES)."""
+    return target.weight_bytes < WARM_UP_MAX_BYTES
+
+
 def warm_up(target, draft, gammas: list[int], batch: int, context: int = 8, seed: int = 0) -> None:
     """One call of every graph a plain step and each γ's speculative iteration run at this batch
     size, on random tokens, every call rolled back: ONNX Runtime's first run of a session (its

@@ -51,6 +51,11 @@ class CachedModel:
         # returns them (a bundle built for an EAGLE-3 head), else None; valid until the next call
         self.last_aux_hidden: np.ndarray | None = None
 
+    @property
+    def weight_bytes(self) -> int:
+        """The size of this model's weights file in the bundle."""
+        return (self.bundle.path / self.bundle.model(self.role).weights_file).stat().st_size
+
     # -- the engine interface -------------------------------------------------------------------
     def start(self, slots: int) -> None:
         if slots > self.slots:

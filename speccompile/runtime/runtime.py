@@ -23,6 +23,7 @@ from speccompile.core.request import AUTO, Request
 from speccompile.core.scheduler import Scheduler
 from speccompile.errors import SpecCompileError
 from speccompile.runtime.backends import BACKENDS, make_models, make_proposers, resolve_backend
+from speccompile.runtime.calibration import first_runs_matter, warm_up
 from speccompile.runtime.edge import Edge
 from speccompile.runtime.handles import AsyncRequestHandle, EngineThread, RequestHandle
 from speccompile.runtime.output import GenerationResult, OutputProcessor
@@ -73,33 +74,32 @@ class Runtime:
         else:
             timed = self.policies.needs_calibration and self.policies.calibrate(self.target, self.draft, bundle.path,
                                                                                 self.fingerprint, self.eagle)
-            self.warm_up(engines=not timed)  # timing the steps ran every graph already
+            self.warm_up(engines=not timed, runs=first_runs_matter(self.target))  # timing ran every graph
 
     @property
     def gammas(self) -> list[int]:
         return self.bundle.gammas
 
-    def warm_up(self, batched: bool = False, engines: bool = True) -> None:
+    def warm_up(self, batched: bool = False, engines: bool = True, runs: bool = True) -> None:
         """Load the graphs a default request runs (greedy, γ auto) and run each once (engines), at
         batch 1 and, if batched, at the bundle's max batch too; then serve one short request (a batch
         of them, if batched) and forget it: the first user's request pays neither for opening
         sessions nor for the loop's first runs (demo pair: without the request, its TTFT was 1.3-2x
-        a later one's; with it, 1.0-1.2x). load() warms batch 1; a server warms the batched graphs
-        too. Only while idle."""
+        a later one's; with it, 1.0-1.2x). load() warms batch 1, running it only where first runs matter
+        (runs: calibration.first_runs_matter); a server warms the batched graphs too. Only while idle."""
         if not self.scheduler.idle:
             raise SpecCompileError("a runtime can only warm up while no request is in flight")
         if self.tree_sizing is not None:  # a Medusa bundle: its sizing ran the tree verification
             return
-        from speccompile.runtime.calibration import warm_up
-
         request = Request([0], 1, gamma=AUTO, proposer=DEFAULT_PROPOSER)
         self.scheduler.proposer(request)
         self._load_graphs(request, batched)
-        for batch in (sorted({1, self.max_batch}) if batched else (1,)) if engines else ():
+        for batch in (sorted({1, self.max_batch}) if batched else (1,)) if engines and runs else ():
             warm_up(self.target, self.draft, self.gammas, batch, context=min(64, self.max_seq // 4))  # a chunk
         prompt = [token % self.target.vocab_size for token in range(1, 1 + min(8, self.max_seq // 4))]
-        self.generate([prompt] * (self.max_batch if batched else 1), max_new_tokens=2, ignore_eos=True)
-        self.forget()
+        if runs:
+            self.generate([prompt] * (self.max_batch if batched else 1), max_new_tokens=2, ignore_eos=True)
+            self.forget()
 
     def forget(self) -> None:
         """Back to a fresh load's knowledge (measured priors stay): outputs, policies, the head's
