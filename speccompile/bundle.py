@@ -831,11 +831,11 @@ def _check_contained(path: Path, manifest: Manifest) -> None:
 
 # the ops speccompile's graphs are made of (compiler/), by domain; a graph with any other is refused
 STANDARD_OPS = frozenset(
-    "Add And ArgMax Attention Cast Concat Constant ConstantOfShape Cos CumSum DequantizeLinear Div Equal Erf Exp "
-    "Expand Gather GatherElements GatherND Gelu Greater GreaterOrEqual Identity If LayerNormalization Less "
-    "LessOrEqual Log LogSoftmax MatMul Max Min Mul Neg Not Or Pad Pow RMSNormalization Range ReduceMax ReduceMean "
-    "ReduceMin ReduceSum Relu Reshape RotaryEmbedding Shape Sigmoid Sin Slice Softmax Split Sqrt Squeeze Sub Tanh "
-    "TensorScatter TopK Transpose Unsqueeze Where".split())
+    "Abs Add And ArgMax Attention Cast Concat Constant ConstantOfShape Cos CumSum DequantizeLinear Div Equal Erf "
+    "Exp Expand Gather GatherElements GatherND Gelu Greater GreaterOrEqual Identity If LayerNormalization Less "
+    "LessOrEqual Log LogSoftmax MatMul MatMulInteger Max Min Mul Neg Not Or Pad Pow RMSNormalization Range "
+    "ReduceMax ReduceMean ReduceMin ReduceSum Relu Reshape RotaryEmbedding Round Shape Sigmoid Sin Slice Softmax "
+    "Split Sqrt Squeeze Sub Tanh TensorScatter TopK Transpose Unsqueeze Where".split())
 RUNTIME_OPS = frozenset({"GroupQueryAttention", "MatMulNBits"})  # ONNX Runtime's com.microsoft kernels
 SPEC_FUNCTIONS = ("SpecAccept", "SpecTransform", "SpecSample")  # the speccompile domain: local functions
 FUNCTION_COPIES = 100  # definitions of one function a model may hold (an If branch may need its own)

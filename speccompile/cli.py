@@ -76,15 +76,18 @@ def main():
 @click.option("--max-seq", type=int, default=1024, show_default=True, help="KV-cache capacity (prompt + generated).")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Largest batch the bundle serves.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle directory.")
-@click.option("--target-weights", type=click.Choice(["float32", "float16", "bfloat16", "int8", "int4"]),
+@click.option("--target-weights", type=click.Choice(["float32", "float16", "bfloat16", "int8", "int4", "w8a8"]),
               default=None, help="Target matmul weights: the compiled target's precision, "
               "which the output follows (int8: weight-only, per output column, a quarter of the bytes per decode "
-              "step; int4: weight-only in blocks of 128 along the input, about an eighth). Default: float32; for a "
+              "step; int4: weight-only in blocks of 128 along the input, about an eighth; w8a8: int8 weights and "
+              "activations rounded to int8 per token, ONNX Runtime only: cheaper verifications, coarser numbers). "
+              "Default: float32; for a "
               "GGUF int8, its Q8_0/Q4_0 blocks kept as they are (a float precision takes their exact values).")
-@click.option("--draft-weights", type=click.Choice(["int8", "int4", "float32", "float16", "bfloat16"]), default=None,
+@click.option("--draft-weights", type=click.Choice(["int8", "int4", "w8a8", "float32", "float16", "bfloat16"]),
+              default=None,
               help="Draft matmul weights: int8 or int4 weight-only (faster draft steps), float32, or float16/bfloat16 "
               "(half the disk, float32 in memory on CPU); the output is the target's whatever the draft's precision. "
-              "Default: int4 for an int4 target, else int8.")
+              "Default: the target's for an int4 or w8a8 target, else int8.")
 @click.option("--draft-vocab", type=int, default=None,
               help="Draft LM head scores only the K most frequent tokens (faster draft steps; outputs unchanged).")
 @click.option("--draft-vocab-corpus", default=None,
@@ -99,7 +102,7 @@ def main():
 @click.option("--eagle", "eagle_dir", default=None, type=click.Path(),
               help="EAGLE-3 head directory (the EAGLE authors' or speculators' layout): it drafts from the target's "
               "own hidden states (proposer eagle), beside a draft model or without one.")
-@click.option("--eagle-weights", type=click.Choice(["int8", "int4", "float32", "float16", "bfloat16"]),
+@click.option("--eagle-weights", type=click.Choice(["int8", "int4", "w8a8", "float32", "float16", "bfloat16"]),
               default=None, help="EAGLE-3 head matmul weights (as --draft-weights, and its default).")
 @click.option("--eagle-vocab", type=int, default=None,
               help="The EAGLE-3 head drafts only the K most frequent of its tokens (faster head steps; outputs "

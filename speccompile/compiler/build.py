@@ -49,7 +49,7 @@ from speccompile.compiler.eagle_graph import (
     tree_graphs_supported,
     write_eagle_graphs,
 )
-from speccompile.compiler.onnx_graph import MATMUL_WEIGHTS, OPSET, WeightFile
+from speccompile.compiler.onnx_graph import MATMUL_WEIGHTS, OPSET, ORT_ONLY_WEIGHTS, WeightFile
 from speccompile.compiler.session_graph import KINDS, build_session_graph
 from speccompile.compiler.tensorrt_build import (
     TensorRTOptions,
@@ -137,6 +137,9 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
                           ("--draft-weights", draft_weights or "int8"), ("--eagle-weights", eagle_weights or "int8")):
         if value not in MATMUL_WEIGHTS:
             raise SpecCompileError(f"{option} must be one of {', '.join(MATMUL_WEIGHTS)}, got {value!r}")
+    if engines and ORT_ONLY_WEIGHTS & {target_weights, draft_weights, eagle_weights}:
+        raise SpecCompileError("w8a8 graphs run on ONNX Runtime only (TensorRT's parser has no MatMulInteger): "
+                               "build TensorRT engines at int8")
     _check_eagle_options(eagle_dir, eagle_aux_layers, medusa_dir, engines, eagle_vocab)
     if engines:
         require_tensorrt_build(tensorrt)
@@ -211,7 +214,9 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         progress.step("check graphs")
         for builder, _ in sessions.values():
             _check_onnx(staging / f"{builder.name}.onnx", builder.name)
-        needs_plugin = {name: _check_graph(staging / f"{name}.onnx", name) for name in {**graphs, **eagle_graphs}}
+        portable = not ORT_ONLY_WEIGHTS & {target_weights, draft_weights, eagle_weights}  # TensorRT's rules apply
+        needs_plugin = {name: _check_graph(staging / f"{name}.onnx", name, portable)
+                        for name in {**graphs, **eagle_graphs}}
         for name in [*variants, *eagle_variants]:
             _check_onnx(staging / variant_file(name), name + SINGLE_SEQUENCE)
         for name, reasons in needs_plugin.items():
@@ -249,8 +254,9 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
 
 
 def following_precision(target_weights: str) -> str:
-    """A draft's or head's default precision beside a target stored as `target_weights`."""
-    return "int4" if target_weights == "int4" else "int8"
+    """A draft's or head's default precision beside a target stored as `target_weights`: an int4 or
+    w8a8 target's own (a layer-skip draft then computes as its target does), else int8."""
+    return target_weights if target_weights in ("int4", "w8a8") else "int8"
 
 
 def _builds_engines(backend: str, tensorrt: TensorRTOptions) -> bool:
@@ -546,10 +552,11 @@ def _check_onnx(path: Path, name: str) -> None:
         raise AssertionError(f"exported graph {name} fails onnx.checker: {e}") from None
 
 
-def _check_graph(path: Path, name: str) -> list[str]:
-    """onnx.checker, then TensorRT's parser rules; returns what only the plugin makes parsable."""
+def _check_graph(path: Path, name: str, portable: bool = True) -> list[str]:
+    """onnx.checker, then (for a `portable` bundle, one without ONNX-Runtime-only precisions)
+    TensorRT's parser rules; returns what only the plugin makes parsable."""
     _check_onnx(path, name)
-    return check_tensorrt_compatible(onnx.load(str(path), load_external_data=False), name)
+    return check_tensorrt_compatible(onnx.load(str(path), load_external_data=False), name) if portable else []
 
 
 def _io_spec(values) -> tuple[TensorSpec, ...]:

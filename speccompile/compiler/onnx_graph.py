@@ -44,7 +44,9 @@ NBITS_BLOCK = 32  # int8's MatMulNBits blocks (its scales stay per column, as ON
 INT4_BLOCKS = (128, 64, 32, 16)
 # How a graph stores its projection and LM-head weights (see GraphBuilder.matmul).
 MATMUL_WEIGHTS = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BFLOAT16,
-                  "int8": np.dtype(np.int8), "int4": INT4}
+                  "int8": np.dtype(np.int8), "int4": INT4, "w8a8": np.dtype(np.int8)}
+# Precisions whose graphs only ONNX Runtime runs (TensorRT's parser has no MatMulInteger)
+ORT_ONLY_WEIGHTS = frozenset({"w8a8"})
 
 
 class GraphBuilder:
@@ -107,6 +109,8 @@ class GraphBuilder:
         (4 bits), TensorRT reads it as int4 weight-only block quantization.
         A graph built with quantized_kernel="MatMulNBits" (session graphs) runs both on MatMulNBits
         directly, with the same numbers (_matmul_nbits).
+        w8a8: int8 weights as int8's, and the activations quantized to int8 per token (_matmul_integer),
+        in every graph alike (one layout on disk). ONNX Runtime only.
         """
         blocks = getattr(weight, "blocks", None)
         if blocks is not None and blocks.axis == 0:
@@ -118,6 +122,8 @@ class GraphBuilder:
             half = self.weight(f"{name}_{stored}", cast(_lazy(weight), MATMUL_WEIGHTS[stored]))
             return self.op("MatMul", x, self.op("Cast", half, to=FLOAT))
         k = weight.shape[0]
+        if stored == "w8a8":
+            return self._matmul_integer(x, name, *quantized_int8(_lazy(weight)))
         if stored == "int4":
             block = next((b for b in INT4_BLOCKS if k % b == 0), None)
             if block is None:
@@ -162,6 +168,27 @@ class GraphBuilder:
         scales = self.weight(name + "_nbits_scale", nbits_scales(scale, k // block))
         return self.op("MatMulNBits", x, blocks, scales, domain=ORT_DOMAIN, K=k, N=n, bits=bits,
                        block_size=block, accuracy_level=4)
+
+    def _matmul_integer(self, x: str, name: str, quantized: LazyTensor, scale: LazyTensor) -> str:
+        """x @ (q * s) with x quantized per token: a = round(x / r) with r = max|x| / 127 over the
+        token's K features (vLLM's W8A8 dynamic per-token scheme), both a and q shifted by 128 into
+        uint8, then MatMulInteger (exact int32 sums) and the two scales: y = (a @ q) * r * s.
+        Why: ONNX Runtime's int8-compute MatMulNBits costs 2.3x one row for the 5 rows of a γ=4
+        verification on an AVX2 host, MatMulInteger's u8u8 kernel 1.2x, at the same one-row time
+        (`python -m tools.measure matmul_kernels`). Why u8u8: its u8s8 kernel sums pairs of products
+        in 16 bits on AVX2 and saturates. A token's numbers depend on its own features only, so a
+        verification computes what a decode step does. The price: one scale per token where
+        MatMulNBits keeps one per 32 features, coarser where a few features are large."""
+        peak = self.op("ReduceMax", self.op("Abs", x), self.const([-1]), keepdims=1)
+        row_scale = self.op("Div", self.op("Max", peak, self.const(1e-30, np.float32)), self.const(127.0, np.float32))
+        shifted = self.op("Add", self.op("Round", self.op("Div", x, row_scale)), self.const(128.0, np.float32))
+        offset = LazyTensor(quantized.shape, np.dtype(np.uint8),
+                            lambda: (quantized.load().astype(np.int16) + 128).astype(np.uint8))
+        zero = self.const(128, np.uint8)
+        sums = self.op("MatMulInteger", self.op("Cast", shifted, to=onnx.TensorProto.UINT8),
+                       self.weight(name + "_u8", offset), zero, zero)
+        scaled = self.op("Mul", self.op("Cast", sums, to=FLOAT), row_scale)
+        return self.op("Mul", scaled, self.weight(name + "_scale", scale))
 
     def const(self, value, dtype=np.int64) -> str:
         """A small constant (shape, axes, scalar) stored inline in the graph."""
@@ -272,6 +299,23 @@ class BranchBuilder(GraphBuilder):
         self.yields[name] = tensor
         return name
 
+    def _matmul_integer(self, x: str, name: str, quantized: LazyTensor, scale: LazyTensor) -> str:
+        """x @ (q * s) with x quantized per token: a = round(x / r) with r = max|x| / 127 over the
+        token's K features (vLLM's W8A8 dynamic per-token scheme), shifted by 128 into uint8, then
+        MatMulInteger (u8 x s8, exact int32 sums) and the two scales: y = (a @ q) * r * s. Why: ONNX
+        Runtime's int8-compute MatMulNBits costs 2.2-2.6x one row for the 5 rows of a γ=4
+        verification on an AVX2 host; MatMulInteger's u8s8 kernel 1.45x, and one row 0.85x of it
+        (`python -m tools.measure matmul_kernels`). A token's numbers depend on its own features
+        only, so a verification computes what a decode step does. The price: one scale per token
+        where MatMulNBits keeps one per 32 features, coarser where a few features are large."""
+        peak = self.op("ReduceMax", self.op("Abs", x), self.const([-1]), keepdims=1)
+        row_scale = self.op("Div", self.op("Max", peak, self.const(1e-30, np.float32)), self.const(127.0, np.float32))
+        shifted = self.op("Add", self.op("Round", self.op("Div", x, row_scale)), self.const(128.0, np.float32))
+        sums = self.op("MatMulInteger", self.op("Cast", shifted, to=onnx.TensorProto.UINT8),
+                       self.weight(name + "_q", quantized), self.const(128, np.uint8))
+        scaled = self.op("Mul", self.op("Cast", sums, to=FLOAT), row_scale)
+        return self.op("Mul", scaled, self.weight(name + "_scale", scale))
+
     def const(self, value, dtype=np.int64) -> str:
         return self.parent.const(value, dtype)
 
@@ -363,6 +407,23 @@ class FunctionBuilder:
         self.domain, self.name, self.inputs, self.attributes = domain, name, inputs, attributes
         self.nodes: list[onnx.NodeProto] = []
         self._count = 0
+
+    def _matmul_integer(self, x: str, name: str, quantized: LazyTensor, scale: LazyTensor) -> str:
+        """x @ (q * s) with x quantized per token: a = round(x / r) with r = max|x| / 127 over the
+        token's K features (vLLM's W8A8 dynamic per-token scheme), shifted by 128 into uint8, then
+        MatMulInteger (u8 x s8, exact int32 sums) and the two scales: y = (a @ q) * r * s. Why: ONNX
+        Runtime's int8-compute MatMulNBits costs 2.2-2.6x one row for the 5 rows of a γ=4
+        verification on an AVX2 host; MatMulInteger's u8s8 kernel 1.45x, and one row 0.85x of it
+        (`python -m tools.measure matmul_kernels`). A token's numbers depend on its own features
+        only, so a verification computes what a decode step does. The price: one scale per token
+        where MatMulNBits keeps one per 32 features, coarser where a few features are large."""
+        peak = self.op("ReduceMax", self.op("Abs", x), self.const([-1]), keepdims=1)
+        row_scale = self.op("Div", self.op("Max", peak, self.const(1e-30, np.float32)), self.const(127.0, np.float32))
+        shifted = self.op("Add", self.op("Round", self.op("Div", x, row_scale)), self.const(128.0, np.float32))
+        sums = self.op("MatMulInteger", self.op("Cast", shifted, to=onnx.TensorProto.UINT8),
+                       self.weight(name + "_q", quantized), self.const(128, np.uint8))
+        scaled = self.op("Mul", self.op("Cast", sums, to=FLOAT), row_scale)
+        return self.op("Mul", scaled, self.weight(name + "_scale", scale))
 
     def const(self, value, dtype=np.int64) -> str:
         self._count += 1

@@ -45,6 +45,36 @@ def test_int8_matmul_is_per_column_symmetric(tmp_path):
     assert np.abs(y - exact).max() < 0.02 * np.abs(exact).max()
 
 
+def w8a8_reference(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """W8A8 dynamic per token, in numpy: int8 weights per column, each row of x rounded to int8 with
+    its own scale, integer sums, then both scales."""
+    scale = np.abs(w).max(axis=0) / 127
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int64)
+    row_scale = (np.maximum(np.abs(x).max(axis=-1, keepdims=True), 1e-30) / np.float32(127)).astype(np.float32)
+    a = np.rint(x / row_scale).astype(np.int64)
+    return ((a @ q).astype(np.float32) * row_scale * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("quantized_kernel", ["DequantizeLinear", "MatMulNBits"])
+def test_w8a8_matmul_is_the_per_token_reference_and_each_row_its_own(tmp_path, quantized_kernel):
+    """Per-kind and session graphs alike (the kernel choice does not apply): the numpy reference's
+    numbers, a row's result the same alone or beside others (what makes a verification compute
+    what a decode step does), an all-zero row zeros."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((64, 40)).astype(np.float32) * np.linspace(0.01, 3.0, 40, dtype=np.float32)
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    x[1] *= 50.0  # a row of large activations must not change the others'
+    x[3] = 0.0
+    y = run_matmul(w, x, "w8a8", tmp_path, quantized_kernel)
+    np.testing.assert_allclose(y, w8a8_reference(w, x), rtol=1e-5, atol=1e-5)
+    assert not y[3].any()
+    for row in range(len(x)):
+        np.testing.assert_array_equal(run_matmul(w, x[row:row + 1], "w8a8", tmp_path, quantized_kernel), y[row:row + 1])
+    exact = x @ w
+    assert np.abs(y - exact).max() < 0.02 * np.abs(exact).max()
+
+
 def test_int8_weights_are_written_as_int8_external_data(tmp_path):
     g = GraphBuilder("m", "int8")
     g.matmul("x", "w", np.ones((4, 4), np.float32))

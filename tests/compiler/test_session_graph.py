@@ -196,6 +196,37 @@ def test_int4_models_run_4_bit_kernels_and_speculate_exactly(checkpoints, tmp_pa
             assert [r.token_ids for r in runtime.generate(prompts, max_new_tokens=16, gamma=gamma)] == plain
 
 
+def test_w8a8_models_store_their_weights_once_and_speculate_exactly(checkpoints, tmp_path):
+    """--target-weights w8a8 (the draft following it): per-kind and session graphs run every
+    projection on MatMulInteger over the same uint8 weights, stored once; both give the same tokens,
+    and speculative decoding gives exactly the w8a8 target's own greedy output. TensorRT engines are
+    refused in one line, before any checkpoint is read."""
+    from speccompile.compiler.build import build_bundle
+
+    with pytest.raises(SpecCompileError, match="w8a8 graphs run on ONNX Runtime only"):
+        build_bundle(checkpoints("llama"), None, tmp_path / "trt", backend="tensorrt", target_weights="w8a8")
+    path = build_bundle(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b", gammas=[1, 4],
+                        max_seq=96, max_batch=2, target_weights="w8a8")
+    bundle = open_bundle(path)
+    for role in ("target", "draft"):
+        assert bundle.model(role).matmul_weights == "w8a8"
+        weights = {}
+        for file in (bundle.model(role).session.file, f"{role}_forward.onnx"):
+            model = onnx.load(str(bundle.path / file), load_external_data=False)
+            ops = {n.op_type for n in model.graph.node}
+            assert "MatMulInteger" in ops and not ops & {"MatMulNBits", "DequantizeLinear", "MatMul"}, ops
+            weights[file] = {t.name: {e.key: e.value for e in t.external_data}.get("offset", "0")
+                             for t in model.graph.initializer if t.name.endswith("_u8")}
+        session_weights, portable_weights = weights.values()
+        assert session_weights == portable_weights and len(session_weights) >= 2 * bundle.model(role).num_layers
+    prompts = [[5, 17, 33, 2, 9], [8, 9, 10]]
+    per_graph, one = speccompile.load(path, one_session=False), speccompile.load(path, one_session=True)
+    plain = [r.token_ids for r in per_graph.generate(prompts, max_new_tokens=16, mode="autoregressive")]
+    for runtime in (per_graph, one):
+        for gamma in (1, 4):
+            assert [r.token_ids for r in runtime.generate(prompts, max_new_tokens=16, gamma=gamma)] == plain
+
+
 MEMORY_SCRIPT = r"""
 import json, sys, numpy as np, psutil
 import speccompile
