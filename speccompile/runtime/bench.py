@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from speccompile.core.cost_model import predicted_speedup_mixed
+from speccompile.core.cost_model import predicted_end_to_end_speedup, predicted_speedup_mixed
 from speccompile.core.params import AUTO, GenerationParams, Mode
 from speccompile.core.stats import pooled
 from speccompile.errors import SpecCompileError
@@ -102,22 +102,31 @@ class BenchCosts:
     overhead_ms_per_iteration: float
     draft_to_target_step_ratio: float
     predicted_speedup: float
+    # the cost model over whole requests, as the measured speedup is taken: the speculative runs'
+    # prefills and loop overhead per iteration added to predicted_speedup's decoding, against the
+    # plain runs' measured rate (cost_model.predicted_end_to_end_speedup)
+    predicted_end_to_end: float
     # structured output: the grammar engine's time per generated token (inside the times above)
     grammar_ms_per_token_autoregressive: float
     grammar_ms_per_token_speculative: float
 
     @classmethod
-    def of(cls, ar, spec) -> "BenchCosts":
-        """From the pooled stats of the plain runs and the speculative ones."""
+    def of(cls, ar, spec, ar_rate: float) -> "BenchCosts":
+        """From the pooled stats of the plain runs and the speculative ones, and the plain runs'
+        measured tokens/s."""
         iterations = max(1, spec.iterations)
         plain = spec.gammas_used.get(0, 0)
         t_target = ar.decode_ms / max(1, ar.iterations)
         t_draft = spec.draft_ms / max(1, spec.draft_tokens)
         t_verify = spec.verify_ms / max(1, iterations - plain)
         t_rest = (spec.total_ms - spec.prefill_ms - spec.decode_ms - spec.draft_ms - spec.verify_ms) / iterations
+        with_overhead = predicted_speedup_mixed(spec.acceptance_by_position, spec.gammas_used, t_target, t_draft,
+                                                t_verify, t_rest)
         return cls(spec.iterations, plain, spec.draft_tokens, spec.accepted_tokens, tuple(spec.acceptance_by_position),
                    t_target, t_draft, t_verify, t_rest, t_draft / t_target if t_target else 0.0,
                    predicted_speedup_mixed(spec.acceptance_by_position, spec.gammas_used, t_target, t_draft, t_verify),
+                   predicted_end_to_end_speedup(1e3 / ar_rate, ar.decode_ms / max(1, ar.new_tokens),
+                                                spec.prefill_ms / max(1, spec.new_tokens), with_overhead),
                    ar.grammar_ms / max(1, ar.new_tokens), spec.grammar_ms / max(1, spec.new_tokens))
 
     def to_json(self) -> dict:
@@ -149,7 +158,7 @@ class BenchResult:
 
     @classmethod
     def of(cls, proposer: str, gamma, ar, ar_rate: float, spec, spec_rate: float) -> "BenchResult":
-        costs = BenchCosts.of(ar, spec)
+        costs = BenchCosts.of(ar, spec, ar_rate)
         speedup = spec_rate / ar_rate
         return cls(proposer, ar_rate, spec_rate, speedup, spec.acceptance_rate, spec.mean_accepted_drafts,
                    spec.mean_acceptance_length, gamma, dict(sorted(spec.gammas_used.items())), Drafts.by_proposer(spec),

@@ -8,6 +8,7 @@ from speccompile.core.cost_model import (
     LoopCosts,
     expected_tokens,
     iid_acceptance_by_position,
+    predicted_end_to_end_speedup,
     predicted_speedup,
     predicted_speedup_mixed,
     tokens_per_ms,
@@ -183,3 +184,10 @@ def test_a_calibration_beside_a_head_times_its_step_and_catch_up():
     assert costs.has_head and costs.head_step > 0 and costs.head_catch_up > 0
     assert head.steps == 3 * 3 and head.catch_ups == 1 + 3  # prefill, then per round: 3 steps (γ 4 - 1), 1 catch-up
     assert not measure_costs(FeatureTarget(capacity=256), None, [1, 4], 1, 16, repeats=2).has_head
+
+
+def test_the_end_to_end_speedup_keeps_prefill_and_plain_overhead_at_their_cost():
+    """10 ms a plain token, 8 of them target steps, decoding at 2x, 0.5 ms of prefill per token: 10 / (0.5 + 4)."""
+    assert predicted_end_to_end_speedup(10.0, 8.0, 0.5, 2.0) == pytest.approx(10 / 4.5)
+    assert predicted_end_to_end_speedup(10.0, 10.0, 0.0, 2.0) == pytest.approx(2.0)  # decoding only: the decode speedup
+    assert predicted_end_to_end_speedup(10.0, 0.0, 0.5, 2.0) == 1.0  # nothing decoded: nothing predicted

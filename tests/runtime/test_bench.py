@@ -77,6 +77,9 @@ def test_bench_reports_medians_of_the_timed_runs_and_the_costs_behind_them():
     assert details["draft_to_target_step_ratio"] == pytest.approx(0.2)
     assert summary["predicted_speedup"] == pytest.approx(2.5)  # 2.5 tokens x 5 ms / (2 x 1 + 3) ms: no overhead
     assert summary["efficiency"] == pytest.approx(0.96)
+    # whole requests: a plain token's 6 ms (the median run) against 1/10 ms of prefill and its 5 ms of
+    # target steps at the decode speedup with the loop's overhead, 2.5 x 5 / (2 x 1 + 3 + 1)
+    assert details["predicted_end_to_end"] == pytest.approx(6 / (0.1 + 5 / (12.5 / 6)))
 
 
 def test_suffix_bench_is_cold_whatever_the_repeats(bundles):

@@ -16,8 +16,10 @@ step and a verification of γ+1 tokens back to back (`calibration.measure_costs`
 context 64); then `bench` with the draft model proposing at γ: plain and speculative decoding
 interleaved over the same held-out prompts (three functions of held-out standard-library files,
 their first four lines each), with the loop's own step times, acceptance and the cost model's
-prediction. The bundles run one after the other, `--rounds` times, so that every precision sees
-the host in each of its moods; each cell is the median over rounds.
+prediction: of decoding alone, and of whole requests (prefill and the loop's overhead added,
+cost_model.predicted_end_to_end_speedup), which is what the measured speedup times. The bundles
+run one after the other, `--rounds` times, so that every precision sees the host in each of its
+moods; each cell is the median over rounds.
 """
 
 import json
@@ -46,7 +48,8 @@ gamma, tokens, repeats = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 costs = measure_costs(runtime.target, runtime.draft, [gamma], batch=1, context=64, repeats=5)
 prompts = workloads(heldout_functions(3))["completion"]
 [result] = bench_proposers(runtime, prompts, ["draft"], GenerationParams(max_new_tokens=tokens, gamma=gamma), repeats)
-loop = {key: getattr(result.costs, key) for key in ("target_step_ms", "verify_ms", "draft_step_ms")}
+loop = {key: getattr(result.costs, key) for key in ("target_step_ms", "verify_ms", "draft_step_ms",
+                                                   "predicted_end_to_end")}
 import resource
 print(json.dumps({"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
                   "load_to_first_token_s": first_token_s, "session": runtime.target.session_source,
@@ -60,7 +63,8 @@ def columns(gamma: int) -> tuple[Column, ...]:
             Column("peak_rss", "GB", 2), Column("step", "ms", 1, "decode step"),
             Column("verify", "ms", 1, f"verify {gamma + 1} tokens"), Column("verify_over_step", "×", 2, "ratio"),
             Column("ar_tokens_per_s", "tok/s", 1, "AR"), Column("spec_tokens_per_s", "tok/s", 1, "speculative"),
-            Column("speedup", "×", 2), Column("predicted_speedup", "×", 2, "predicted"),
+            Column("speedup", "×", 2), Column("predicted_speedup", "×", 2, "predicted (decoding)"),
+            Column("predicted_end_to_end", "×", 2, "predicted (whole requests)"),
             Column("acceptance_rate", digits=2, label="acceptance"), Column("mean_acceptance_length", digits=2),
             Column("loop_step", "ms", 1, "loop: step"), Column("loop_verify", "ms", 1, "loop: verify"),
             Column("loop_draft", "ms", 1, "loop: draft"))
@@ -85,13 +89,14 @@ def row(path: Path, runs: list[dict]) -> dict:
 
     bench = {key: over_rounds(lambda r, key=key: r["bench"][key])
              for key in ("ar_tokens_per_s", "spec_tokens_per_s", "speedup", "predicted_speedup", "acceptance_rate",
-                         "mean_acceptance_length", "target_step_ms", "verify_ms", "draft_step_ms")}
+                         "mean_acceptance_length", "target_step_ms", "verify_ms", "draft_step_ms",
+                         "predicted_end_to_end")}
     return {"bundle": path.name, "load_to_first_token": over_rounds(lambda r: r["load_to_first_token_s"]),
             "peak_rss": over_rounds(lambda r: r["peak_rss_gb"]), "step": over_rounds(lambda r: r["step_ms"]),
             "verify": over_rounds(lambda r: r["verify_ms"]),
             "verify_over_step": over_rounds(lambda r: r["verify_ms"] / r["step_ms"]),
             **{key: bench[key] for key in ("ar_tokens_per_s", "spec_tokens_per_s", "speedup", "predicted_speedup",
-                                           "acceptance_rate", "mean_acceptance_length")},
+                                           "predicted_end_to_end", "acceptance_rate", "mean_acceptance_length")},
             "loop_step": bench["target_step_ms"], "loop_verify": bench["verify_ms"],
             "loop_draft": bench["draft_step_ms"]}
 
