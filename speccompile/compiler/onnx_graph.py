@@ -173,8 +173,8 @@ class GraphBuilder:
         """x @ (q * s) with x quantized per token: a = round(x / r) with r = max|x| / 127 over the
         token's K features (vLLM's W8A8 dynamic per-token scheme), both a and q shifted by 128 into
         uint8, then MatMulInteger (exact int32 sums) and the two scales: y = (a @ q) * r * s.
-        Why: ONNX Runtime's int8-compute MatMulNBits costs 2.3x one row for the 5 rows of a γ=4
-        verification on an AVX2 host, MatMulInteger's u8u8 kernel 1.2x, at the same one-row time
+        Why: ONNX Runtime's int8-compute MatMulNBits costs 2.2x one row for the 5 rows of a γ=4
+        verification on an AVX2 host, MatMulInteger's u8u8 kernel 1.3x, at the same one-row time
         (`python -m tools.measure matmul_kernels`). Why u8u8: its u8s8 kernel sums pairs of products
         in 16 bits on AVX2 and saturates. A token's numbers depend on its own features only, so a
         verification computes what a decode step does. The price: one scale per token where

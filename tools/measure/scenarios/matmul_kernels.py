@@ -21,6 +21,9 @@ The formulations:
   scale for the whole [rows, K] input, so a row's numbers depend on the others in its pass.
 - `matmulinteger rowwise`: int8 weights per column, activations quantized to int8 with one scale
   per row in the graph (ReduceMax, Div, Round, Cast), MatMulInteger, then both scales: row-independent.
+- `matmulinteger u8u8 rowwise`: the same numbers with both operands shifted by 128 into uint8 (zero
+  points 128), the `w8a8` precision's formulation (GraphBuilder._matmul_integer). ONNX Runtime's
+  u8u8 kernel is exact; its u8s8 one sums pairs of products in 16 bits on AVX2 and saturates.
 """
 
 import logging
@@ -95,6 +98,15 @@ def _matmul(g: _Graph, x: str, w: np.ndarray, kind: str, name: str) -> str:
         xq = g.op("Cast", g.op("Round", g.op("Div", x, row_scale)), to=TensorProto.INT8)
         acc = g.op("Cast", g.op("MatMulInteger", xq, g.init(name + "_q", q)), to=TensorProto.FLOAT)
         return g.op("Mul", g.op("Mul", acc, row_scale), g.init(name + "_s", scale))
+    if kind == "matmulinteger u8u8 rowwise":
+        row_scale = g.op("Div", g.op("ReduceMax", g.op("Abs", x), g.init(name + "_ax", np.array([-1], np.int64)),
+                                     keepdims=1), g.init(name + "_127", np.array(127, np.float32)))
+        rounded = g.op("Round", g.op("Div", x, row_scale))
+        shifted = g.op("Add", rounded, g.init(name + "_128", np.array(128, np.float32)))
+        zero = g.init(name + "_zero", np.array(128, np.uint8))
+        weights = g.init(name + "_q", (q.astype(np.int16) + 128).astype(np.uint8))
+        sums = g.op("MatMulInteger", g.op("Cast", shifted, to=TensorProto.UINT8), weights, zero, zero)
+        return g.op("Mul", g.op("Mul", g.op("Cast", sums, to=TensorProto.FLOAT), row_scale), g.init(name + "_s", scale))
     raise ValueError(kind)
 
 
@@ -127,7 +139,7 @@ def _time(session, rows: int, repeats: int) -> Spread:
 
 FORMULATIONS = ["float32", "nbits8 bs32 acc4", "nbits8 bs32 acc0", "nbits8 bs128 acc4", "nbits8 bs128 acc0",
                 "nbits4 bs32 acc4", "nbits4 bs32 acc0", "nbits4 bs64 acc4", "nbits4 bs128 acc4", "nbits4 bs128 acc0",
-                "dqmatmul", "matmulinteger rowwise"]
+                "dqmatmul", "matmulinteger rowwise", "matmulinteger u8u8 rowwise"]
 
 
 def add_options(parser) -> None:
