@@ -23,6 +23,7 @@ writable).
 import json
 import logging
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -112,11 +113,11 @@ def _valid(bundle: Bundle, file: str, saved: Path) -> bool:
 
 
 def _writable(directory: Path) -> bool:
+    """Whether files can be made in `directory` (made if missing). Each asker probes with a file of
+    its own: a bundle's models open their sessions at once (backends.make_models)."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / ".probe"
-        probe.write_bytes(b"")
-        probe.unlink()
-        return True
+        with tempfile.TemporaryFile(dir=directory):
+            return True
     except OSError:
         return False
