@@ -299,23 +299,6 @@ class BranchBuilder(GraphBuilder):
         self.yields[name] = tensor
         return name
 
-    def _matmul_integer(self, x: str, name: str, quantized: LazyTensor, scale: LazyTensor) -> str:
-        """x @ (q * s) with x quantized per token: a = round(x / r) with r = max|x| / 127 over the
-        token's K features (vLLM's W8A8 dynamic per-token scheme), shifted by 128 into uint8, then
-        MatMulInteger (u8 x s8, exact int32 sums) and the two scales: y = (a @ q) * r * s. Why: ONNX
-        Runtime's int8-compute MatMulNBits costs 2.2-2.6x one row for the 5 rows of a γ=4
-        verification on an AVX2 host; MatMulInteger's u8s8 kernel 1.45x, and one row 0.85x of it
-        (`python -m tools.measure matmul_kernels`). A token's numbers depend on its own features
-        only, so a verification computes what a decode step does. The price: one scale per token
-        where MatMulNBits keeps one per 32 features, coarser where a few features are large."""
-        peak = self.op("ReduceMax", self.op("Abs", x), self.const([-1]), keepdims=1)
-        row_scale = self.op("Div", self.op("Max", peak, self.const(1e-30, np.float32)), self.const(127.0, np.float32))
-        shifted = self.op("Add", self.op("Round", self.op("Div", x, row_scale)), self.const(128.0, np.float32))
-        sums = self.op("MatMulInteger", self.op("Cast", shifted, to=onnx.TensorProto.UINT8),
-                       self.weight(name + "_q", quantized), self.const(128, np.uint8))
-        scaled = self.op("Mul", self.op("Cast", sums, to=FLOAT), row_scale)
-        return self.op("Mul", scaled, self.weight(name + "_scale", scale))
-
     def const(self, value, dtype=np.int64) -> str:
         return self.parent.const(value, dtype)
 
@@ -407,23 +390,6 @@ class FunctionBuilder:
         self.domain, self.name, self.inputs, self.attributes = domain, name, inputs, attributes
         self.nodes: list[onnx.NodeProto] = []
         self._count = 0
-
-    def _matmul_integer(self, x: str, name: str, quantized: LazyTensor, scale: LazyTensor) -> str:
-        """x @ (q * s) with x quantized per token: a = round(x / r) with r = max|x| / 127 over the
-        token's K features (vLLM's W8A8 dynamic per-token scheme), shifted by 128 into uint8, then
-        MatMulInteger (u8 x s8, exact int32 sums) and the two scales: y = (a @ q) * r * s. Why: ONNX
-        Runtime's int8-compute MatMulNBits costs 2.2-2.6x one row for the 5 rows of a γ=4
-        verification on an AVX2 host; MatMulInteger's u8s8 kernel 1.45x, and one row 0.85x of it
-        (`python -m tools.measure matmul_kernels`). A token's numbers depend on its own features
-        only, so a verification computes what a decode step does. The price: one scale per token
-        where MatMulNBits keeps one per 32 features, coarser where a few features are large."""
-        peak = self.op("ReduceMax", self.op("Abs", x), self.const([-1]), keepdims=1)
-        row_scale = self.op("Div", self.op("Max", peak, self.const(1e-30, np.float32)), self.const(127.0, np.float32))
-        shifted = self.op("Add", self.op("Round", self.op("Div", x, row_scale)), self.const(128.0, np.float32))
-        sums = self.op("MatMulInteger", self.op("Cast", shifted, to=onnx.TensorProto.UINT8),
-                       self.weight(name + "_q", quantized), self.const(128, np.uint8))
-        scaled = self.op("Mul", self.op("Cast", sums, to=FLOAT), row_scale)
-        return self.op("Mul", scaled, self.weight(name + "_scale", scale))
 
     def const(self, value, dtype=np.int64) -> str:
         self._count += 1

@@ -96,8 +96,8 @@ class Runtime:
         self._load_graphs(request, batched)
         for batch in (sorted({1, self.max_batch}) if batched else (1,)) if engines and runs else ():
             warm_up(self.target, self.draft, self.gammas, batch, context=min(64, self.max_seq // 4))  # a chunk
-        prompt = [token % self.target.vocab_size for token in range(1, 1 + min(8, self.max_seq // 4))]
         if runs:
+            prompt = [token % self.target.vocab_size for token in range(1, 1 + min(8, self.max_seq // 4))]
             self.generate([prompt] * (self.max_batch if batched else 1), max_new_tokens=2, ignore_eos=True)
             self.forget()
 

@@ -75,6 +75,22 @@ def test_w8a8_matmul_is_the_per_token_reference_and_each_row_its_own(tmp_path, q
     assert np.abs(y - exact).max() < 0.02 * np.abs(exact).max()
 
 
+def test_a_branch_s_w8a8_matmul_is_the_graph_s_own(tmp_path):
+    """A weight the main body shares with an If branch (the LM head, for Medusa heads) is multiplied
+    there as in the body: the same uint8 weights and MatMulInteger with both zero points."""
+    from speccompile.compiler.onnx_graph import BranchBuilder
+
+    w = np.random.default_rng(4).standard_normal((64, 8)).astype(np.float32)
+    g = GraphBuilder("m", "w8a8")
+    g.matmul("x", "w", w)
+    branch = BranchBuilder(g, "then")
+    branch.matmul("x", "w", w, shared=True)
+    assert set(g.weights) == {"w_u8", "w_scale"}
+    for nodes in (g.nodes, branch.nodes):
+        [matmul] = [n for n in nodes if n.op_type == "MatMulInteger"]
+        assert len(matmul.input) == 4 and matmul.input[1] == "w_u8"
+
+
 def test_int8_weights_are_written_as_int8_external_data(tmp_path):
     g = GraphBuilder("m", "int8")
     g.matmul("x", "w", np.ones((4, 4), np.float32))

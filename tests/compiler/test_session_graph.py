@@ -170,6 +170,17 @@ def test_every_weight_is_read_in_the_main_graph(bundles, draft_weights):
         assert "If" in {op for op, _ in ops}
 
 
+def assert_both_sessions_speculate_as_the_target_decodes(path) -> None:
+    """Per-graph sessions and the one session graph give the same tokens, and speculative decoding
+    at γ 1 and 4 gives exactly the target's own greedy output."""
+    prompts = [[5, 17, 33, 2, 9], [8, 9, 10]]
+    per_graph, one = speccompile.load(path, one_session=False), speccompile.load(path, one_session=True)
+    plain = [r.token_ids for r in per_graph.generate(prompts, max_new_tokens=16, mode="autoregressive")]
+    for runtime in (per_graph, one):
+        for gamma in (1, 4):
+            assert [r.token_ids for r in runtime.generate(prompts, max_new_tokens=16, gamma=gamma)] == plain
+
+
 def test_int4_models_run_4_bit_kernels_and_speculate_exactly(checkpoints, tmp_path):
     """--target-weights int4 --draft-weights int4: session graphs run every projection on 4-bit
     MatMulNBits, per-kind graphs carry the portable blocked DequantizeLinear (int4) that ONNX Runtime
@@ -188,12 +199,7 @@ def test_int4_models_run_4_bit_kernels_and_speculate_exactly(checkpoints, tmp_pa
         assert {a.i for n in nbits for a in n.attribute if a.name == "bits"} == {4}
         portable = onnx.load(str(bundle.graph_path(f"{role}_forward")), load_external_data=False)
         assert {t.name for t in portable.graph.initializer if t.data_type == onnx.TensorProto.INT4}
-    prompts = [[5, 17, 33, 2, 9], [8, 9, 10]]
-    per_graph, one = speccompile.load(path, one_session=False), speccompile.load(path, one_session=True)
-    plain = [r.token_ids for r in per_graph.generate(prompts, max_new_tokens=16, mode="autoregressive")]
-    for runtime in (per_graph, one):
-        for gamma in (1, 4):
-            assert [r.token_ids for r in runtime.generate(prompts, max_new_tokens=16, gamma=gamma)] == plain
+    assert_both_sessions_speculate_as_the_target_decodes(path)
 
 
 def test_w8a8_models_store_their_weights_once_and_speculate_exactly(checkpoints, tmp_path):
@@ -219,12 +225,7 @@ def test_w8a8_models_store_their_weights_once_and_speculate_exactly(checkpoints,
                              for t in model.graph.initializer if t.name.endswith("_u8")}
         session_weights, portable_weights = weights.values()
         assert session_weights == portable_weights and len(session_weights) >= 2 * bundle.model(role).num_layers
-    prompts = [[5, 17, 33, 2, 9], [8, 9, 10]]
-    per_graph, one = speccompile.load(path, one_session=False), speccompile.load(path, one_session=True)
-    plain = [r.token_ids for r in per_graph.generate(prompts, max_new_tokens=16, mode="autoregressive")]
-    for runtime in (per_graph, one):
-        for gamma in (1, 4):
-            assert [r.token_ids for r in runtime.generate(prompts, max_new_tokens=16, gamma=gamma)] == plain
+    assert_both_sessions_speculate_as_the_target_decodes(path)
 
 
 MEMORY_SCRIPT = r"""
