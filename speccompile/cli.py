@@ -109,7 +109,8 @@ def main():
               "unchanged), by its token_frequencies.json or --draft-vocab-corpus.")
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "onnx"]), default="onnxruntime",
               show_default=True,
-              help="tensorrt: also build TensorRT engines from the same ONNX graphs (onnx: onnxruntime's old name).")
+              help="tensorrt: also build TensorRT engines from the same ONNX graphs; onnx: the graphs in standard "
+              "ops, for TensorRT or another runtime later (int8/int4 weights then stored twice).")
 @click.option("--plugin-lib", type=click.Path(), default=None, help="libspeccompile_plugins.so (TensorRT backend).")
 @click.option("--timing-cache", type=click.Path(), default=None, help="TensorRT timing cache file to load and update.")
 @click.option("--hardware-compat", is_flag=True, help="TensorRT: engines portable across Ampere+ GPUs.")

@@ -46,25 +46,25 @@ def checkpoints(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="session")
 def bundles(tmp_path_factory, checkpoints):
-    """bundles(family, draft, draft_weights) -> path of a built bundle; draft is "copy" (the target
-    itself), "random" or "none" (a draft-free bundle); draft_weights as `speccompile build
+    """bundles(family, draft, draft_weights, backend) -> path of a built bundle; draft is "copy" (the
+    target itself), "random" or "none" (a draft-free bundle); draft_weights as `speccompile build
     --draft-weights` (default: float32 for the copy, so that it agrees with the target exactly; int8,
-    the build's default, for random)."""
+    the build's default, for random); backend as `--backend` ("onnx": portable graphs)."""
     from speccompile.compiler.build import build_bundle
 
     made = {}
 
-    def get(family: str, draft: str = "copy", draft_weights: str | None = None):
+    def get(family: str, draft: str = "copy", draft_weights: str | None = None, backend: str = "onnxruntime"):
         draft_weights = draft_weights or ("float32" if draft == "copy" else "int8")
-        key = family, draft, draft_weights
+        key = family, draft, draft_weights, backend
         if key not in made:
             target = checkpoints(family, "target")
             draft_dir = {"copy": target, "none": None, "medusa": None}[draft] if draft != "random" \
                 else checkpoints(family, "draft")
-            out = tmp_path_factory.mktemp(f"bundle-{family}-{draft}-{draft_weights}") / "bundle"
+            out = tmp_path_factory.mktemp(f"bundle-{family}-{draft}-{draft_weights}-{backend}") / "bundle"
             medusa = random_medusa_heads(target, out.parent / "heads") if draft == "medusa" else None
             made[key] = build_bundle(target, draft_dir, out, gammas=[1, 4], max_seq=96, max_batch=4,
-                                     draft_weights=draft_weights, medusa_dir=medusa)
+                                     draft_weights=draft_weights, medusa_dir=medusa, backend=backend)
         return made[key]
 
     return get

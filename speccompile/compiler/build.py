@@ -83,7 +83,7 @@ from speccompile.progress import Progress
 DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64", onnx.TensorProto.BOOL: "bool",
           onnx.TensorProto.INT32: "int32", onnx.TensorProto.UINT8: "uint8"}
 PHASES = ["load target", "load draft", "check compatibility", "export graphs", "check graphs", "write bundle"]
-BACKENDS = ("onnxruntime", "tensorrt", "onnx")  # onnx: onnxruntime's old name
+BACKENDS = ("onnxruntime", "tensorrt", "onnx")  # onnx: portable graphs, for TensorRT or another runtime later
 logger = logging.getLogger(__name__)
 
 
@@ -112,8 +112,11 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     (`speccompile distill --medusa K`) and the target's token-tree verification graphs that read them
     (transformer.build_tree_verify_graph): one target pass per iteration verifies the heads' tree
     and proposes the next one.
-    `backend`: "onnxruntime" (or "onnx"), the ONNX graphs alone; "tensorrt", also a TensorRT engine
-    per graph, from the same graphs, made as `tensorrt` says (default: TensorRTOptions()). Whether
+    `backend`: "onnxruntime", the ONNX graphs alone, those of each kind in ONNX Runtime's kernels as
+    its session graphs (int8 and int4 weights stored once: quantized_kernel()); "onnx", the graphs of
+    each kind in standard ops, within TensorRT's parser rules (low-bit weights then stored twice);
+    "tensorrt", portable graphs and a TensorRT engine per graph, made as `tensorrt` says (default:
+    TensorRTOptions()). Whether
     TensorRT and its plugin library are here is checked before any checkpoint is read, and whether
     TensorRT takes the weights' formats before any graph is exported.
     `eagle_aux_layers`: three of the target's layer ids, for an EAGLE-3 head: the target's step and
@@ -191,12 +194,18 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     weights = {"target": target_weights, "draft": draft_weights}
     heads = medusa[1] if medusa else None
     tree = head is not None and tree_graphs_supported(head)  # the head drafts dynamic trees too
+    # TensorRT's parser rules apply to a bundle made for TensorRT or as portable ONNX (--backend onnx),
+    # unless a precision only ONNX Runtime runs rules them out
+    portable = (engines or backend == "onnx") and not ORT_ONLY_WEIGHTS & {target_weights, draft_weights, eagle_weights}
+    kernel = quantized_kernel(portable)
     graphs = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids, heads=heads,
-                            aux_layers=aux_layers, eagle_tree=tree)
+                            aux_layers=aux_layers, eagle_tree=tree, quantized_kernel=kernel)
     variants = _export_graphs(target, draft, gammas, max_seq, vocab_out, weights, vocab_ids, single_sequence=True,
-                              heads=heads, aux_layers=aux_layers, eagle_tree=tree) if single_sequence else {}
-    eagle_graphs = _eagle_graphs(head, target, max_seq, vocab_out, eagle_weights, tree) if head is not None else {}
-    eagle_variants = _eagle_variants(head, target, max_seq, vocab_out, eagle_weights, tree) \
+                              heads=heads, aux_layers=aux_layers, eagle_tree=tree,
+                              quantized_kernel=kernel) if single_sequence else {}
+    eagle_graphs = _eagle_graphs(head, target, max_seq, vocab_out, eagle_weights, tree, kernel) \
+        if head is not None else {}
+    eagle_variants = _eagle_variants(head, target, max_seq, vocab_out, eagle_weights, tree, kernel) \
         if head is not None and single_sequence else {}
     for name, (builder, _) in {**graphs, **eagle_graphs}.items():
         batch_1 = variants[name][0] if name in variants else eagle_variants.get(name)
@@ -214,7 +223,6 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
         progress.step("check graphs")
         for builder, _ in sessions.values():
             _check_onnx(staging / f"{builder.name}.onnx", builder.name)
-        portable = not ORT_ONLY_WEIGHTS & {target_weights, draft_weights, eagle_weights}  # TensorRT's rules apply
         needs_plugin = {name: _check_graph(staging / f"{name}.onnx", name, portable)
                         for name in {**graphs, **eagle_graphs}}
         for name in [*variants, *eagle_variants]:
@@ -251,6 +259,16 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     if engines:
         build_tensorrt_engines(out_dir, tensorrt)
     return out_dir
+
+
+def quantized_kernel(portable: bool) -> str:
+    """How the graphs of each kind multiply int8 and int4 weights (GraphBuilder.matmul). Portable graphs
+    (TensorRT, other runtimes): DequantizeLinear -> MatMul, in standard ops, whose weights are a second
+    copy beside the session graphs' (2.46 GB for a 1.1B int8 target's 1.43 GB). Graphs only ONNX Runtime
+    runs: MatMulNBits, as the session graphs run them, so that every graph of a model reads the same
+    bytes (the weights once on disk) and computes the same numbers (ONNX Runtime fuses the portable pair
+    into this very kernel)."""
+    return "DequantizeLinear" if portable else "MatMulNBits"
 
 
 def following_precision(target_weights: str) -> str:
@@ -357,13 +375,14 @@ def _cut_eagle_vocab(head: Eagle3Head, eagle_dir, size: int, corpus, tokenizer, 
 
 
 def _eagle_graphs(head: Eagle3Head, target: ModelSpec, max_seq: int, vocab_out: int, weights: str,
-                  tree: bool) -> dict:
+                  tree: bool, kernel: str) -> dict:
     """name -> (GraphBuilder, GraphId) of the head's graphs (greedy and sampled), its matrices stored
     as `weights`, over the target's own embedding tensor where the head has none (so that it is
     stored under the target's names and bytes); the sampled ones' probs span the bundle's
-    vocabulary, vocab_out, as the verification's draft_probs do; `tree`: a dynamic tree's graphs too."""
+    vocabulary, vocab_out, as the verification's draft_probs do; `tree`: a dynamic tree's graphs too;
+    `kernel`: see quantized_kernel()."""
     built = build_eagle_graphs(head, target.weights["embed"], max_seq, matmul_weights=weights, sample=True,
-                               target_vocab=vocab_out, tree=tree)
+                               target_vocab=vocab_out, tree=tree, quantized_kernel=kernel)
     ids = {graph.name: graph for sample in (False, True)
            for graph in (GraphId.eagle_catch_up(sample), GraphId.eagle_step(sample))}
     ids |= {graph.name: graph for graph in (GraphId.eagle_tree("tree_catch_up"), GraphId.eagle_tree("tree_step"))}
@@ -371,13 +390,13 @@ def _eagle_graphs(head: Eagle3Head, target: ModelSpec, max_seq: int, vocab_out: 
 
 
 def _eagle_variants(head: Eagle3Head, target: ModelSpec, max_seq: int, vocab_out: int, weights: str,
-                    tree: bool) -> dict:
+                    tree: bool, kernel: str) -> dict:
     """name -> GraphBuilder of the head's graphs' batch-1 variants (fused attention), where ONNX
     Runtime's kernel takes the head's layer (none otherwise)."""
     if not single_sequence_supported(head, target.weights["embed"], max_seq):
         return {}
     return build_eagle_graphs(head, target.weights["embed"], max_seq, matmul_weights=weights, sample=True,
-                              target_vocab=vocab_out, single_sequence=True, tree=tree)
+                              target_vocab=vocab_out, single_sequence=True, tree=tree, quantized_kernel=kernel)
 
 
 def _write_eagle_graphs(staging: Path, head: Eagle3Head, graphs: dict, target_weights: WeightFile,
@@ -451,44 +470,43 @@ def _medusa_entry(config: dict, medusa_dir) -> MedusaEntry:
 
 def _export_graphs(target: ModelSpec, draft: ModelSpec, gammas, max_seq, vocab_out, matmul_weights: dict[str, str],
                    vocab_ids=None, single_sequence: bool = False, heads: list | None = None,
-                   aux_layers: tuple[int, ...] = (), eagle_tree: bool = False) -> dict:
+                   aux_layers: tuple[int, ...] = (), eagle_tree: bool = False,
+                   quantized_kernel: str = "DequantizeLinear") -> dict:
     """name -> (GraphBuilder, GraphId); with single_sequence, the batch-1 variants under the same names,
     for the models ONNX Runtime's fused attention kernel accepts. Graphs hold lazy weights only.
     `heads`: Medusa heads, read by token-tree verification graphs. `aux_layers`: output by the
     target's graphs of AUX_KINDS (bundle.py). `eagle_tree`: the verification of an EAGLE-3 head's
-    dynamic trees too."""
+    dynamic trees too. `quantized_kernel`: see quantized_kernel()."""
     graphs = {}
     for role, spec, ids in _models(target, draft, vocab_ids):
-        weights = matmul_weights[role]
         if single_sequence and not fused_attention_supported(spec):
             continue
+        layout = {"matmul_weights": matmul_weights[role], "quantized_kernel": quantized_kernel,
+                  "single_sequence": single_sequence}
         for graph in (GraphId.step(role, sample=False), GraphId.step(role, sample=True)):
             graphs[graph.name] = (build_forward_graph(spec, graph.name, max_seq, vocab_out, sample=graph.sampling,
-                                                      matmul_weights=weights,
                                                       vocab_ids=None if graph.sampling else ids,
-                                                      single_sequence=single_sequence,
-                                                      aux_layers=_aux_of(graph, aux_layers)), graph)
+                                                      aux_layers=_aux_of(graph, aux_layers), **layout), graph)
     if single_sequence and not fused_attention_supported(target):
         return graphs
+    layout = {"matmul_weights": matmul_weights["target"], "quantized_kernel": quantized_kernel,
+              "single_sequence": single_sequence}
     for gamma in gammas:
         for graph in (GraphId.verification(gamma, sample=False), GraphId.verification(gamma, sample=True)):
             graphs[graph.name] = (build_verify_graph(target, graph.name, gamma, max_seq, vocab_out,
-                                                     sample=graph.sampling, single_sequence=single_sequence,
-                                                     matmul_weights=matmul_weights["target"],
-                                                     aux_layers=_aux_of(graph, aux_layers)), graph)
-    graphs[GraphId.score().name] = (build_score_graph(target, GraphId.score().name, max_seq, vocab_out,
-                                                      single_sequence=single_sequence,
-                                                      matmul_weights=matmul_weights["target"]), GraphId.score())
+                                                     sample=graph.sampling, aux_layers=_aux_of(graph, aux_layers),
+                                                     **layout), graph)
+    graphs[GraphId.score().name] = (build_score_graph(target, GraphId.score().name, max_seq, vocab_out, **layout),
+                                    GraphId.score())
     if heads:
         for graph in (GraphId.tree_verification(typical=False), GraphId.tree_verification(typical=True)):
             graphs[graph.name] = (build_tree_verify_graph(target, graph.name, heads, max_seq, vocab_out,
-                                                          typical=graph.kind == "verify_tree_typical",
-                                                          matmul_weights=matmul_weights["target"],
-                                                          single_sequence=single_sequence), graph)
+                                                          typical=graph.kind == "verify_tree_typical", **layout),
+                                  graph)
     if eagle_tree:
         graph = GraphId.eagle_tree("verify_eagle_tree")
         graphs[graph.name] = (build_eagle_tree_verify_graph(target, graph.name, max_seq, vocab_out, aux_layers,
-                                                            matmul_weights["target"], single_sequence), graph)
+                                                            **layout), graph)
     return graphs
 
 

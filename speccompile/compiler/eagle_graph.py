@@ -85,7 +85,7 @@ ROPE_TYPES = ("default", "linear", "llama3")
 def build_eagle_graphs(head: Eagle3Head, embed_tokens: np.ndarray | LazyTensor | None, max_seq: int,
                        matmul_weights: str = "float32", sample: bool = False,
                        target_vocab: int | None = None, single_sequence: bool = False,
-                       tree: bool = False) -> dict[str, GraphBuilder]:
+                       tree: bool = False, quantized_kernel: str = "DequantizeLinear") -> dict[str, GraphBuilder]:
     """{kind: graph} for both kinds (with `sample`, their sampled variants too), each graph named as its
     kind (the builders below take other names). `embed_tokens`: the target's table [V', H] (V' >= the
     head's vocabulary; a checkpoint's lazy tensor is stored as it is, not read here), used where the head
@@ -94,20 +94,20 @@ def build_eagle_graphs(head: Eagle3Head, embed_tokens: np.ndarray | LazyTensor |
     `single_sequence`: their batch-1 ONNX Runtime variants instead, whose attention is the fused
     kernel the target's and the draft's variants run (transformer._fused_attention): the same
     weights under the same names, so one weights file holds both. `tree`: a dynamic tree's two
-    graphs too (tree_graphs_supported says where)."""
+    graphs too (tree_graphs_supported says where). `quantized_kernel` (every builder): how int8 and
+    int4 matrices are multiplied (GraphBuilder.matmul)."""
     build = {CATCH_UP: build_catch_up_graph, STEP: build_step_graph}
-    graphs = {kind: build[kind](head, embed_tokens, max_seq, kind, matmul_weights, single_sequence=single_sequence)
-              for kind in EAGLE_KINDS}
+    kernel = {"single_sequence": single_sequence, "quantized_kernel": quantized_kernel}
+    graphs = {kind: build[kind](head, embed_tokens, max_seq, kind, matmul_weights, **kernel) for kind in EAGLE_KINDS}
     if sample:
         vocab = target_vocab or head.config.vocab_size
         for kind, greedy in zip(SAMPLED_KINDS, EAGLE_KINDS):
             graphs[kind] = build[greedy](head, embed_tokens, max_seq, kind, matmul_weights, sample_vocab=vocab,
-                                         single_sequence=single_sequence)
+                                         **kernel)
     if tree:
         graphs[TREE_CATCH_UP] = build_catch_up_graph(head, embed_tokens, max_seq, TREE_CATCH_UP, matmul_weights,
-                                                     single_sequence=single_sequence, top=True)
-        graphs[TREE_STEP] = build_tree_step_graph(head, embed_tokens, max_seq, TREE_STEP, matmul_weights,
-                                                  single_sequence)
+                                                     top=True, **kernel)
+        graphs[TREE_STEP] = build_tree_step_graph(head, embed_tokens, max_seq, TREE_STEP, matmul_weights, **kernel)
     return graphs
 
 
@@ -123,12 +123,13 @@ def single_sequence_supported(head: Eagle3Head, embed_tokens, max_seq: int) -> b
 
 def build_catch_up_graph(head: Eagle3Head, embed_tokens, max_seq: int, name: str = CATCH_UP,
                          matmul_weights: str = "float32", sample_vocab: int | None = None,
-                         single_sequence: bool = False, top: bool = False) -> GraphBuilder:
+                         single_sequence: bool = False, top: bool = False,
+                         quantized_kernel: str = "DequantizeLinear") -> GraphBuilder:
     """The head over T positions of target features: a prompt (chunk), or the positions a verification
     accepted, whose aux_hidden the target's graph has just output under the same name and layout.
     `top`: a tree's catch-up, which also returns the best tokens at the last position (_top)."""
     spec = _layer_spec(head, embed_tokens, max_seq)
-    g = GraphBuilder(name, matmul_weights)
+    g = GraphBuilder(name, matmul_weights, quantized_kernel)
     ids = g.input("input_ids", INT64, ["batch", "tokens"])
     aux = g.input("aux_hidden", FLOAT, ["batch", "tokens", 3 * head.config.target_hidden_size])
     past_len = g.input("past_len", INT64, ["batch"])
@@ -143,7 +144,8 @@ def build_catch_up_graph(head: Eagle3Head, embed_tokens, max_seq: int, name: str
 
 
 def build_tree_step_graph(head: Eagle3Head, embed_tokens, max_seq: int, name: str = TREE_STEP,
-                          matmul_weights: str = "float32", single_sequence: bool = False) -> GraphBuilder:
+                          matmul_weights: str = "float32", single_sequence: bool = False,
+                          quantized_kernel: str = "DequantizeLinear") -> GraphBuilder:
     """T nodes of a dynamic token tree at once, each its token with its parent's output (hidden_in),
     at its own position (positions [B, T]: the depth's), attending to the keys `visible` [B, T, L]
     marks (L = past_len + T: the prefix the head has read and the tree's nodes written so far, in
@@ -151,7 +153,7 @@ def build_tree_step_graph(head: Eagle3Head, embed_tokens, max_seq: int, name: st
     node's best tokens (top_ids [B, T, K], target ids; top_logprobs, log-softmax over the draft
     vocabulary) and its output (node_hidden [B, T, H]), which its children read."""
     spec = _layer_spec(head, embed_tokens, max_seq)
-    g = GraphBuilder(name, matmul_weights)
+    g = GraphBuilder(name, matmul_weights, quantized_kernel)
     ids = g.input("input_ids", INT64, ["batch", "tree_nodes"])
     fed_back = g.input("hidden_in", FLOAT, ["batch", "tree_nodes", head.config.hidden_size])
     past_len = g.input("past_len", INT64, ["batch"])
@@ -176,12 +178,12 @@ def _top(g: GraphBuilder, head: Eagle3Head, logits: str) -> tuple[str, str]:
 
 def build_step_graph(head: Eagle3Head, embed_tokens, max_seq: int, name: str = STEP,
                      matmul_weights: str = "float32", sample_vocab: int | None = None,
-                     single_sequence: bool = False) -> GraphBuilder:
+                     single_sequence: bool = False, quantized_kernel: str = "DequantizeLinear") -> GraphBuilder:
     """One more draft: the previous draft's token with the head's own previous output. `sample_vocab`
     (both builders): the sampled variant, over a target vocabulary of that size; `single_sequence`:
     the batch-1 variant (fused attention)."""
     spec = _layer_spec(head, embed_tokens, max_seq)
-    g = GraphBuilder(name, matmul_weights)
+    g = GraphBuilder(name, matmul_weights, quantized_kernel)
     ids = g.input("input_ids", INT64, ["batch", 1])
     fed_back = g.input("hidden_in", FLOAT, ["batch", 1, head.config.hidden_size])
     past_len = g.input("past_len", INT64, ["batch"])

@@ -57,15 +57,17 @@ from speccompile.compiler.tensors import columns, concatenated
 
 def build_forward_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int, sample: bool = False,
                         matmul_weights: str = "float32", vocab_ids: np.ndarray | None = None,
-                        single_sequence: bool = False, aux_layers: tuple[int, ...] = ()) -> GraphBuilder:
+                        single_sequence: bool = False, aux_layers: tuple[int, ...] = (),
+                        quantized_kernel: str = "DequantizeLinear") -> GraphBuilder:
     """Greedy (`next_token` = argmax) or, with sample=True, sampled from the transformed
     distribution with a supplied uniform per sequence (outputs `next_token` and `probs`).
     `matmul_weights`: how the projection and LM-head weights are stored (see GraphBuilder.matmul).
     `vocab_ids` (sorted token ids, see draft_vocab; greedy graphs only) restricts the LM head to
     those tokens: `logits` are then over the subset, `next_token` is a token id as always.
     `single_sequence`: the batch-1 ONNX Runtime variant (see _fused_attention).
-    `aux_layers`: also output `aux_hidden` at every position (see _aux_hidden)."""
-    g = GraphBuilder(name, matmul_weights)
+    `aux_layers`: also output `aux_hidden` at every position (see _aux_hidden).
+    `quantized_kernel` (every builder): how int8 and int4 weights are multiplied (GraphBuilder.matmul)."""
+    g = GraphBuilder(name, matmul_weights, quantized_kernel)
     ids = g.input("input_ids", INT64, ["batch", "tokens"])
     past_len = g.input("past_len", INT64, ["batch"])
     token_count = g.input("token_count", INT64, ["batch"])
@@ -99,11 +101,11 @@ OUTPUT_SHAPES = {
 
 def build_verify_graph(spec: ModelSpec, name: str, gamma: int, max_seq: int, vocab_out: int, sample: bool = False,
                        single_sequence: bool = False, matmul_weights: str = "float32",
-                       aux_layers: tuple[int, ...] = ()) -> GraphBuilder:
+                       aux_layers: tuple[int, ...] = (), quantized_kernel: str = "DequantizeLinear") -> GraphBuilder:
     """Score [last, d_1..d_γ] and apply SpecAccept: greedy on logits, or (sample=True) the
     rejection-sampling rule on the transformed target probabilities and the draft's.
     `aux_layers`: also output `aux_hidden` at all γ+1 positions (see _aux_hidden)."""
-    g = GraphBuilder(name, matmul_weights)
+    g = GraphBuilder(name, matmul_weights, quantized_kernel)
     ids = g.input("input_ids", INT64, ["batch", gamma + 1])
     past_len = g.input("past_len", INT64, ["batch"])
     hidden = _decoder(g, spec, ids, past_len, max_seq, single_sequence, aux_layers=aux_layers)
@@ -114,10 +116,10 @@ def build_verify_graph(spec: ModelSpec, name: str, gamma: int, max_seq: int, voc
 
 
 def build_score_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int, single_sequence: bool = False,
-                      matmul_weights: str = "float32") -> GraphBuilder:
+                      matmul_weights: str = "float32", quantized_kernel: str = "DequantizeLinear") -> GraphBuilder:
     """A prefill of input_ids [B, T] that also scores the prompt: each position's log-probability of
     score_ids [B, T] (the prompt's next tokens) and its most likely tokens (compiler/logits.py)."""
-    g = GraphBuilder(name, matmul_weights)
+    g = GraphBuilder(name, matmul_weights, quantized_kernel)
     ids = g.input("input_ids", INT64, ["batch", "tokens"])
     past_len = g.input("past_len", INT64, ["batch"])
     hidden = _decoder(g, spec, ids, past_len, max_seq, single_sequence)
@@ -132,14 +134,14 @@ MEDUSA_CANDIDATES = 10  # each head's top-k that trees choose from (the heads' m
 
 def build_tree_verify_graph(spec: ModelSpec, name: str, heads: list, max_seq: int, vocab_out: int,
                             typical: bool = False, matmul_weights: str = "float32",
-                            single_sequence: bool = False) -> GraphBuilder:
+                            single_sequence: bool = False, quantized_kernel: str = "DequantizeLinear") -> GraphBuilder:
     """Score a token tree [B, N] (node 0: the last accepted token) whose topology is an input
     (tree_parents, tree_depths, tree_ranks [N], tree_mask [N, N]; see core/tree.py), apply the tree
     SpecAccept, and in the same pass read the Medusa heads at each row's accepted node: the next
     iteration's tree (next_tree [B, N], rooted at next_token). One target pass per iteration.
     `single_sequence`: the batch-1 ONNX Runtime variant, the tree given to the fused kernel as
     position ids and an attention bias (_tree_bias)."""
-    g = GraphBuilder(name, matmul_weights)
+    g = GraphBuilder(name, matmul_weights, quantized_kernel)
     ids = g.input("input_ids", INT64, ["batch", "tree_nodes"])
     past_len = g.input("past_len", INT64, ["batch"])
     hidden = _decoder(g, spec, ids, past_len, max_seq, single_sequence, tree=True)
@@ -154,11 +156,12 @@ def build_tree_verify_graph(spec: ModelSpec, name: str, heads: list, max_seq: in
 
 def build_eagle_tree_verify_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int,
                                   aux_layers: tuple[int, ...], matmul_weights: str = "float32",
-                                  single_sequence: bool = False) -> GraphBuilder:
+                                  single_sequence: bool = False,
+                                  quantized_kernel: str = "DequantizeLinear") -> GraphBuilder:
     """Score a dynamic token tree [B, N] drafted by an EAGLE-3 head (topology as an input, as
     build_tree_verify_graph's) and apply the tree SpecAccept: (accepted, next_token, new_len,
     best_node), and every node's features (aux_hidden), of which the head reads the accepted path's."""
-    g = GraphBuilder(name, matmul_weights)
+    g = GraphBuilder(name, matmul_weights, quantized_kernel)
     ids = g.input("input_ids", INT64, ["batch", "tree_nodes"])
     past_len = g.input("past_len", INT64, ["batch"])
     hidden = _decoder(g, spec, ids, past_len, max_seq, single_sequence, tree=True, aux_layers=aux_layers)

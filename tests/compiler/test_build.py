@@ -56,18 +56,21 @@ def test_every_verification_graph_takes_a_draft_len_per_row(bundles):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_graphs_pass_onnx_checker_and_tensorrt_rules(bundles, family):
-    bundle = open_bundle(bundles(family, "random"))
+def test_portable_graphs_pass_onnx_checker_and_tensorrt_rules(bundles, family):
+    """--backend onnx: every graph of each kind in standard ops (the int8 draft's DequantizeLinear
+    -> MatMul), within TensorRT's parser rules."""
+    bundle = open_bundle(bundles(family, "random", backend="onnx"))
     for name in bundle.manifest.graphs:
         path = bundle.graph_path(name)
         onnx.checker.check_model(str(path), full_check=True)
         model = onnx.load(str(path), load_external_data=False)
         assert tensorrt_violations(model) == []
         assert model.opset_import[0].version == 24
+        assert not {node.domain for node in model.graph.node} - {"", "speccompile"}, name
 
 
 def test_draft_matmuls_are_int8_weight_only_and_the_target_stays_float32(bundles):
-    bundle = open_bundle(bundles("llama", "random"))
+    bundle = open_bundle(bundles("llama", "random", backend="onnx"))
     models = bundle.manifest.models
     assert models["draft"].matmul_weights == "int8" and models["target"].matmul_weights == "float32"
     for name, role in (("draft_forward", "draft"), ("target_verify_g4", "target")):
@@ -115,7 +118,7 @@ def test_a_failure_late_in_the_build_leaves_nothing(tmp_path, checkpoints, monke
 
     monkeypatch.setattr(build_module, "check_tensorrt_compatible", reject)
     with pytest.raises(SpecCompileError, match="rejected"):
-        build_bundle(checkpoints("llama"), checkpoints("llama"), tmp_path / "out", max_seq=64)
+        build_bundle(checkpoints("llama"), checkpoints("llama"), tmp_path / "out", max_seq=64, backend="onnx")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -25,9 +25,10 @@ def leftovers(out) -> list[str]:
     return sorted(p.name for p in out.parent.glob(f".{out.name}.*"))
 
 
-def staged(out) -> list:
-    """The files a running build has written so far into its staging directory."""
-    return [f for d in out.parent.glob(f".{out.name}.build-*") for f in d.rglob("*")]
+def staged(out, earlier: tuple[str, ...] = ()) -> list:
+    """The files a running build has written so far into its staging directory (not those of the
+    `earlier` staging directories, which killed builds left)."""
+    return [f for d in out.parent.glob(f".{out.name}.build-*") if d.name not in earlier for f in d.rglob("*")]
 
 
 # the points a build is killed at: its staging directory made, its first graph written, its tokenizer
@@ -37,19 +38,23 @@ KILL_POINTS = {"staging": lambda files: True, "a graph": lambda files: any(f.suf
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point", KILL_POINTS)
-def test_a_build_killed_at_any_point_leaves_no_bundle_and_the_next_one_cleans_up(checkpoints, tmp_path, point):
+def test_a_build_killed_at_any_point_leaves_no_bundle_and_the_next_one_cleans_up(checkpoints, tmp_path):
+    """Killed at each point in turn: no bundle, only its staging directory (the build after it, killed
+    at the next point, has removed the one before); then a build that finishes leaves the bundle alone."""
     out = tmp_path / "bundle"
-    build = subprocess.Popen(build_command(checkpoints, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    reached = KILL_POINTS[point]
-    while build.poll() is None and not (leftovers(out) and reached(staged(out))):
-        time.sleep(0.001)
-    build.send_signal(signal.SIGKILL)
-    build.wait(30)
-    if out.exists():  # it finished in the moment before the kill: a whole bundle
-        assert verify_bundle(out)
-        pytest.skip(f"the build finished before it could be killed at {point}")
-    assert leftovers(out)  # the killed build's staging directory, and no bundle
+    for point, reached in KILL_POINTS.items():
+        before = tuple(leftovers(out))
+        build = subprocess.Popen(build_command(checkpoints, out), stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
+        while build.poll() is None and not (set(leftovers(out)) - set(before) and reached(staged(out, before))):
+            time.sleep(0.001)
+        build.send_signal(signal.SIGKILL)
+        build.wait(30)
+        if out.exists():  # it finished in the moment before the kill: a whole bundle
+            assert verify_bundle(out)
+            pytest.skip(f"the build finished before it could be killed at {point}")
+        left = leftovers(out)
+        assert len(left) == 1 and left[0] not in before, (point, before, left)  # its own staging directory
     finished = subprocess.run(build_command(checkpoints, out), capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert verify_bundle(out) and leftovers(out) == []

@@ -18,6 +18,7 @@ import pytest
 
 import speccompile
 from speccompile.bundle import GraphId, open_bundle
+from speccompile.compiler.trt_rules import tensorrt_violations
 from speccompile.errors import SpecCompileError
 from tests.compiler.test_transformer_parity import empty_cache, run_with_cache
 from tests.conftest import FAMILIES
@@ -181,24 +182,57 @@ def assert_both_sessions_speculate_as_the_target_decodes(path) -> None:
             assert [r.token_ids for r in runtime.generate(prompts, max_new_tokens=16, gamma=gamma)] == plain
 
 
-def test_int4_models_run_4_bit_kernels_and_speculate_exactly(checkpoints, tmp_path):
-    """--target-weights int4 --draft-weights int4: session graphs run every projection on 4-bit
-    MatMulNBits, per-kind graphs carry the portable blocked DequantizeLinear (int4) that ONNX Runtime
-    fuses into the same kernel; both give the same tokens, and speculative decoding gives exactly
-    the int4 target's own greedy output."""
+def _external_weights(path) -> dict[str, tuple[str, str]]:
+    """initializer name -> (offset, length) in the weights file, of a graph's external weights."""
+    model = onnx.load(str(path), load_external_data=False)
+    return {t.name: (fields.get("offset", "0"), fields["length"]) for t in model.graph.initializer
+            if (fields := {e.key: e.value for e in t.external_data})}
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_low_bit_models_store_their_weights_once_and_speculate_exactly(checkpoints, tmp_path, weights):
+    """--target-weights/--draft-weights int4 or int8 (ONNX Runtime bundle): session graphs and the
+    graphs of each kind run every projection on MatMulNBits of that many bits over the same bytes of
+    the weights file (no second, DequantizeLinear copy), and the file holds nothing else; both give
+    the same tokens, and speculative decoding gives exactly the low-bit target's own greedy output."""
     from speccompile.compiler.build import build_bundle
 
     path = build_bundle(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b", gammas=[1, 4],
-                        max_seq=96, max_batch=2, target_weights="int4", draft_weights="int4")
+                        max_seq=96, max_batch=2, target_weights=weights, draft_weights=weights)
     bundle = open_bundle(path)
     for role in ("target", "draft"):
-        assert bundle.model(role).matmul_weights == "int4"
+        assert bundle.model(role).matmul_weights == weights
         model = onnx.load(str(bundle.path / bundle.model(role).session.file), load_external_data=False)
         nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
         assert len(nbits) >= 2 * bundle.model(role).num_layers + 1  # the projections and the LM head
-        assert {a.i for n in nbits for a in n.attribute if a.name == "bits"} == {4}
+        assert {a.i for n in nbits for a in n.attribute if a.name == "bits"} == {int(weights[3:])}
+        session = _external_weights(bundle.path / bundle.model(role).session.file)
+        graphs = [entry for entry in bundle.manifest.graphs.values() if entry.id.model == role]
+        for file in [entry.file for entry in graphs] + [entry.single_sequence.file for entry in graphs
+                                                        if entry.single_sequence]:
+            ops = {n.op_type for n in onnx.load(str(bundle.path / file), load_external_data=False).graph.node}
+            assert "MatMulNBits" in ops and "DequantizeLinear" not in ops, (file, ops)
+            read = _external_weights(bundle.path / file)
+            assert read.items() <= session.items(), (file, sorted(set(read) - set(session)))
+        stored = sum(int(length) for _, length in session.values())
+        assert (bundle.path / bundle.model(role).weights_file).stat().st_size < stored + 64 * len(session)
+    assert_both_sessions_speculate_as_the_target_decodes(path)
+
+
+def test_portable_low_bit_graphs_keep_standard_ops_and_compute_the_same(checkpoints, tmp_path):
+    """--backend onnx: the graphs of each kind carry int4 and int8 weights as the standard (blocked)
+    DequantizeLinear -> MatMul that TensorRT parses and ONNX Runtime fuses into the session graphs'
+    MatMulNBits: a second copy of the weights, and the same tokens either way."""
+    from speccompile.compiler.build import build_bundle
+
+    path = build_bundle(checkpoints("llama"), checkpoints("llama", "draft"), tmp_path / "b", gammas=[1, 4],
+                        max_seq=96, max_batch=2, target_weights="int4", draft_weights="int8", backend="onnx")
+    bundle = open_bundle(path)
+    for role, dtype in (("target", onnx.TensorProto.INT4), ("draft", onnx.TensorProto.INT8)):
         portable = onnx.load(str(bundle.graph_path(f"{role}_forward")), load_external_data=False)
-        assert {t.name for t in portable.graph.initializer if t.data_type == onnx.TensorProto.INT4}
+        assert "MatMulNBits" not in {n.op_type for n in portable.graph.node}
+        assert {t.name for t in portable.graph.initializer if t.data_type == dtype}
+        assert tensorrt_violations(portable) == []
     assert_both_sessions_speculate_as_the_target_decodes(path)
 
 
