@@ -85,6 +85,22 @@ def fetch_converter() -> Path:
     return target
 
 
+def convert_to_gguf(converter: Path, checkpoint: Path, out: Path, outtype: str) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py (from fetch_converter) in a subprocess. Two of its steps are
+    told what a test tokenizer is: it names BPE pre-tokenizers by hashing known models' encodings, and
+    tries sentencepiece first."""
+    patch = (
+        "import runpy, sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/gguf-py']\n"
+        "import conversion.base as base, conversion.llama as llama\n"
+        "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
+        "llama.LlamaModel.set_vocab = lambda self: self._set_vocab_gpt2()\n"
+        "sys.argv = [sys.argv[1] + '/convert_hf_to_gguf.py', *sys.argv[2:]]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    subprocess.run([sys.executable, "-c", patch, str(converter), str(checkpoint), "--outtype", outtype,
+                    "--outfile", str(out)], check=True, capture_output=True)
+    return out
+
+
 def models_dir() -> Path:
     from speccompile.demo import cache_dir
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from fetch_real_models import MODELS, converter_dir, models_dir  # noqa: E402, F401 (converter_dir: for tests)
+from fetch_real_models import MODELS, convert_to_gguf, converter_dir, models_dir  # noqa: E402, F401 (for tests)
 
 
 def real_model(name: str) -> Path:

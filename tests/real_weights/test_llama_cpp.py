@@ -6,8 +6,6 @@ each engine rounds the activations to int8 its own way for its integer dot produ
 differ by a percent or two of their range and greedy paths part at a near tie."""
 
 import ctypes
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +15,7 @@ import speccompile
 from speccompile.bundle import open_bundle
 from speccompile.compiler.build import build_bundle
 from tests.compiler.test_transformer_parity import empty_cache, run_file
-from tests.real_weights.conftest import converter_dir
+from tests.real_weights.conftest import convert_to_gguf, converter_dir
 from tests.tiny_models import make_checkpoint
 
 pytestmark = pytest.mark.real_weights
@@ -26,21 +24,6 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="pip install llama-cpp-pytho
 PROMPTS = [[5, 17, 33, 2, 9, 100, 7], [8, 9, 10, 11], [200], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
 MAX_NEW = 24
 EOS = 1
-
-
-def convert(converter: Path, checkpoint: Path, out: Path, outtype: str) -> Path:
-    """convert_hf_to_gguf.py in a subprocess. Two of its steps are told what a test tokenizer is: it
-    names BPE pre-tokenizers by hashing known models' encodings, and tries sentencepiece first."""
-    patch = (
-        "import runpy, sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/gguf-py']\n"
-        "import conversion.base as base, conversion.llama as llama\n"
-        "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
-        "llama.LlamaModel.set_vocab = lambda self: self._set_vocab_gpt2()\n"
-        "sys.argv = [sys.argv[1] + '/convert_hf_to_gguf.py', *sys.argv[2:]]\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    subprocess.run([sys.executable, "-c", patch, str(converter), str(checkpoint), "--outtype", outtype,
-                    "--outfile", str(out)], check=True, capture_output=True)
-    return out
 
 
 def quantize(source: Path, out: Path, kind: str) -> Path:
@@ -58,8 +41,8 @@ def files(tmp_path_factory):
         pytest.skip("llama.cpp's converter is not in the cache: run python tools/fetch_real_models.py llama.cpp")
     tmp = tmp_path_factory.mktemp("llama.cpp")
     checkpoint = make_checkpoint(tmp / "hf", "llama")
-    f32 = convert(converter, checkpoint, tmp / "f32.gguf", "f32")
-    return {"F32": f32, "Q8_0": convert(converter, checkpoint, tmp / "q8_0.gguf", "q8_0"),
+    f32 = convert_to_gguf(converter, checkpoint, tmp / "f32.gguf", "f32")
+    return {"F32": f32, "Q8_0": convert_to_gguf(converter, checkpoint, tmp / "q8_0.gguf", "q8_0"),
             "Q4_0": quantize(f32, tmp / "q4_0.gguf", "Q4_0")}
 
 

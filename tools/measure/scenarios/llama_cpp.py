@@ -1,0 +1,168 @@
+"""Ours beside llama.cpp on the same GGUF files: plain and speculative decoding of a target and its
+draft at each precision, interleaved in one run.
+
+    python -m tools.make_random_checkpoint --shape tinyllama-1.1b --residual-scale 0.0001 --out /tmp/tl
+    python -m tools.make_random_checkpoint --draft-of /tmp/tl --layers 2 --out /tmp/tl-draft
+    python -m tools.measure llama_cpp --target /tmp/tl --draft /tmp/tl-draft --llama-cpp DIR \\
+        [--work DIR] [--precisions F32 Q8_0 Q4_0] [--gamma 4] [--max-new-tokens 64] [--repeats 3]
+
+`--llama-cpp`: a llama.cpp source tree built with CMake into its build/ (llama-completion,
+llama-speculative-simple and llama-quantize), e.g. the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp:
+
+    cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
+    cmake --build build -j2 --target llama-completion llama-speculative-simple llama-quantize
+
+The files, made once into `--work` (default /tmp/llama_cpp_side_by_side): the tree's own
+convert_hf_to_gguf.py writes target and draft as F32 GGUF; `llama-quantize --pure` makes each
+quantized type (every tensor but the norms); `speccompile build` makes one bundle from each pair of
+GGUF files (F32 as float32; Q8_0 and Q4_0 blocks kept as they are, so both engines multiply the same
+integers by the same scales; the draft at the target's precision), with `--gamma γ`.
+
+Each repeat runs, per precision: our bundle in a fresh process (`bench`, plain decoding and the draft
+model at γ over the prompts, interleaved); llama.cpp's plain decoding (llama-completion) and its
+speculative decoding (llama-speculative-simple with the draft at `--draft-max γ --draft-min 0
+--draft-p-min 0`: a fixed γ, as ours), one process per prompt. Greedy, 2 threads, every request
+`--max-new-tokens` long (end-of-sequence ignored), the same held-out prompts (three functions of
+held-out standard-library files, their first four lines). Rates are new tokens over whole requests,
+prefill included, in both engines (llama.cpp: its prompt-eval plus eval time; its speculative run's
+encode plus decode time). Each cell: the median over repeats.
+"""
+
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools.fetch_real_models import convert_to_gguf
+from tools.measure.harness import interleaved
+from tools.measure.options import Common, positive
+from tools.measure.record import Column, Measured, Spread, Table
+from tools.measure.scenarios.precisions import one_bundle
+
+COMMON = Common(max_new_tokens=64, repeats=3)
+OUR_WEIGHTS = {"F32": "float32", "Q8_0": "int8", "Q4_0": "int4"}  # a GGUF type -> our --target-weights
+THREADS = 2
+COLUMNS = (Column("precision"), Column("ours_plain", "tok/s", 1, "ours plain"),
+           Column("ours_speculative", "tok/s", 1, "ours speculative"), Column("ours_speedup", "×", 2, "ours speedup"),
+           Column("ours_acceptance", digits=2, label="ours acceptance"),
+           Column("llama_plain", "tok/s", 1, "llama.cpp plain"),
+           Column("llama_speculative", "tok/s", 1, "llama.cpp speculative"),
+           Column("llama_speedup", "×", 2, "llama.cpp speedup"),
+           Column("llama_acceptance", digits=2, label="llama.cpp acceptance"),
+           Column("plain_lead", "×", 2, "ours / llama.cpp plain"),
+           Column("speculative_lead", "×", 2, "ours / llama.cpp speculative"))
+
+
+def add_options(parser) -> None:
+    parser.add_argument("--target", type=Path, required=True, help="the target's Hugging Face checkpoint")
+    parser.add_argument("--draft", type=Path, required=True, help="the draft's Hugging Face checkpoint")
+    parser.add_argument("--llama-cpp", type=Path, required=True, help="a llama.cpp tree built into its build/")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/llama_cpp_side_by_side"),
+                        help="where the GGUF files and bundles are made, once")
+    parser.add_argument("--precisions", nargs="+", default=list(OUR_WEIGHTS), choices=list(OUR_WEIGHTS))
+    parser.add_argument("--gamma", type=positive, default=4)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One precision's files: the target's and the draft's GGUF, and our bundle built from them."""
+
+    target: Path
+    draft: Path
+    bundle: Path
+
+
+def prepare(args, precision: str) -> Pair:
+    """The GGUF files and the bundle of one precision, made where missing."""
+    args.work.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for role, checkpoint in (("target", args.target), ("draft", args.draft)):
+        f32 = args.work / f"{role}-F32.gguf"
+        if not f32.is_file():
+            convert_to_gguf(args.llama_cpp, checkpoint, f32, "f32")
+        files[role] = args.work / f"{role}-{precision}.gguf"
+        if not files[role].is_file():
+            subprocess.run([str(binary(args, "llama-quantize")), "--pure", str(f32), str(files[role]), precision],
+                           check=True, capture_output=True)
+    bundle = args.work / f"bundle-{precision}"
+    if not (bundle / "manifest.json").is_file():
+        subprocess.run(["speccompile", "build", "--target", str(files["target"]), "--draft", str(files["draft"]),
+                        "--out", str(bundle), "--target-weights", OUR_WEIGHTS[precision], "--gamma", str(args.gamma),
+                        "--max-seq", "512", "--max-batch", "4", "--force"], check=True, capture_output=True)
+    return Pair(files["target"], files["draft"], bundle)
+
+
+def binary(args, name: str) -> Path:
+    return args.llama_cpp / "build" / "bin" / name
+
+
+def llama_run(args, pair: Pair, prompt: str, speculative: bool) -> dict:
+    """One request through llama.cpp: (new tokens, seconds of prefill and decoding), and for a
+    speculative run the drafted and accepted counts."""
+    common = ["-p", prompt, "-n", str(args.max_new_tokens), "--temp", "0", "--ignore-eos", "-t", str(THREADS),
+              "-c", "512"]
+    if speculative:
+        command = [str(binary(args, "llama-speculative-simple")), "-m", str(pair.target), "-md", str(pair.draft),
+                   "--draft-max", str(args.gamma), "--draft-min", "0", "--draft-p-min", "0", "-td", str(THREADS),
+                   *common]
+    else:
+        command = [str(binary(args, "llama-completion")), "-m", str(pair.target), "-no-cnv", *common]
+    log = subprocess.run(command, capture_output=True, text=True, check=True, timeout=600, stdin=subprocess.DEVNULL)
+    return parse_speculative(log.stderr) if speculative else parse_plain(log.stderr)
+
+
+def parse_plain(log: str) -> dict:
+    """llama-completion's timings: prompt eval and eval (its new tokens after the first)."""
+    prompt_ms = float(re.search(r"prompt eval time =\s*([\d.]+) ms", log).group(1))
+    eval_ms, runs = re.search(r"\s eval time =\s*([\d.]+) ms /\s*(\d+) runs", log).groups()
+    return {"tokens": int(runs) + 1, "seconds": (prompt_ms + float(eval_ms)) / 1000}
+
+
+def parse_speculative(log: str) -> dict:
+    """llama-speculative-simple's summary: encoded and decoded times, tokens drafted and accepted."""
+    encoded = float(re.search(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log).group(1))
+    decoded, seconds = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log).groups()
+    drafted = int(re.search(r"n_drafted\s*=\s*(\d+)", log).group(1))
+    accepted = int(re.search(r"n_accept\s*=\s*(\d+)", log).group(1))
+    return {"tokens": int(decoded), "seconds": encoded + float(seconds), "drafted": drafted, "accepted": accepted}
+
+
+def llama_requests(args, pair: Pair, prompts: list[str], speculative: bool) -> dict:
+    runs = [llama_run(args, pair, prompt, speculative) for prompt in prompts]
+    totals = {key: sum(run.get(key, 0) for run in runs) for key in ("tokens", "seconds", "drafted", "accepted")}
+    return {"tokens_per_s": totals["tokens"] / totals["seconds"],
+            "acceptance": totals["accepted"] / totals["drafted"] if totals["drafted"] else None}
+
+
+def run(args) -> Measured:
+    from tools.measure.prompts import heldout_functions, workloads
+
+    prompts = workloads(heldout_functions(3))["completion"]
+    pairs = {precision: prepare(args, precision) for precision in args.precisions}
+    variants = {}
+    for precision, pair in pairs.items():
+        variants[f"ours {precision}"] = lambda _, p=pair: one_bundle(p.bundle, args.gamma, args.max_new_tokens, 1,
+                                                                     "draft")["bench"]
+        for speculative in (False, True):
+            variants[f"llama.cpp {precision} {speculative}"] = (
+                lambda _, p=pair, s=speculative: llama_requests(args, p, prompts, s))
+    samples = interleaved(variants, args.repeats)
+    values = {name: [s.value for s in runs] for name, runs in samples.items()}
+    return Measured((Table.of("llama_cpp", COLUMNS, [row(precision, values) for precision in pairs]),),
+                    {"runs": values, "gamma": args.gamma, "files": {p: str(pair.target) for p, pair in pairs.items()}})
+
+
+def row(precision: str, values: dict) -> dict:
+    ours, plain, speculative = (values[f"ours {precision}"], values[f"llama.cpp {precision} False"],
+                                values[f"llama.cpp {precision} True"])
+    over = Spread.of
+    return {"precision": precision, "ours_plain": over(r["ar_tokens_per_s"] for r in ours),
+            "ours_speculative": over(r["spec_tokens_per_s"] for r in ours),
+            "ours_speedup": over(r["speedup"] for r in ours),
+            "ours_acceptance": over(r["acceptance_rate"] for r in ours),
+            "llama_plain": over(r["tokens_per_s"] for r in plain),
+            "llama_speculative": over(r["tokens_per_s"] for r in speculative),
+            "llama_speedup": over(s["tokens_per_s"] / p["tokens_per_s"] for s, p in zip(speculative, plain)),
+            "llama_acceptance": over(r["acceptance"] for r in speculative),
+            "plain_lead": over(o["ar_tokens_per_s"] / p["tokens_per_s"] for o, p in zip(ours, plain)),
+            "speculative_lead": over(o["spec_tokens_per_s"] / s["tokens_per_s"] for o, s in zip(ours, speculative))}
