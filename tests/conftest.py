@@ -3,6 +3,18 @@ import pytest
 
 
 @pytest.fixture(scope="session", autouse=True)
+def prepacked_cache(tmp_path_factory):
+    """Session graphs pre-packed by the tests are saved in a directory of the test run, not in the
+    user's cache (runtime/prepacked.py)."""
+    from speccompile.runtime import prepacked
+
+    root = tmp_path_factory.mktemp("prepacked")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prepacked, "prepacked_root", lambda: root)
+        yield root
+
+
+@pytest.fixture(scope="session", autouse=True)
 def no_shared_thread_pool():
     """The CLI asks for ONNX Runtime's process-wide thread pool (onnxruntime_engine.shared_thread_pool).
     Inside the test process it would bind every later test's own sessions, so it is switched off

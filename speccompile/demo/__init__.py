@@ -9,12 +9,12 @@ or format is rebuilt and an unchanged one never is.
 
 import hashlib
 import logging
-import os
 import shutil
 from pathlib import Path
 
 from speccompile.bundle import FORMAT_VERSION, open_bundle
 from speccompile.errors import SpecCompileError
+from speccompile.user_cache import cache_dir
 
 DEMO_ROOT = Path(__file__).resolve().parent
 DEMO_TARGET = DEMO_ROOT / "target"
@@ -29,15 +29,6 @@ DEMO_MAX_BATCH = 8
 DEMO_DRAFT_VOCAB = 3072  # greedy draft steps score the 3072 most frequent tokens (see compiler/draft_vocab.py)
 DEMO_EAGLE_VOCAB = 3072  # and so do the EAGLE-3 head's, in demo_eagle_bundle (build --eagle-vocab)
 logger = logging.getLogger(__name__)
-
-
-def cache_dir() -> Path:
-    override = os.environ.get("SPECCOMPILE_CACHE")
-    if override:
-        return Path(override)
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("speccompile"))
 
 
 def demo_key(target: Path | None = None, draft: Path | None = None) -> str:

@@ -163,6 +163,6 @@ def row(precision: str, values: dict) -> dict:
             "llama_plain": over(r["tokens_per_s"] for r in plain),
             "llama_speculative": over(r["tokens_per_s"] for r in speculative),
             "llama_speedup": over(s["tokens_per_s"] / p["tokens_per_s"] for s, p in zip(speculative, plain)),
-            "llama_acceptance": over(r["acceptance"] for r in speculative),
+            "llama_acceptance": over(r["acceptance"] for r in speculative if r["acceptance"] is not None),
             "plain_lead": over(o["ar_tokens_per_s"] / p["tokens_per_s"] for o, p in zip(ours, plain)),
             "speculative_lead": over(o["spec_tokens_per_s"] / s["tokens_per_s"] for o, s in zip(ours, speculative))}

@@ -6,7 +6,9 @@ Each repeat runs in a fresh process: import, the bundle's integrity stamp (`open
 (the tokenizer, each model's session: saved pre-packed or made now, see runtime/prepacked.py), then
 one generated token (prefill of an 8-token prompt and the first step). `--cold` drops the page cache
 before each repeat (root only: `sync; echo 3 > /proc/sys/vm/drop_caches`), so the bundle's bytes
-come from disk. Each part: the median over repeats and the range.
+come from disk. Each part: the median over repeats and the range. Then what the bundle takes on disk
+beside its weights files (the tensors as stored), and what this machine's saved pre-packed graphs of
+it take in the user's cache.
 """
 
 import json
@@ -74,4 +76,22 @@ def run(args) -> Measured:
             for key, label in PARTS.items()]
     rows[3:3] = [{"part": f"{key.removesuffix('_s').replace('_', ' ')} (in load())",
                   "seconds": Spread.of(r[key] for r in runs), "session": how} for key, how in sessions.items()]
-    return Measured((Table.of("load", COLUMNS, rows),), {"cold": args.cold, "runs": runs})
+    return Measured((Table.of("load", COLUMNS, rows), Table.of("disk", DISK_COLUMNS, [disk(path)])),
+                    {"cold": args.cold, "runs": runs})
+
+
+DISK_COLUMNS = (Column("bundle", "GB", 3), Column("weights", "GB", 3, "its weights files"),
+                Column("ratio", "×", 3, "bundle / weights"), Column("prepacked", "GB", 3, "saved pre-packed (cache)"))
+
+
+def disk(path: Path) -> dict:
+    from speccompile.bundle import open_bundle
+    from speccompile.runtime.prepacked import prepacked_dir
+
+    def size(files) -> float:
+        return sum(f.stat().st_size for f in files if f.is_file()) / 1e9
+
+    bundle = size(path.rglob("*"))
+    weights = size(path.glob("*.weights"))
+    return {"bundle": bundle, "weights": weights, "ratio": bundle / weights if weights else None,
+            "prepacked": size(prepacked_dir(open_bundle(path)).rglob("*"))}
