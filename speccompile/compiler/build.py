@@ -181,6 +181,8 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     for spec, stored in ((target, target_weights), (draft, draft_weights)):
         if spec is not None and spec.source.format == "gguf":
             spec.compile_at(stored)
+        if spec is not None:
+            spec.store_embedding_at(stored)
     if engines:
         check_tensorrt_sources({role: spec.source.kept for role, spec, _ in _models(target, draft, None)})
     vocab_ids = None

@@ -21,6 +21,7 @@ from speccompile.compiler.gguf import gguf_checkpoint, is_gguf
 from speccompile.compiler.rope import SCALINGS, Rope, trained_positions
 from speccompile.compiler.tensors import (
     LazyTensor,
+    embedding_in_int8_blocks,
     rows,
     safetensors_tensors,
     shifted,
@@ -79,6 +80,13 @@ class ModelSpec:
             converted = collections.Counter(self.source.converted) + collections.Counter(self.source.kept)
             self.source = Source(self.source.format, {}, dict(converted))
         logger.info(f"  {self.path.name}: {self.source.describe()}; at {matmul_weights}")
+
+    def store_embedding_at(self, matmul_weights: str) -> None:
+        """A low-bit model (int8, int4, w8a8) keeps its token embedding in int8 blocks too, as llama.cpp's
+        quantized files do (tensors.embedding_in_int8_blocks): on the 1.1B pair, 262 MB of float32
+        per model where its int4 matrices are 550 MB. A float model keeps float32."""
+        if matmul_weights in ("int8", "int4", "w8a8") and "embed" in self.weights:
+            self.weights = {**self.weights, "embed": embedding_in_int8_blocks(self.weights["embed"])}
 
     @property
     def num_params(self) -> int:

@@ -52,7 +52,7 @@ from speccompile.compiler.spec_accept import (
     spec_accept_tree_node,
     spec_op,
 )
-from speccompile.compiler.tensors import columns, concatenated
+from speccompile.compiler.tensors import cast, columns, concatenated
 
 
 def build_forward_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int, sample: bool = False,
@@ -356,14 +356,16 @@ def _aux_hidden(g: GraphBuilder, spec: ModelSpec, ids: str, states: list[str]) -
 
 
 def _embedding(g, embed, ids) -> str:
-    """The rows of `ids` [B, T] -> [B, T, H]. A table kept in its source's 8-bit blocks (a GGUF's Q8_0
-    token_embd) is gathered as integers and scaled per block after the gather: the same float32 values
-    as the dequantized table (q × d is exact in float32) at a quarter of its bytes. A 4-bit table
-    stays float32: gathering int4 rows needs a widening Cast to int8, which TensorRT cannot do."""
+    """The rows of `ids` [B, T] -> [B, T, H]. A table in blocks along H (a GGUF's Q8_0 or Q4_0
+    token_embd, or a low-bit model's, ModelSpec.store_embedding_at) is gathered as int8 and scaled
+    per block after the gather: the same float32 values as the dequantized table (q × d is exact in
+    float32) at about a quarter of its bytes. 4-bit integers are stored widened to int8 (exact):
+    TensorRT cannot gather int4 rows nor cast them."""
     blocks = getattr(embed, "blocks", None)
-    if blocks is None or blocks.axis != 1 or blocks.bits != 8:
+    if blocks is None or blocks.axis != 1:
         return g.op("Gather", g.weight("embed", embed), ids)
-    rows = g.op("Cast", g.op("Gather", g.weight("embed_q", blocks.q), ids), to=FLOAT)  # [B, T, H]
+    q = blocks.q if blocks.bits == 8 else cast(blocks.q, np.dtype(np.int8))
+    rows = g.op("Cast", g.op("Gather", g.weight("embed_q", q), ids), to=FLOAT)  # [B, T, H]
     scales = g.op("Gather", g.weight("embed_scale", blocks.scale), ids)  # [B, T, H / block]
     per_block = g.op("Reshape", rows, g.const([0, 0, -1, blocks.block]))  # [B, T, H / block, block]
     scaled = g.op("Mul", per_block, g.op("Unsqueeze", scales, g.const([3])))

@@ -141,3 +141,26 @@ def test_phi3_config_as_the_hub_stores_it_reads_as_transformers_5_writes_it(tmp_
     for key in ("layer_ropes", "rope", "rotary_dim", "layer_windows"):
         assert ours[key] == theirs[key], key
     assert ours["rotary_dim"] == 48 and ours["rope"].rope_type == "longrope"
+
+
+def test_a_low_bit_model_keeps_its_embedding_in_int8_blocks_and_a_float_one_in_float32(checkpoints):
+    """store_embedding_at: int8, int4 and w8a8 models store the token table as Q8_0's layout (int8
+    blocks of 32 along the hidden size, one float32 scale each: scale = max |x| / 127, q = round(x /
+    scale)), which loads as q × scale, within half a scale of the table; float models keep the table."""
+    float_spec = load_checkpoint(checkpoints("llama"))
+    table = np.asarray(float_spec.weights["embed"])
+    float_spec.store_embedding_at("float16")
+    assert float_spec.weights["embed"].blocks is None
+    for precision in ("int8", "int4", "w8a8"):
+        spec = load_checkpoint(checkpoints("llama"))
+        spec.store_embedding_at(precision)
+        blocks = spec.weights["embed"].blocks
+        assert (blocks.axis, blocks.block, blocks.bits) == (1, 32, 8)
+        q, scale = np.asarray(blocks.q), np.asarray(blocks.scale)
+        grouped = table.reshape(table.shape[0], -1, 32)
+        peak = np.abs(grouped).max(axis=2)
+        np.testing.assert_allclose(scale, np.where(peak > 0, peak / 127, 1.0), rtol=1e-6)  # a zero block: scale 1
+        np.testing.assert_array_equal(q.reshape(grouped.shape), np.rint(grouped / scale[:, :, None]))
+        loaded = np.asarray(spec.weights["embed"])
+        np.testing.assert_array_equal(loaded, (q.reshape(grouped.shape) * scale[:, :, None]).reshape(table.shape))
+        assert np.abs(loaded - table).max() <= scale.max() / 2 + 1e-7

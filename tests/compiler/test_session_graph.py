@@ -216,6 +216,8 @@ def test_low_bit_models_store_their_weights_once_and_speculate_exactly(checkpoin
             assert read.items() <= session.items(), (file, sorted(set(read) - set(session)))
         stored = sum(int(length) for _, length in session.values())
         assert (bundle.path / bundle.model(role).weights_file).stat().st_size < stored + 64 * len(session)
+        hidden = bundle.model(role).hidden_size  # the embedding in int8 blocks of 32, no float32 table
+        assert "embed" not in session and int(session["embed_q"][1]) == bundle.vocab_size * hidden
     assert_both_sessions_speculate_as_the_target_decodes(path)
 
 

@@ -149,3 +149,21 @@ def test_every_scenario_imports_and_has_its_entry_and_options(name):
     assert module.__doc__ and f"python -m tools.measure {name}" in module.__doc__
     parser = options.parser(name, module)
     assert parser.get_default("out") is None
+
+
+def test_llama_cpp_timings_are_read_from_its_own_log_lines():
+    """The llama_cpp scenario's parsers, on lines in llama.cpp's formats (llama-context.cpp's perf
+    print; speculative-simple's summary): whole requests, prefill included."""
+    from tools.measure.scenarios.llama_cpp import parse_plain, parse_speculative
+
+    plain = ("llama_perf_sampler_print:    sampling time =       5.10 ms /    80 runs   (    0.06 ms per token)\n"
+             "llama_perf_context_print:        load time =     412.00 ms\n"
+             "llama_perf_context_print: prompt eval time =     250.00 ms /    17 tokens (   14.71 ms per token,"
+             "    68.00 tokens per second)\n"
+             "llama_perf_context_print:        eval time =    3150.00 ms /    63 runs   (   50.00 ms per token,"
+             "    20.00 tokens per second)\n")
+    assert parse_plain(plain) == {"tokens": 64, "seconds": 3.4}
+    speculative = ("encoded   17 tokens in    0.300 seconds, speed:   56.667 t/s\n"
+                   "decoded   66 tokens in    2.700 seconds, speed:   24.444 t/s\n\n"
+                   "n_draft   = 4\nn_predict = 66\nn_drafted = 60\nn_accept  = 51\naccept    = 85.000%\n")
+    assert parse_speculative(speculative) == {"tokens": 66, "seconds": 3.0, "drafted": 60, "accepted": 51}

@@ -20,12 +20,12 @@ integers by the same scales; the draft at the target's precision), with `--gamma
 
 Each repeat runs, per precision: our bundle in a fresh process (`bench`, plain decoding and the draft
 model at γ over the prompts, interleaved); llama.cpp's plain decoding (llama-completion) and its
-speculative decoding (llama-speculative-simple with the draft at `--draft-max γ --draft-min 0
---draft-p-min 0`: a fixed γ, as ours), one process per prompt. Greedy, 2 threads, every request
-`--max-new-tokens` long (end-of-sequence ignored), the same held-out prompts (three functions of
-held-out standard-library files, their first four lines). Rates are new tokens over whole requests,
-prefill included, in both engines (llama.cpp: its prompt-eval plus eval time; its speculative run's
-encode plus decode time). Each cell: the median over repeats.
+speculative decoding (llama-speculative-simple, `--spec-type draft-simple` with its draft model at
+`--spec-draft-n-max γ --spec-draft-n-min 0 --spec-draft-p-min 0`: a fixed γ, as ours), one process per prompt. Greedy, 2
+threads, every request `--max-new-tokens` long (end-of-sequence ignored), the same held-out prompts
+(three functions of held-out standard-library files, their first four lines). Rates are new tokens
+over whole requests, prefill included, in both engines (llama.cpp: its prompt-eval plus eval time;
+its speculative run's encode plus decode time). Each cell: the median over repeats.
 """
 
 import re
@@ -103,8 +103,8 @@ def llama_run(args, pair: Pair, prompt: str, speculative: bool) -> dict:
               "-c", "512"]
     if speculative:
         command = [str(binary(args, "llama-speculative-simple")), "-m", str(pair.target), "-md", str(pair.draft),
-                   "--draft-max", str(args.gamma), "--draft-min", "0", "--draft-p-min", "0", "-td", str(THREADS),
-                   *common]
+                   "--spec-type", "draft-simple", "--spec-draft-n-max", str(args.gamma), "--spec-draft-n-min", "0",
+                   "--spec-draft-p-min", "0", "-td", str(THREADS), *common]
     else:
         command = [str(binary(args, "llama-completion")), "-m", str(pair.target), "-no-cnv", *common]
     log = subprocess.run(command, capture_output=True, text=True, check=True, timeout=600, stdin=subprocess.DEVNULL)
