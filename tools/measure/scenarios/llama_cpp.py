@@ -107,7 +107,8 @@ def llama_run(args, pair: Pair, prompt: str, speculative: bool) -> dict:
                    "--spec-draft-p-min", "0", "-td", str(THREADS), *common]
     else:
         command = [str(binary(args, "llama-completion")), "-m", str(pair.target), "-no-cnv", *common]
-    log = subprocess.run(command, capture_output=True, text=True, check=True, timeout=600, stdin=subprocess.DEVNULL)
+    log = subprocess.run(command, capture_output=True, check=True, timeout=600, stdin=subprocess.DEVNULL,
+                         encoding="utf-8", errors="replace")  # a random model's text need not be UTF-8
     return parse_speculative(log.stderr) if speculative else parse_plain(log.stderr)
 
 
