@@ -98,9 +98,10 @@ def start_files(path: Path) -> list[Path]:
 
     saved = prepacked_dir(open_bundle(path))
     files = [f for f in path.rglob("*") if f.is_file() and f.suffix != ".weights" and "profiles" not in f.parts]
-    if saved.is_dir():
-        return files + [f for f in saved.rglob("*") if f.is_file()]
-    return files + list(path.glob("*.weights"))
+    for weights in path.glob("*.weights"):  # a model's saved graph holds its weights; else its graphs read these
+        graph = saved / f"{weights.stem}_session"
+        files += [f for f in graph.iterdir() if f.is_file()] if graph.is_dir() else [weights]
+    return files
 
 
 def read_seconds(files: list[Path]) -> float:
