@@ -5,7 +5,8 @@
     backends  compiler, runtime, serve            core, base             (neither imports the other)
     core      core                                base
     base      errors, bundle, corpus, progress,   errors only            (shared by every layer)
-              tensorrt_setup, medusa_heads, eagle_head
+              tensorrt_setup, medusa_heads, eagle_head,
+              user_cache
 
 Read from the source (AST), so an import that only runs on one machine (TensorRT) or in one branch counts.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 import speccompile
 
 PACKAGE = Path(speccompile.__file__).parent
-BASE = {"errors", "bundle", "corpus", "progress", "tensorrt_setup", "medusa_heads", "eagle_head"}
+BASE = {"errors", "bundle", "corpus", "progress", "tensorrt_setup", "medusa_heads", "eagle_head", "user_cache"}
 # what each part (the first name below `speccompile`) may import besides itself
 ALLOWED = {
     "app": {"app", "training", "compiler", "runtime", "serve", "core", "base"},
