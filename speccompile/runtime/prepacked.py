@@ -24,6 +24,7 @@ and the size, inode and change time of what was written; a saved file touched si
 (and is made again).
 """
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 
 from speccompile.bundle import Bundle
+from speccompile.errors import SpecCompileError
 from speccompile.runtime.hardware import fingerprint, fingerprint_key
 from speccompile.user_cache import cache_dir
 
@@ -61,7 +63,11 @@ def prepacked_dir(bundle: Bundle) -> Path:
 
 
 def limit_bytes() -> int:
-    return int(float(os.environ.get(LIMIT_ENV, DEFAULT_LIMIT_GB)) * 1e9)
+    text = os.environ.get(LIMIT_ENV)
+    try:
+        return int((DEFAULT_LIMIT_GB if text is None else float(text)) * 1e9)
+    except ValueError:
+        raise SpecCompileError(f"{LIMIT_ENV} must be a number of GB (0: save nothing), got {text!r}") from None
 
 
 def open_session(bundle: Bundle, file: str, options, providers, create: bool = True):
@@ -72,7 +78,8 @@ def open_session(bundle: Bundle, file: str, options, providers, create: bool = T
 
     saved = prepacked_dir(bundle) / Path(file).stem
     if _valid(bundle, file, saved):
-        os.utime(saved)  # recently used: the last to be removed
+        with contextlib.suppress(OSError):  # a read-only cache is used as it is
+            os.utime(saved)  # recently used: the last to be removed
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # done when it was saved
         return ort.InferenceSession(str(saved / MODEL), options, providers=providers), "saved"
     if not (create and limit_bytes() > 0):

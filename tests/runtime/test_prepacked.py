@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import speccompile
+from speccompile.errors import SpecCompileError
 from speccompile.runtime import onnxruntime_engine, prepacked
 
 PROMPTS = [[5, 17, 33, 2, 9], [8, 9, 10]]
@@ -123,3 +124,9 @@ def test_the_least_recently_used_saved_graphs_go_beyond_the_limit(bundle, tmp_pa
     monkeypatch.setenv(prepacked.LIMIT_ENV, str((sizes["target_session"] + 1) / 1e9))
     prepacked._evict(keep=saved / "target_session")
     assert os.listdir(saved) == ["target_session"]
+
+
+def test_a_limit_that_is_not_a_number_is_refused_in_one_line(bundle, monkeypatch):
+    monkeypatch.setenv(prepacked.LIMIT_ENV, "lots")
+    with pytest.raises(SpecCompileError, match=f"^{prepacked.LIMIT_ENV} must be a number of GB"):
+        speccompile.load(bundle)
