@@ -97,17 +97,17 @@ def build_eagle_graphs(head: Eagle3Head, embed_tokens: np.ndarray | LazyTensor |
     graphs too (tree_graphs_supported says where). `quantized_kernel` (every builder): how int8 and
     int4 matrices are multiplied (GraphBuilder.matmul)."""
     build = {CATCH_UP: build_catch_up_graph, STEP: build_step_graph}
-    kernel = {"single_sequence": single_sequence, "quantized_kernel": quantized_kernel}
-    graphs = {kind: build[kind](head, embed_tokens, max_seq, kind, matmul_weights, **kernel) for kind in EAGLE_KINDS}
+    layout = {"single_sequence": single_sequence, "quantized_kernel": quantized_kernel}
+    graphs = {kind: build[kind](head, embed_tokens, max_seq, kind, matmul_weights, **layout) for kind in EAGLE_KINDS}
     if sample:
         vocab = target_vocab or head.config.vocab_size
         for kind, greedy in zip(SAMPLED_KINDS, EAGLE_KINDS):
             graphs[kind] = build[greedy](head, embed_tokens, max_seq, kind, matmul_weights, sample_vocab=vocab,
-                                         **kernel)
+                                         **layout)
     if tree:
         graphs[TREE_CATCH_UP] = build_catch_up_graph(head, embed_tokens, max_seq, TREE_CATCH_UP, matmul_weights,
-                                                     top=True, **kernel)
-        graphs[TREE_STEP] = build_tree_step_graph(head, embed_tokens, max_seq, TREE_STEP, matmul_weights, **kernel)
+                                                     top=True, **layout)
+        graphs[TREE_STEP] = build_tree_step_graph(head, embed_tokens, max_seq, TREE_STEP, matmul_weights, **layout)
     return graphs
 
 

@@ -294,25 +294,25 @@ class _SharedResult:
         return part
 
 
+def _symmetric(values: np.ndarray, axis: int, low: int, high: int) -> tuple[np.ndarray, np.ndarray]:
+    """q = clip(round(values / s), low, high) with s = max |values| / high along `axis` (1 where they are
+    all zero): (q int8 in values' shape, s float32 without that axis)."""
+    scale = np.abs(values).max(axis=axis) / float(high)
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    return np.clip(np.rint(values / np.expand_dims(scale, axis)), low, high).astype(np.int8), scale
+
+
 def _quantize_blocks(weight: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     k, n = weight.shape
-    blocks = weight.reshape(k // block, block, n)
-    scale = np.abs(blocks).max(axis=1) / 7.0
-    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    q = np.clip(np.rint(blocks / scale[:, None, :]), -8, 7).astype(np.int8).reshape(k, n)
-    return q.astype(INT4), scale
+    q, scale = _symmetric(weight.reshape(k // block, block, n), 1, -8, 7)
+    return q.reshape(k, n).astype(INT4), scale
 
 
 def _quantize_rows(table: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     vocab, hidden = table.shape
-    blocks = table.reshape(vocab, hidden // block, block)
-    scale = np.abs(blocks).max(axis=2) / 127.0
-    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    q = np.clip(np.rint(blocks / scale[:, :, None]), -127, 127).astype(np.int8).reshape(vocab, hidden)
-    return q, scale
+    q, scale = _symmetric(table.reshape(vocab, hidden // block, block), 2, -127, 127)
+    return q.reshape(vocab, hidden), scale
 
 
 def _quantize_columns(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    scale = np.abs(weight).max(axis=0) / 127.0
-    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    return np.clip(np.rint(weight / scale), -127, 127).astype(np.int8), scale
+    return _symmetric(weight, 0, -127, 127)
