@@ -21,9 +21,17 @@ speculation's.
 
 Against plain decoding (`worth_running`). Under γ = auto, an offer runs only if it promises more
 tokens per ms than a plain step; otherwise the row decodes plainly. A proposer whose offers were
-declined is still run now and then (a probe), so a text that turns predictable is noticed: once
-per interval of plain iterations, sized so that a probe that keeps nothing costs at most
-`PROBE_BUDGET` of plain decoding's time.
+declined is still run now and then (a probe), so a text that turns predictable is noticed. Probes
+are paid from a credit: each plain iteration a proposer's offer is declined adds `PROBE_BUDGET` of
+a plain step to its credit, a probe is due once the credit covers what the probe would lose if it
+kept nothing, and each probe is charged what it lost: its time less what plain decoding would have
+taken for the tokens it gave. So probes that keep nothing cost at most `PROBE_BUDGET` of plain
+decoding's time (one per `probe_interval`), while probes that pay their way are due again at once
+and the acceptance they show is learned within a few iterations, not a few hundred. Under a guessed
+prior (`guessed_prior`: no γ profile measured this pair's acceptance) the first probe is free of the
+credit, due at the first decline: at the costs of a low-bit target on a CPU (a verification of 5
+tokens 2.5 decode steps) a neutral prior declines a draft that agrees 9 times in 10, and the credit
+would first allow a probe after about a hundred plain steps.
 
 Once a γ is in use, another must promise `SWITCH_MARGIN` more speedup to replace it; so must
 speculation to replace plain decoding, and the reverse. Each compiled γ is its own verification
@@ -42,6 +50,7 @@ SWITCH_MARGIN = 0.05
 COST_PRIOR_WEIGHT = 4.0
 ACCEPTANCE_HORIZON = 64  # iterations: older observations of the load's acceptance fade with this time constant
 PROBE_BUDGET = 0.02  # a declined proposer's probes cost at most this share of plain decoding's time
+PROBE_CREDIT_CAP = 2.0  # probes' worth of credit a proposer may hold (what paying probes earned)
 COSTS_EVERY = 4  # observations between recomputations of the measured costs
 
 
@@ -60,6 +69,7 @@ class Timing:
     draft_steps: int = 0
     catch_up_ms: float = 0.0
     step_cost: str | None = DRAFT
+    tokens: float = 1.0  # the tokens each row gained, on average (a plain step's: 1)
 
 
 @dataclass
@@ -132,8 +142,11 @@ class Acceptance:
 
 
 class GammaPolicy:
-    def __init__(self, costs: LoopCosts, prior_by_position: list[float], prior_weight: float = 8.0):
-        """costs: the loop's at this batch size and context (a profile's, or a quick calibration's)."""
+    def __init__(self, costs: LoopCosts, prior_by_position: list[float], prior_weight: float = 8.0,
+                 guessed_prior: bool = False):
+        """costs: the loop's at this batch size and context (a profile's, or a quick calibration's).
+        guessed_prior: the acceptance prior was not measured, so a declined proposer's first probe
+        is due at once (see the module's docstring)."""
         self.costs = costs  # the prior's
         self.gammas = self.costs.gammas
         self.prior = _conditional(prior_by_position, max(self.gammas))
@@ -143,7 +156,10 @@ class GammaPolicy:
         self.declined: dict[str, int] = {}  # proposer -> plain iterations in a row since its offers last ran
         self.switch_ms: dict[str, float] = {}  # proposer -> what running it again cost (a draft model catching up)
         self._resumed: set[str] = set()  # the proposers that ran in the last decision after being declined
-        self._declined_at: dict[str, tuple] = {}  # proposer -> (costs, iterations, probe interval) it was declined at
+        self._declined_at: dict[str, tuple] = {}  # proposer -> (costs, iterations, probe's worst loss) it was declined at
+        self.probe_credit: dict[str, float] = {}  # proposer -> ms of plain decoding its probes may still lose
+        self.guessed_prior = guessed_prior
+        self._probing: dict[str, float] = {}  # proposer -> the worst loss its probe was charged, in the last decision
         self._since_costs = 0  # observations since costs_now() was last computed
         self._ratios = {kind: [COST_PRIOR_WEIGHT, COST_PRIOR_WEIGHT] for kind in (DRAFT, EAGLE, "target")}  # [sum, n]
         # the loop's own work per speculative and per plain iteration: [sum, count], from the prior's
@@ -224,11 +240,15 @@ class GammaPolicy:
             margins.append(margin)
         if not committed and not _batch_pays(offers, verdicts, margins, batch or len(offers), plain):
             verdicts = [False] * len(offers)
-        intervals = {kind: probe_interval(ms + self.switch_ms.get(kind, 0.0), costs.plain_ms)
-                     for (kind, _, ms), runs in zip(offers, verdicts) if not runs}
-        probing = {kind for kind, interval in intervals.items() if self.declined.get(kind, 0) >= interval}
+        worst = {kind: max(0.0, ms + self.switch_ms.get(kind, 0.0) - costs.plain_ms)
+                 for (kind, _, ms), runs in zip(offers, verdicts) if not runs}
+        for kind, loss in worst.items():
+            self.probe_credit.setdefault(kind, loss if self.guessed_prior else 0.0)
+        probing = {kind: loss for kind, loss in worst.items() if self.probe_credit[kind] >= loss}
         verdicts = [runs or kind in probing for (kind, _, _), runs in zip(offers, verdicts)]
-        self._resumed = set()
+        self._resumed, self._probing = set(), probing
+        for kind, loss in probing.items():
+            self.probe_credit[kind] -= loss  # charged as if it keeps nothing; observe_timing refunds what it gave
         for kind in {kind for kind, _, _ in offers}:
             ran = any(runs for (other, _, _), runs in zip(offers, verdicts) if other == kind)
             if ran and self.declined.get(kind, 0):
@@ -236,8 +256,12 @@ class GammaPolicy:
             self.declined[kind] = 0 if ran else self.declined.get(kind, 0) + 1
             self._declined_at.pop(kind, None)
             if not ran:
-                self._declined_at[kind] = (costs, self.iterations, intervals[kind])
+                self._earn_probe_credit(kind, costs)
+                self._declined_at[kind] = (costs, self.iterations, worst[kind])
         return verdicts
+
+    def _earn_probe_credit(self, kind: str, costs: LoopCosts) -> None:
+        self.probe_credit[kind] = self.probe_credit.get(kind, 0.0) + PROBE_BUDGET * costs.plain_ms
 
     def still_declined(self, kind: str) -> bool:
         """For a proposer whose offers follow this policy's acceptance (the draft model's, the same for
@@ -246,9 +270,10 @@ class GammaPolicy:
         iteration counts as declined. It spares a plain iteration the offer's work (on the tiny
         test models, whose steps take 0.2 ms, making and weighing it cost a tenth of a step)."""
         at = self._declined_at.get(kind)
-        if at is None or at[0] is not self.costs_now() or at[1] != self.iterations or self.declined[kind] >= at[2]:
+        if at is None or at[0] is not self.costs_now() or at[1] != self.iterations or self.probe_credit[kind] >= at[2]:
             return False
         self.declined[kind] += 1
+        self._earn_probe_credit(kind, at[0])
         return True
 
     def observe_timing(self, timing: Timing) -> None:
@@ -259,6 +284,7 @@ class GammaPolicy:
         for kind in self._resumed:
             self.switch_ms[kind] = timing.catch_up_ms
         self._resumed = set()
+        self._settle_probes(timing)
         prior = self.costs.verify[timing.gamma] if timing.gamma else self.costs.target_step
         self._add("target", timing.target_ms / prior)
         kind = timing.step_cost
@@ -271,6 +297,18 @@ class GammaPolicy:
         self._since_costs += 1
         if self._since_costs >= COSTS_EVERY:
             self._now, self._since_costs = None, 0
+
+    def _settle_probes(self, timing: Timing) -> None:
+        """A probe was charged its worst loss: refund what it gave. Its loss is its iteration's time
+        (catching up included) less what plain decoding takes for the tokens it gave each row, so a
+        probe whose drafts were kept earns credit, and the next probe is due sooner (at once, for one
+        that paid its way), up to PROBE_CREDIT_CAP probes' worth."""
+        plain_ms = self.costs_now().plain_ms
+        lost = timing.total_ms + timing.catch_up_ms - timing.tokens * plain_ms
+        for kind, charged in self._probing.items():
+            refunded = self.probe_credit[kind] + charged - lost
+            self.probe_credit[kind] = min(refunded, PROBE_CREDIT_CAP * max(charged, PROBE_BUDGET * plain_ms))
+        self._probing = {}
 
     def observe(self, gamma: int, accepted: int) -> None:
         """One iteration at `gamma` accepted `accepted` drafts: positions 1..min(accepted+1, γ) were reached."""

@@ -412,7 +412,7 @@ class Scheduler:
         verify_ms = (time.perf_counter() - drafted) * 1e3
         self.update(plan, drafts, proposed, accepted, next_token, (draft_ms, verify_ms))
         self._features_read(rows, 0, before)
-        timing.gamma, timing.target_ms = gamma, verify_ms
+        timing.gamma, timing.target_ms, timing.tokens = gamma, verify_ms, float(np.mean(accepted)) + 1.0
         return timing
 
     def _options(self, rows: list[Request], drafted: list | None = None, positions: int = 1) -> dict:

@@ -56,7 +56,8 @@ class LoadPolicies:
             return None
         if (decoding, None) not in self._policies:
             prior = [0.5**k for k in range(1, max(self.gammas) + 1)]  # neutral, worth 2 iterations
-            self._policies[decoding, None] = GammaPolicy(self.calibration.at_batch(decoding), prior, prior_weight=2.0)
+            self._policies[decoding, None] = GammaPolicy(self.calibration.at_batch(decoding), prior, prior_weight=2.0,
+                                                          guessed_prior=True)
         return self._policies[decoding, None]
 
     def forget(self) -> None:

@@ -175,10 +175,48 @@ def test_what_catching_up_cost_counts_in_the_next_probe():
     interval = probe_interval(16.0, 10.0)
     for _ in range(interval + 1):  # declined, then probed
         policy.worth_running([("draft", 0.01, 16.0)])
-    policy.observe_timing(Timing(8, target_ms=18.0, total_ms=30.0, draft_ms=8.0, draft_steps=8, catch_up_ms=3.0))
+    # the probe kept nothing: 16 ms and 3 ms catching up for one token, 9 ms lost where 6 were charged
+    policy.observe_timing(Timing(8, target_ms=12.0, total_ms=16.0, draft_ms=4.0, draft_steps=4, catch_up_ms=3.0))
     assert policy.switch_ms == {"draft": 3.0}
     later = [any(policy.worth_running([("draft", 0.01, 16.0)])) for _ in range(3 * interval)]
-    assert later.index(True) == probe_interval(16.0 + 3.0, 10.0) > interval
+    # the next probe's worst loss counts its catching up (9 ms), and its credit starts 3 ms short
+    assert abs(later.index(True) - (9.0 + 3.0) / (PROBE_BUDGET * 10.0)) <= 1
+    assert later.index(True) > probe_interval(16.0 + 3.0, 10.0) > interval
+
+
+def probed(policy: GammaPolicy, offer: tuple) -> int:
+    """Declined iterations until the offer's next probe."""
+    for declined in range(1000):
+        if policy.worth_running([offer]) == [True]:
+            return declined
+    raise AssertionError("never probed")
+
+
+def test_a_probe_is_charged_what_it_lost_so_one_whose_drafts_were_kept_is_due_again_at_once():
+    policy = GammaPolicy(LoopCosts.from_timings(TIMINGS), [0.5] * 8)  # a plain step: 10 ms
+    offer = ("draft", 0.05, 16.0)  # declined (half a plain step's rate): a probe that keeps nothing loses 6 ms
+    interval = probe_interval(16.0, 10.0)
+    assert probed(policy, offer) == interval  # no credit yet: a measured prior is not a guess
+    policy.observe_timing(Timing(4, target_ms=14.0, total_ms=16.0, tokens=5.0))  # 5 tokens in 16 ms: 34 ms gained
+    assert probed(policy, offer) == 0  # paid its way: due again at once
+    policy.observe_timing(Timing(4, target_ms=14.0, total_ms=16.0, tokens=5.0))
+    assert probed(policy, offer) == 0
+    policy.observe_timing(Timing(4, target_ms=14.0, total_ms=16.0, tokens=1.0))  # kept nothing: 6 ms lost
+    assert probed(policy, offer) == 0  # what the paying probes earned (up to two probes' worth) pays for it
+    policy.observe_timing(Timing(4, target_ms=14.0, total_ms=16.0, tokens=1.0))
+    assert 0 < probed(policy, offer) <= interval  # spent: the budget's pace again
+    policy.observe_timing(Timing(4, target_ms=14.0, total_ms=16.0, tokens=1.0))
+    assert probed(policy, offer) == interval
+
+
+def test_under_a_guessed_prior_the_first_probe_is_due_at_the_first_decline():
+    offer = ("draft", 0.05, 16.0)
+    guessed = GammaPolicy(LoopCosts.from_timings(TIMINGS), [0.5] * 8, prior_weight=2.0, guessed_prior=True)
+    assert guessed.worth_running([offer]) == [True]
+    guessed.observe_timing(Timing(4, target_ms=14.0, total_ms=16.0, tokens=1.0))  # kept nothing
+    assert probed(guessed, offer) == probe_interval(16.0, 10.0)  # then the budget's pace
+    measured = GammaPolicy(LoopCosts.from_timings(TIMINGS), [0.5] * 8, prior_weight=2.0)
+    assert measured.worth_running([offer]) == [False]
 
 
 def test_a_model_drafter_declined_at_the_same_estimates_is_not_asked_again_until_its_probe():

@@ -89,6 +89,33 @@ def test_a_draft_model_that_never_agrees_stops_drafting_but_for_bounded_probes()
     assert auto_ms <= plain_ms / 0.9, (auto_ms, plain_ms)  # 0.95x measured, less CI noise
 
 
+# a low-bit target on a CPU: a verification of 5 tokens 2.3 plain steps (the calls' weights dominate less)
+LOW_BIT_CALL_MS, LOW_BIT_TOKEN_MS = 2.0, 1.0
+LOW_BIT_COSTS = LoopCosts(target_step=LOW_BIT_CALL_MS + LOW_BIT_TOKEN_MS, draft={4: 5 * DRAFT_MS},
+                          verify={4: LOW_BIT_CALL_MS + 5 * LOW_BIT_TOKEN_MS})
+
+
+def test_a_draft_that_agrees_is_found_within_a_few_iterations_where_a_neutral_prior_declines_it():
+    """Without a γ profile the prior is a guess (half of each position's drafts kept), and at a
+    low-bit target's costs that guess declines γ=4. The first probe is due at once and probes that
+    pay their way are due again at once, so a draft that always agrees drafts from the first
+    iterations on, instead of after the hundred plain steps the probe budget alone would wait."""
+    def engines():
+        return costing(FakeEngine(), LOW_BIT_CALL_MS, LOW_BIT_TOKEN_MS), costing(FakeEngine(), DRAFT_MS)
+
+    neutral = [0.5**k for k in range(1, 5)]
+    assert GammaPolicy(LOW_BIT_COSTS, neutral, prior_weight=2.0).speedup(4) < 0.95  # declined by the guess
+    assert probe_interval(LOW_BIT_COSTS.iteration_ms(4), LOW_BIT_COSTS.plain_ms) >= 80
+    policy = GammaPolicy(LOW_BIT_COSTS, neutral, prior_weight=2.0, guessed_prior=True)
+    request = Request([3, 1, 4, 1, 5], 120, gamma=AUTO, proposer="draft")
+    auto_ms = serve(*engines(), request, policy)
+    plain = Request([3, 1, 4, 1, 5], 120, gamma=0)
+    plain_ms = serve(*engines(), plain, None)
+    assert request.generated == plain.generated
+    assert request.stats.gammas_used.get(0, 0) <= 4, request.stats.gammas_used  # plain iterations: a few at most
+    assert auto_ms <= 0.8 * plain_ms, (auto_ms, plain_ms)  # 5 tokens per 3.2 plain steps: about 0.65
+
+
 def test_lookups_that_are_rarely_kept_stop_running_and_run_again_when_the_text_turns_repetitive():
     """Prompt lookup on a text whose n-grams recur but whose continuations never follow them: rows
     decode plainly but for probes; from position 200 the text repeats itself, a probe finds its
