@@ -156,7 +156,7 @@ class GammaPolicy:
         self.declined: dict[str, int] = {}  # proposer -> plain iterations in a row since its offers last ran
         self.switch_ms: dict[str, float] = {}  # proposer -> what running it again cost (a draft model catching up)
         self._resumed: set[str] = set()  # the proposers that ran in the last decision after being declined
-        self._declined_at: dict[str, tuple] = {}  # proposer -> (costs, iterations, probe's worst loss) it was declined at
+        self._declined_at: dict[str, tuple] = {}  # proposer -> (costs, iterations, probe's worst loss) at its decline
         self.probe_credit: dict[str, float] = {}  # proposer -> ms of plain decoding its probes may still lose
         self.guessed_prior = guessed_prior
         self._probing: dict[str, float] = {}  # proposer -> the worst loss its probe was charged, in the last decision
