@@ -218,7 +218,7 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.build-{os.getpid()}-", suffix=".partial",
                                     dir=out_dir.parent))
     try:
-        sessions = _session_graphs(target, draft, max_seq, vocab_out, weights, vocab_ids, heads, aux_layers)
+        sessions = _session_graphs(target, draft, max_seq, vocab_out, weights, vocab_ids, heads, aux_layers, tree)
         weight_files = _write_graphs(staging, graphs, variants, sessions)
         if head is not None:
             _write_eagle_graphs(staging, head, eagle_graphs, weight_files["target"], eagle_variants)
@@ -525,16 +525,17 @@ def variant_file(name: str) -> str:
 
 
 def _session_graphs(target: ModelSpec, draft: ModelSpec, max_seq, vocab_out, matmul_weights: dict[str, str],
-                    vocab_ids=None, heads: list | None = None, aux_layers: tuple[int, ...] = ()) -> dict:
+                    vocab_ids=None, heads: list | None = None, aux_layers: tuple[int, ...] = (),
+                    eagle_tree: bool = False) -> dict:
     """role -> (the model's session graph, {kind: id}): what the ONNX Runtime backend runs (session_graph.py).
-    The target's outputs aux_hidden where its graphs of AUX_KINDS do."""
+    The target's outputs aux_hidden where its graphs of AUX_KINDS do, and verifies an EAGLE-3 head's
+    dynamic trees where the head drafts them (`eagle_tree`)."""
     sessions = {}
+    trees = (MEDUSA_TREE_KINDS if heads else ()) + (("verify_eagle_tree",) if eagle_tree else ())
     for role, spec, ids in _models(target, draft, vocab_ids):
         kinds = ["forward", "sample"]
         if role == "target":
-            # a Medusa tree's kinds where the bundle has the heads; never an EAGLE-3 tree's (its own graph)
-            kinds = [k for k in KINDS
-                     if k not in HEAD_KINDS and (k not in TREE_KINDS or heads and k in MEDUSA_TREE_KINDS)]
+            kinds = [k for k in KINDS if k not in HEAD_KINDS and (k not in TREE_KINDS or k in trees)]
         builder = build_session_graph(spec, f"{role}_session", max_seq, vocab_out, kinds, matmul_weights[role], ids,
                                       heads=heads if role == "target" else None,
                                       aux_layers=aux_layers if role == "target" else ())

@@ -34,7 +34,15 @@ the tests compare against); the ONNX Runtime backend runs this one.
 import numpy as np
 from onnx import helper, numpy_helper
 
-from speccompile.bundle import GRAPH_KINDS, GRAPH_OUTPUTS, LOGPROBS, OUTPUT_TYPES, TOP_LOGPROBS, TREE_KINDS
+from speccompile.bundle import (
+    GRAPH_KINDS,
+    GRAPH_OUTPUTS,
+    LOGPROBS,
+    MEDUSA_TREE_KINDS,
+    OUTPUT_TYPES,
+    TOP_LOGPROBS,
+    TREE_KINDS,
+)
 from speccompile.compiler.checkpoint import ModelSpec
 from speccompile.compiler.logits import grammar_mask, prompt_scores
 from speccompile.compiler.onnx_graph import BOOL, FLOAT, INT64, GraphBuilder
@@ -62,7 +70,8 @@ def read_back(kinds: list[str]) -> dict[str, int]:
 def build_session_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int, kinds: list[str],
                         matmul_weights: str = "float32", vocab_ids: np.ndarray | None = None,
                         heads: list | None = None, aux_layers: tuple[int, ...] = ()) -> GraphBuilder:
-    """`heads`: the Medusa heads of the tree kinds (verify_tree*), which must come last in KINDS.
+    """`heads`: the Medusa heads of Medusa's tree kinds (verify_tree*). Tree kinds (a Medusa tree's,
+    an EAGLE-3 head's) must come after every other kind the graph serves, in KINDS.
     `aux_layers`: also output aux_hidden [B, T, len(aux_layers) * H] as the graphs of each kind do
     (transformer._aux_hidden): made before the LM head, so one output at the top level serves every
     kind, over all T input positions, whichever positions the kind's LM head reads."""
@@ -74,7 +83,7 @@ def build_session_graph(spec: ModelSpec, name: str, max_seq: int, vocab_out: int
     fused = g.input("fused", BOOL, [])
     grammar_mask(g, vocab_out, "mask_positions")  # one position for a step, γ+1 or a tree's nodes for the others
     trees = [k for k in kinds if k in TREE_KINDS]
-    assert not trees or heads, "tree kinds read the Medusa heads"
+    assert heads or not set(trees) & set(MEDUSA_TREE_KINDS), "Medusa's tree kinds read its heads"
     # the tree kinds are the last kinds: one comparison tells a tree call (positions, mask) from the others
     tree_flag = g.op("GreaterOrEqual", kind, g.const(min(KINDS[k] for k in trees))) if trees else None
     hidden = _decoder(g, spec, ids, past_len, max_seq, fused_flag=fused, tree_flag=tree_flag, aux_layers=aux_layers)
@@ -129,7 +138,9 @@ def _tail(g, spec, kind, logits, logits_subset, vocab_ids, ids, past_len, vocab_
     if kind in TREE_KINDS:
         made.update(zip(TREE_OUTPUTS, accept_tree(b, logits, ids, past_len, kind == "verify_tree_typical",
                                                                vocab_out)))
-        made["next_tree"] = medusa_candidates(b, spec, rows, made["best_node"], made["next_token"], heads, vocab_out)
+        if kind in MEDUSA_TREE_KINDS:  # the heads' next tree; an EAGLE-3 head drafts its own
+            made["next_tree"] = medusa_candidates(b, spec, rows, made["best_node"], made["next_token"], heads,
+                                                  vocab_out)
     elif kind == "forward":
         scores = logits_subset if logits_subset is not None else logits
         made.update(zip(GRAPH_OUTPUTS[kind], greedy_step(b, b.op("Squeeze", scores, b.const([1])), vocab_out,

@@ -236,9 +236,10 @@ class CachedModel:
     @property
     def drafts_trees(self) -> bool:
         """As a head: whether it has a dynamic tree's graphs (tree_catch_up, tree_step). As a target:
-        whether it verifies such trees (its bundle has the graph, and it runs a graph per call: a
-        target on one session graph has none of a head's tree)."""
-        return self.bundle.eagle_trees and getattr(self, "_session_graph", None) is None
+        whether it verifies such trees (its bundle has the graph, and, on one session graph, that
+        graph serves the tree's kind: a bundle built before it did verifies chains only)."""
+        session = getattr(self, "_session_graph", None)
+        return self.bundle.eagle_trees and (session is None or "verify_eagle_tree" in session.kinds)
 
     @property
     def samples_drafts(self) -> bool:

@@ -474,6 +474,26 @@ def test_a_dynamic_tree_keeps_the_target_s_greedy_output(runtimes, bigram_target
     assert [r.token_ids for r in batch] == expected and all(r.stats.tree_nodes == 0 for r in batch)
 
 
+def test_on_one_session_graph_the_target_verifies_the_same_trees(runtimes, monkeypatch):
+    """A real-size target runs every call on its one session graph, which serves the tree's kind: the
+    same trees, the same tokens kept from each, as the target's own tree graph (trees of the whole
+    shape, so that their size does not follow the measured costs)."""
+    from speccompile.core.proposers.eagle_tree import TreeSizing
+
+    always_trees(monkeypatch)
+    monkeypatch.setattr(TreeSizing, "count", lambda self, scores: len(scores))
+    monkeypatch.setattr(TreeSizing, "expands", lambda self, best, scores: True)
+    for name in ("agreeing", "speculators"):
+        per_graph, one = runtimes(name), runtimes(name, one_session=True)
+        assert one.target.one_session and one.target.drafts_trees
+        for prompt in PROMPTS:
+            [ours] = one.generate([prompt], max_new_tokens=MAX_NEW, proposer="eagle_tree")
+            [theirs] = per_graph.generate([prompt], max_new_tokens=MAX_NEW, proposer="eagle_tree")
+            assert ours.token_ids == theirs.token_ids and ours.stats.tree_nodes > 0
+            assert (ours.stats.tree_nodes, ours.stats.accepted_tokens) == \
+                (theirs.stats.tree_nodes, theirs.stats.accepted_tokens), (name, prompt)
+
+
 def test_trees_and_chains_taking_turns_keep_the_target_s_greedy_output(runtimes, bigram_target):
     """Where the tree and the chain alternate (TreeEconomy.tree_turn), the head's state after a tree is
     what its chain reads on, and the other way round: the output is the target's, and both run."""

@@ -22,8 +22,9 @@ being each node's place among its parent's children) by the greedy tree rule, wh
 the target's greedy output; the head then reads the features of the root and the accepted path.
 
 Where: one greedy request decoding alone (batch 1), without a grammar or log-probabilities, on a
-bundle whose head has the tree's graphs and whose target runs its own graph per call (not one
-session graph). Elsewhere the proposer drafts the head's chain, as `eagle` does.
+bundle whose head has the tree's graphs and whose target verifies them (its tree graph, or its
+session graph where that serves the tree's kind). Elsewhere the proposer drafts the head's chain,
+as `eagle` does.
 """
 
 import math
