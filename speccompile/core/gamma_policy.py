@@ -26,7 +26,8 @@ are paid from a credit: each plain iteration a proposer's offer is declined adds
 a plain step to its credit, a probe is due once the credit covers what the probe would lose if it
 kept nothing, and each probe is charged what it lost: its time less what plain decoding would have
 taken for the tokens it gave. So probes that keep nothing cost at most `PROBE_BUDGET` of plain
-decoding's time (one per `probe_interval`), while probes that pay their way are due again at once
+decoding's time (one per `probe_interval` for a proposer declined alone; the budget is shared by the
+proposers being declined), while probes that pay their way are due again at once
 and the acceptance they show is learned within a few iterations, not a few hundred. Under a guessed
 prior (`guessed_prior`: no γ profile measured this pair's acceptance) the first probe is free of the
 credit, due at the first decline: at the costs of a low-bit target on a CPU (a verification of 5
@@ -261,7 +262,11 @@ class GammaPolicy:
         return verdicts
 
     def _earn_probe_credit(self, kind: str, costs: LoopCosts) -> None:
-        self.probe_credit[kind] = self.probe_credit.get(kind, 0.0) + PROBE_BUDGET * costs.plain_ms
+        """A declined iteration's PROBE_BUDGET of a plain step, shared by the proposers being declined
+        (those whose offers have not run since their last decline), so that the probes of all of
+        them together (auto's lookups and draft model) stay within the budget."""
+        sharing = max(1, sum(1 for count in self.declined.values() if count > 0))
+        self.probe_credit[kind] = self.probe_credit.get(kind, 0.0) + PROBE_BUDGET * costs.plain_ms / sharing
 
     def still_declined(self, kind: str) -> bool:
         """For a proposer whose offers follow this policy's acceptance (the draft model's, the same for

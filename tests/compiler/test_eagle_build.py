@@ -13,7 +13,7 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-from speccompile.bundle import AUX_HIDDEN, EAGLE_TREE_KINDS, MANIFEST, GraphId, Manifest, open_bundle
+from speccompile.bundle import AUX_HIDDEN, EAGLE_TREE_KINDS, GRAPH_KINDS, MANIFEST, GraphId, Manifest, open_bundle
 from speccompile.cli import main
 from speccompile.compiler.build import build_bundle
 from speccompile.eagle_head import Layout, write_eagle3_head
@@ -128,7 +128,9 @@ def test_a_bundle_without_a_head_is_the_one_built_before_heads(built):
     assert json.dumps(Manifest.from_json(json.loads(text)).to_json(), indent=1) == text
     assert plain.model("target").session.kinds == {"forward": 0, "sample": 1, "verify": 2, "verify_sample": 3,
                                                    "score": 4}
-    assert with_head.model("target").session.kinds == plain.model("target").session.kinds
+    # the same numbers, and the tree the head drafts verified on the session graph too
+    tree_kind = {"verify_eagle_tree": GRAPH_KINDS.index("verify_eagle_tree")}
+    assert with_head.model("target").session.kinds == {**plain.model("target").session.kinds, **tree_kind}
     target_graphs = {name for name, entry in with_head.manifest.graphs.items()
                      if entry.id.model == "target" and entry.id.kind not in EAGLE_TREE_KINDS}  # a head's own tree
     assert set(plain.manifest.graphs) == target_graphs

@@ -170,6 +170,18 @@ def test_a_declined_proposer_is_probed_at_an_interval_whose_cost_is_the_probe_bu
     assert probe_interval(9.0, 10.0) == 1  # an iteration cheaper than a plain step costs nothing to probe
 
 
+def test_proposers_declined_together_share_the_probe_budget():
+    """auto's members each declined (a lookup and the draft model): their probes together cost what
+    one proposer's alone would, each probing half as often."""
+    policy = GammaPolicy(LoopCosts.from_timings(TIMINGS), [0.0] * 8)
+    offers = [("draft", 0.01, 16.0), ("ngram", 0.01, 16.0)]
+    interval = probe_interval(16.0, 10.0)
+    ran = [policy.worth_running(offers) for _ in range(4 * interval + 4)]
+    for row in range(2):
+        probes = [i for i, verdicts in enumerate(ran) if verdicts[row]]
+        assert len(probes) == 2 and abs(probes[0] - 2 * interval) <= 1, (offers[row][0], probes)
+
+
 def test_what_catching_up_cost_counts_in_the_next_probe():
     policy = GammaPolicy(LoopCosts.from_timings(TIMINGS), [0.0] * 8)
     interval = probe_interval(16.0, 10.0)
