@@ -162,7 +162,8 @@ def test_llama_cpp_timings_are_read_from_its_own_log_lines():
              "    68.00 tokens per second)\n"
              "llama_perf_context_print:        eval time =    3150.00 ms /    63 runs   (   50.00 ms per token,"
              "    20.00 tokens per second)\n")
-    assert parse_plain(plain) == {"tokens": 64, "seconds": 3.4}
+    assert parse_plain(plain) == {"tokens": 64, "seconds": 3.4, "prompt_tokens": 17, "prefill_ms": 250.0,
+                                  "per_token_ms": 50.0}
     speculative = ("encoded   17 tokens in    0.300 seconds, speed:   56.667 t/s\n"
                    "decoded   66 tokens in    2.700 seconds, speed:   24.444 t/s\n\n"
                    "n_draft   = 4\nn_predict = 66\nn_drafted = 60\nn_accept  = 51\naccept    = 85.000%\n")

@@ -26,15 +26,23 @@ threads, every request `--max-new-tokens` long (end-of-sequence ignored), the sa
 (three functions of held-out standard-library files, their first four lines). Rates are new tokens
 over whole requests, prefill included, in both engines (llama.cpp: its prompt-eval plus eval time;
 its speculative run's encode plus decode time). Each cell: the median over repeats.
+
+A second table splits plain decoding into its two phases, per prompt and engine: the prompt's
+prefill (ours: the request's prefill time; llama.cpp: its prompt eval time) and the time per new
+token after the first (ours: the rest of the request over its tokens after the first; llama.cpp:
+its eval time over its runs). Ours runs in a fresh process of its own each repeat, the prompts one by
+one after one short warm-up request.
 """
 
+import json
 import re
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from tools.fetch_real_models import convert_to_gguf
-from tools.measure.harness import interleaved
+from tools.measure.harness import ROOT, interleaved
 from tools.measure.options import Common, positive
 from tools.measure.record import Column, Measured, Spread, Table
 from tools.measure.scenarios.precisions import one_bundle
@@ -51,6 +59,26 @@ COLUMNS = (Column("precision"), Column("ours_plain", "tok/s", 1, "ours plain"),
            Column("llama_acceptance", digits=2, label="llama.cpp acceptance"),
            Column("plain_lead", "×", 2, "ours / llama.cpp plain"),
            Column("speculative_lead", "×", 2, "ours / llama.cpp speculative"))
+SPLIT_COLUMNS = (Column("precision"), Column("prompt_tokens", digits=0, label="prompt tokens"),
+                 Column("ours_prefill", "ms", 0, "ours prefill"), Column("llama_prefill", "ms", 0, "llama.cpp prefill"),
+                 Column("ours_per_token", "ms", 1, "ours per new token"),
+                 Column("llama_per_token", "ms", 1, "llama.cpp per new token"))
+# our plain decoding, phase by phase: each prompt's prefill and ms per new token after the first
+OURS_SPLIT = r"""
+import json, sys
+import speccompile
+from speccompile.core.params import GenerationParams
+from tools.measure.prompts import heldout_functions, workloads
+runtime = speccompile.load(sys.argv[1])
+prompts = workloads(heldout_functions(3))["completion"]
+runtime.generate(prompts[:1], GenerationParams(max_new_tokens=4, ignore_eos=True, gamma=0))
+split = []
+for prompt in prompts:
+    [r] = runtime.generate([prompt], GenerationParams(max_new_tokens=int(sys.argv[2]), ignore_eos=True, gamma=0))
+    split.append({"prefill_ms": r.stats.prefill_ms,
+                  "per_token_ms": (r.stats.total_ms - r.stats.prefill_ms) / (len(r.token_ids) - 1)})
+print(json.dumps(split))
+"""
 
 
 def add_options(parser) -> None:
@@ -114,9 +142,11 @@ def llama_run(args, pair: Pair, prompt: str, speculative: bool) -> dict:
 
 def parse_plain(log: str) -> dict:
     """llama-completion's timings: prompt eval and eval (its new tokens after the first)."""
-    prompt_ms = float(re.search(r"prompt eval time =\s*([\d.]+) ms", log).group(1))
+    prompt_ms, prompt_tokens = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", log).groups()
     eval_ms, runs = re.search(r"\s eval time =\s*([\d.]+) ms /\s*(\d+) runs", log).groups()
-    return {"tokens": int(runs) + 1, "seconds": (prompt_ms + float(eval_ms)) / 1000}
+    return {"tokens": int(runs) + 1, "seconds": (float(prompt_ms) + float(eval_ms)) / 1000,
+            "prompt_tokens": int(prompt_tokens), "prefill_ms": float(prompt_ms),
+            "per_token_ms": float(eval_ms) / int(runs)}
 
 
 def parse_speculative(log: str) -> dict:
@@ -131,8 +161,17 @@ def parse_speculative(log: str) -> dict:
 def llama_requests(args, pair: Pair, prompts: list[str], speculative: bool) -> dict:
     runs = [llama_run(args, pair, prompt, speculative) for prompt in prompts]
     totals = {key: sum(run.get(key, 0) for run in runs) for key in ("tokens", "seconds", "drafted", "accepted")}
+    split = [{key: run[key] for key in ("prompt_tokens", "prefill_ms", "per_token_ms")}
+             for run in runs] if not speculative else None
     return {"tokens_per_s": totals["tokens"] / totals["seconds"],
-            "acceptance": totals["accepted"] / totals["drafted"] if totals["drafted"] else None}
+            "acceptance": totals["accepted"] / totals["drafted"] if totals["drafted"] else None, "split": split}
+
+
+def ours_split(args, pair: Pair) -> list[dict]:
+    """Our plain decoding of each prompt, phase by phase, in a fresh process (OURS_SPLIT)."""
+    out = subprocess.run([sys.executable, "-c", OURS_SPLIT, str(pair.bundle), str(args.max_new_tokens)],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    return json.loads(out.splitlines()[-1])
 
 
 def run(args) -> Measured:
@@ -144,12 +183,17 @@ def run(args) -> Measured:
     for precision, pair in pairs.items():
         variants[f"ours {precision}"] = lambda _, p=pair: one_bundle(p.bundle, args.gamma, args.max_new_tokens, 1,
                                                                      "draft")["bench"]
+        variants[f"ours split {precision}"] = lambda _, p=pair: ours_split(args, p)
         for speculative in (False, True):
             variants[f"llama.cpp {precision} {speculative}"] = (
                 lambda _, p=pair, s=speculative: llama_requests(args, p, prompts, s))
     samples = interleaved(variants, args.repeats)
     values = {name: [s.value for s in runs] for name, runs in samples.items()}
-    return Measured((Table.of("llama_cpp", COLUMNS, [row(precision, values) for precision in pairs]),),
+    return Measured((Table.of("llama_cpp", COLUMNS, [row(precision, values) for precision in pairs]),
+                     Table.of("llama_cpp_split", SPLIT_COLUMNS,
+                              [split_row(precision, prompt, values) for precision in pairs
+                               for prompt in range(len(prompts))],
+                              "plain decoding, phase by phase: each prompt's prefill and ms per new token")),
                     {"runs": values, "gamma": args.gamma, "files": {p: str(pair.target) for p, pair in pairs.items()}})
 
 
@@ -167,3 +211,13 @@ def row(precision: str, values: dict) -> dict:
             "llama_acceptance": over(r["acceptance"] for r in speculative if r["acceptance"] is not None),
             "plain_lead": over(o["ar_tokens_per_s"] / p["tokens_per_s"] for o, p in zip(ours, plain)),
             "speculative_lead": over(o["spec_tokens_per_s"] / s["tokens_per_s"] for o, s in zip(ours, speculative))}
+
+
+def split_row(precision: str, prompt: int, values: dict) -> dict:
+    ours = [run[prompt] for run in values[f"ours split {precision}"]]
+    theirs = [run["split"][prompt] for run in values[f"llama.cpp {precision} False"]]
+    over = Spread.of
+    return {"precision": precision, "prompt_tokens": theirs[0]["prompt_tokens"],
+            "ours_prefill": over(r["prefill_ms"] for r in ours), "llama_prefill": over(r["prefill_ms"] for r in theirs),
+            "ours_per_token": over(r["per_token_ms"] for r in ours),
+            "llama_per_token": over(r["per_token_ms"] for r in theirs)}
