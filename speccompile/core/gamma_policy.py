@@ -22,17 +22,18 @@ speculation's.
 Against plain decoding (`worth_running`). Under γ = auto, an offer runs only if it promises more
 tokens per ms than a plain step; otherwise the row decodes plainly. A proposer whose offers were
 declined is still run now and then (a probe), so a text that turns predictable is noticed. Probes
-are paid from a credit: each plain iteration a proposer's offer is declined adds `PROBE_BUDGET` of
-a plain step to its credit, a probe is due once the credit covers what the probe would lose if it
-kept nothing, and each probe is charged what it lost: its time less what plain decoding would have
-taken for the tokens it gave. So probes that keep nothing cost at most `PROBE_BUDGET` of plain
-decoding's time (one per `probe_interval` for a proposer declined alone; the budget is shared by the
-proposers being declined), while probes that pay their way are due again at once
-and the acceptance they show is learned within a few iterations, not a few hundred. Under a guessed
-prior (`guessed_prior`: no γ profile measured this pair's acceptance) the first probe is free of the
-credit, due at the first decline: at the costs of a low-bit target on a CPU (a verification of 5
-tokens 2.5 decode steps) a neutral prior declines a draft that agrees 9 times in 10, and the credit
-would first allow a probe after about a hundred plain steps.
+are paid from a credit: each plain iteration in which a proposer's offer is declined adds
+`PROBE_BUDGET` of a plain step to its credit (shared by the proposers being declined), a probe is
+due once the credit covers what the probe would lose if it kept nothing, and each probe is charged
+what it lost: its time less what plain decoding would have taken for the tokens it gave. So probes
+that keep nothing cost at most `PROBE_BUDGET` of plain decoding's time (one per `probe_interval`
+for a proposer declined alone), while a probe that paid its way makes the next one due at once, and
+the acceptance probes show is learned within a few iterations, not a few hundred.
+
+Under a guessed prior (`guessed_prior`: no γ profile measured this pair's acceptance) the first
+probe is free of the credit, due at the first decline. At the costs of a low-bit target on a CPU (a
+verification of 5 tokens 2.5 decode steps) a neutral prior declines a draft that agrees 9 times in
+10, and the credit would first allow a probe after about a hundred plain steps.
 
 Once a γ is in use, another must promise `SWITCH_MARGIN` more speedup to replace it; so must
 speculation to replace plain decoding, and the reverse. Each compiled γ is its own verification
