@@ -21,12 +21,9 @@ def test_two_replicas_serve_the_same_routes_and_both_answer(bundles):
 
     bundle = str(bundles("llama", "random"))
     [expected] = speccompile.load(bundle).generate(["x y"], max_new_tokens=8, temperature=0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve_on_a_free_port(serve)
         serve.run(application(bundle, replicas=2, model_name="tiny", cpus_per_replica=0.5))
         url = f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -46,3 +43,21 @@ def test_two_replicas_serve_the_same_routes_and_both_answer(bundles):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def start_serve_on_a_free_port(serve, attempts: int = 3) -> int:
+    """Ray Serve's proxy on a loopback port that was free a moment before: Ray's own processes take
+    ephemeral ports as they start, and one may take it first (the proxy then fails to bind), so a
+    few fresh ports are tried."""
+    for attempt in range(attempts):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return port
+        except Exception as e:  # noqa: BLE001 (Ray wraps the proxy's failure in its own task error)
+            if "Failed to bind" not in str(e) or attempt == attempts - 1:
+                raise
+            serve.shutdown()
+    raise AssertionError("unreachable")
