@@ -327,7 +327,9 @@ def test_auto_gamma_speculates_at_the_policy_s_gamma_star_with_a_copy_draft(tmp_
     [result] = runtime.generate(["import os"], max_new_tokens=20, gamma="auto")
     runtime.close()
     assert result.stats.mode == "speculative" and max(result.stats.gammas_used) == 4
-    assert result.stats.gammas_used[4] >= result.stats.iterations - 1  # its last iteration may need fewer drafts
+    # its last iteration may need fewer drafts
+    assert result.stats.gammas_used[4] >= result.stats.iterations - 1, (result.stats.gammas_used,
+                                                                        result.stats.by_proposer)
 
 
 def test_auto_reads_the_profile_s_costs_at_each_load(random_bundle, monkeypatch):
