@@ -7,8 +7,10 @@ given as `cold` forget what earlier runs taught it (`Runtime.forget`: suffix dec
 plain decoding through `speccompile.runtime.bench` get the same from `bench` itself.
 """
 
+import json
 import shlex
 import subprocess
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -29,6 +31,14 @@ class Sample(Generic[T]):
 
     seconds: float
     value: T
+
+
+def in_fresh_process(script: str, *args) -> object:
+    """Run a Python `script` with `args` in a fresh process from the repository root (where it can
+    import this harness's prompts): what it printed last, read as JSON."""
+    out = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout
+    return json.loads(out.splitlines()[-1])
 
 
 def timed(call: Callable[..., T], *args, **kwargs) -> Sample[T]:

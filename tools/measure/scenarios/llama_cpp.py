@@ -34,15 +34,13 @@ its eval time over its runs). Ours runs in a fresh process of its own each repea
 one after one short warm-up request.
 """
 
-import json
 import re
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from tools.fetch_real_models import convert_to_gguf
-from tools.measure.harness import ROOT, interleaved
+from tools.measure.harness import in_fresh_process, interleaved
 from tools.measure.options import Common, positive
 from tools.measure.record import Column, Measured, Spread, Table
 from tools.measure.scenarios.precisions import one_bundle
@@ -169,9 +167,7 @@ def llama_requests(args, pair: Pair, prompts: list[str], speculative: bool) -> d
 
 def ours_split(args, pair: Pair) -> list[dict]:
     """Our plain decoding of each prompt, phase by phase, in a fresh process (OURS_SPLIT)."""
-    out = subprocess.run([sys.executable, "-c", OURS_SPLIT, str(pair.bundle), str(args.max_new_tokens)],
-                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    return json.loads(out.splitlines()[-1])
+    return in_fresh_process(OURS_SPLIT, pair.bundle, args.max_new_tokens)
 
 
 def run(args) -> Measured:

@@ -13,13 +13,11 @@ beside its weights files (the tensors as stored), and what this machine's saved 
 it take in the user's cache.
 """
 
-import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from tools.measure.harness import interleaved
+from tools.measure.harness import in_fresh_process, interleaved
 from tools.measure.options import Common, bundle
 from tools.measure.record import Column, Measured, Spread, Table
 
@@ -69,9 +67,7 @@ def drop_page_cache() -> None:
 def one_load(path: Path, cold: bool) -> dict:
     if cold:
         drop_page_cache()
-    out = subprocess.run([sys.executable, "-c", ONE_LOAD, str(path)], capture_output=True, text=True,
-                         check=True).stdout
-    return json.loads(out.splitlines()[-1])
+    return in_fresh_process(ONE_LOAD, path)
 
 
 def run(args) -> Measured:

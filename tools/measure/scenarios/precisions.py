@@ -25,12 +25,9 @@ run one after the other, `--rounds` times, so that every precision sees the host
 moods; each cell is the median over rounds.
 """
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tools.measure.harness import ROOT, interleaved
+from tools.measure.harness import in_fresh_process, interleaved
 from tools.measure.options import Common, positive
 from tools.measure.record import Column, Measured, Spread, Table
 
@@ -86,11 +83,8 @@ def add_options(parser) -> None:
 
 
 def one_bundle(path: Path, gamma: int | None, max_new_tokens: int, repeats: int, proposer: str) -> dict:
-    """One process: from the repository root, where the child imports this harness's prompts."""
-    out = subprocess.run([sys.executable, "-c", ONE_BUNDLE, str(path), "auto" if gamma is None else str(gamma),
-                          str(max_new_tokens), str(repeats), proposer],
-                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    return json.loads(out.splitlines()[-1])
+    """One fresh process (ONE_BUNDLE)."""
+    return in_fresh_process(ONE_BUNDLE, path, "auto" if gamma is None else gamma, max_new_tokens, repeats, proposer)
 
 
 def row(path: Path, runs: list[dict]) -> dict:
