@@ -305,14 +305,16 @@ class GammaPolicy:
             self._now, self._since_costs = None, 0
 
     def _settle_probes(self, timing: Timing) -> None:
-        """A probe was charged its worst loss: refund what it gave. Its loss is its iteration's time
+        """A probe was charged its worst loss: refund what it did not lose. Its loss is its iteration's time
         (catching up included) less what plain decoding takes for the tokens it gave each row, so a
         probe whose drafts were kept earns credit, and the next probe is due sooner (at once, for one
         that paid its way), up to PROBE_CREDIT_CAP probes' worth."""
         plain_ms = self.costs_now().plain_ms
         lost = timing.total_ms + timing.catch_up_ms - timing.tokens * plain_ms
         for kind, charged in self._probing.items():
-            refunded = self.probe_credit[kind] + charged - lost
+            # never more than its worst loss as priced: a slow moment of the machine must not put off
+            # the next probe, which would find a text that turned predictable later
+            refunded = self.probe_credit[kind] + charged - min(lost, charged)
             self.probe_credit[kind] = min(refunded, PROBE_CREDIT_CAP * max(charged, PROBE_BUDGET * plain_ms))
         self._probing = {}
 
