@@ -184,6 +184,51 @@ def test_cancelling_frees_the_slot_for_a_waiting_request():
     assert second.generated == reference([2], 5)
 
 
+def test_waiting_requests_of_like_lengths_prefill_in_one_call_and_one_ended_by_its_first_token_leaves_it():
+    """Four prompts of 6-7 tokens: one target call and one draft call over the four slots. The second
+    request ends at its first token (max_new_tokens 1), so the rows behind it move down: the decoding
+    rows stay packed, and every request still gets its own autoregressive tokens."""
+    target, draft = FakeEngine(), FakeEngine()
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13], [4, 4, 4, 4, 4, 4], [9, 8, 7, 6, 5, 4, 3]]
+    requests = [Request(p, 1 if i == 1 else 12, gamma=2) for i, p in enumerate(prompts)]
+    s = scheduler(target=target, draft=draft, max_batch=4)
+    for r in requests:
+        s.add(r)
+    s.step()
+    assert target.batches[0] == 4 and draft.batches[0] == 4  # the prefill: one call of each model
+    assert requests[1].finish_reason == "length" and s.decoding == [requests[0], *requests[2:]]
+    run(s, [])
+    assert [r.generated for r in requests] == [reference(p, r.max_new_tokens) for p, r in zip(prompts, requests)]
+
+
+def test_prompts_of_unlike_lengths_join_alone():
+    """2 and 12 tokens: padded to 12, the group would be 42% padding (GROUP_PADDING 0.25)."""
+    target = FakeEngine()
+    requests = [Request([1, 2], 5, gamma=2), Request(list(range(1, 13)), 5, gamma=2)]
+    run(scheduler(target=target), requests)
+    assert target.batches[:2] == [1, 1]
+    assert [r.generated for r in requests] == [reference(r.prompt, 5) for r in requests]
+
+
+def test_while_others_decode_a_group_joins_only_within_the_prefill_chunk():
+    """One request decodes; three 4-token prompts arrive: a chunk of 8 holds two of them, so two join
+    in one call and the third in the next iteration."""
+    target = FakeEngine()
+    s = scheduler(target=target, prefill_chunk=8)
+    running = Request([1, 2], 30, gamma=2)
+    s.add(running)
+    s.step()
+    arrivals = [Request([5, 6, 7, i], 6, gamma=2) for i in range(3)]
+    for r in arrivals:
+        s.add(r)
+    calls = len(target.batches)
+    s.step()
+    assert target.batches[calls] == 2 and s.decoding == [running, *arrivals[:2]]
+    run(s, [])
+    assert [r.generated for r in arrivals] == [reference(r.prompt, 6) for r in arrivals]
+    assert running.generated == reference([1, 2], 30)
+
+
 def test_fits_counts_the_longest_verification():
     s = scheduler(max_seq=32, gammas=(2, 4))
     assert s.fits(Request([1] * 10, 18, gamma=4)) and not s.fits(Request([1] * 10, 19, gamma=4))

@@ -30,9 +30,9 @@ def test_samples_share_their_prompt_s_prefill_and_match_samples_prefilled_alone(
     shared = runtime.generate([prompt], n=4, **options)
     assert counted == [len(prompt)]  # one prefill of the whole prompt; the others compute its last token alone
     counted.clear()
-    # the same four streams, each request prefilling its own prompt
+    # the same four streams, each request prefilling its own prompt (the four rows of one call)
     alone = runtime.generate([prompt, list(prompt), list(prompt), list(prompt)], **options)
-    assert len(counted) == 4
+    assert counted == [4 * len(prompt)]
     assert [r.token_ids for r in shared] == [r.token_ids for r in alone]
     assert len({tuple(r.token_ids) for r in shared}) == 4  # distinct samples
     greedy = runtime.generate([prompt], n=3, max_new_tokens=8, gamma=4)

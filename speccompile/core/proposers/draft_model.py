@@ -40,16 +40,24 @@ class DraftRunner:
     def admit(self, slot: int) -> None:
         self.engine.cache_lengths[slot] = 0
 
-    def prefill(self, request, tokens: np.ndarray, counts: np.ndarray, slot: int, complete: bool,
-                feed: bool = True) -> None:
-        """The draft reads a joining request's prompt chunk too (not a plain request's, nor one whose
-        drafts would not run now: feed False), as long as it holds the whole prompt before the chunk;
-        once the prompt is in, it keeps all but the last prompt token (its first step re-reads it).
-        What it did not read, it catches up on before it first drafts for the row."""
-        if request.gamma != 0 and feed and self.engine.cache_lengths[slot] == request.prefilled:
-            self.engine.forward(tokens, counts, first=slot)
+    def prefill(self, rows: list, tokens: np.ndarray, counts: np.ndarray, first: int, complete: bool,
+                feed: list[bool]) -> None:
+        """The draft reads the joining requests' prompt chunks too (rows in slots first.., right-padded
+        tokens), but not a plain request's, nor one whose drafts would not run now (feed False), and
+        only as long as it holds the whole prompt before the chunk; once a prompt is in, it keeps all
+        but its last token (its first step re-reads it). What it did not read, it catches up on before
+        it first drafts for the row."""
+        lengths = self.engine.cache_lengths
+        reads = [request.gamma != 0 and fed and lengths[first + row] == request.prefilled
+                 for row, (request, fed) in enumerate(zip(rows, feed))]
+        if all(reads):
+            self.engine.forward(tokens, counts, first=first)
+        else:  # some rows are not read: the others one at a time (rare: a group of plain and speculative rows)
+            for row in np.flatnonzero(reads):
+                self.engine.forward(tokens[row : row + 1, : counts[row]], counts[row : row + 1], first=first + row)
         if complete:
-            self.engine.cache_lengths[slot] = min(self.engine.cache_lengths[slot], len(request.prompt) - 1)
+            for row, request in enumerate(rows):
+                lengths[first + row] = min(lengths[first + row], len(request.prompt) - 1)
 
     def move(self, source: int, destination: int) -> None:
         self.engine.move(source, destination)

@@ -99,13 +99,14 @@ class EagleRunner:
         self.unread[slot], self.held[slot] = [], 0
         self.in_step[slot] = False  # until the prefill says the request may draft here
 
-    def prefill(self, request, tokens: np.ndarray, counts: np.ndarray, slot: int, complete: bool,
-                feed: bool = True) -> None:
+    def prefill(self, rows: list, tokens: np.ndarray, counts: np.ndarray, first: int, complete: bool,
+                feed: list[bool]) -> None:
         """Nothing before the target: a prompt chunk's features come with the target's call (after_target).
         A request that will never draft here (plain decoding, or a proposer without the head) is never
         in step, so the head reads nothing for it."""
-        if request.prefilled == 0:
-            self.in_step[slot] = request.gamma != 0 and self._drafts_here(request)
+        for row, request in enumerate(rows):
+            if request.prefilled == 0:
+                self.in_step[first + row] = request.gamma != 0 and self._drafts_here(request)
 
     def move(self, source: int, destination: int) -> None:
         self.engine.move(source, destination)
