@@ -155,3 +155,22 @@ def test_threads_submitting_at_first_use_start_one_engine(bundles):
 
 def engine_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "speccompile-engine"]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2"])
+def test_prompts_prefilled_together_right_padded_give_hf_s_tokens(family, bundles, checkpoints):
+    """Three prompts of 6, 7 and 8 tokens join in one target call (padded to 8: an eighth of it padding),
+    sampled and greedy alike; each continues as HF continues it alone, and as it samples alone."""
+    rng = random.Random(1)
+    prompts = [[rng.choice(VOCAB_SPAN) for _ in range(n)] for n in (6, 7, 8)]
+    with speccompile.load(bundles(family, "random")) as rt:
+        rows = []
+        forward = rt.target.forward
+        rt.target.forward = lambda tokens, *a, **kw: rows.append(tokens.shape) or forward(tokens, *a, **kw)
+        together = [r.token_ids for r in rt.generate(prompts, max_new_tokens=12, gamma=4)]
+        assert rows[0] == (3, 8)
+        sampled = dict(max_new_tokens=12, temperature=0.8)  # request i is seeded 5 + i
+        assert [r.token_ids for r in rt.generate(prompts, seed=5, **sampled)] == \
+            [rt.generate([p], seed=5 + i, **sampled)[0].token_ids for i, p in enumerate(prompts)]
+    for prompt, tokens in zip(prompts, together):
+        assert tokens == hf_greedy(checkpoints(family), prompt, 12)[: len(tokens)]
