@@ -7,7 +7,7 @@ import importlib
 from speccompile.errors import SpecCompileError
 
 SCENARIOS = {name: f"tools.measure.scenarios.{name}" for name in (
-    "ab_generate", "agreement", "demo", "eagle", "first_requests", "grammar_engines", "llama_cpp", "load",
+    "ab_generate", "agreement", "burst", "demo", "eagle", "first_requests", "grammar_engines", "llama_cpp", "load",
     "matmul_kernels", "medusa", "never_slower", "overhead", "overhead_ab", "precisions", "prefill_stall", "proposers",
     "real_size", "sampling_rules", "stop_strings", "suffix")}
 
