@@ -174,3 +174,42 @@ def test_rows_that_would_draft_with_two_models_draft_with_one_per_iteration():
     assert [r.generated for r in requests] == [reference(p, 24) for p in (PROMPTS[0], PROMPTS[2])]
     iterations = [i for i, _ in drafted]
     assert drafted and len(iterations) == len(set(iterations)), drafted  # never both models in one iteration
+
+
+def test_auto_tries_each_model_then_drafts_with_the_faster_and_the_head_lets_go_of_the_row():
+    """Under auto beside a draft model, each model first drafts EXPLORE_ITERATIONS times, in turns (the
+    least seen first; on a tie, the earlier member); then the draft model, whose drafts are kept as
+    often at less cost, drafts. FLUSH_AFTER tokens after the head last read the row, the head lets go of it: it reads
+    none of its features any more and offers it nothing. The output is the target's throughout."""
+    from speccompile.core.cost_model import LoopCosts
+    from speccompile.core.gamma_policy import GammaPolicy
+    from speccompile.core.proposers.auto import EXPLORE_ITERATIONS
+    from speccompile.core.proposers.draft_model import DraftRunner
+    from speccompile.core.proposers.eagle import FLUSH_AFTER
+    from speccompile.core.request import AUTO
+
+    head = FakeHead()
+    costs = LoopCosts(10.0, {1: 0.5, 2: 1.0, 4: 2.0}, {1: 11.0, 2: 11.5, 4: 12.5}, head_step=1.0, head_catch_up=1.0)
+    policy = GammaPolicy(costs, [0.9] * 4, prior_weight=2.0)
+    scheduler = Scheduler(FeatureTarget(capacity=256), None, 4, 256, [1, 2, 4], set(), policy_for=lambda n, c: policy,
+                          proposers=Proposers(draft=DraftRunner(FakeEngine(capacity=256), 256),
+                                              eagle=EagleRunner(head, 256)))
+    request = Request(PROMPTS[2], 120, gamma=AUTO, proposer="auto")
+    request.proposer = scheduler.proposers.make("auto")
+    member = next(m for m in request.proposer.members if m.name == "eagle")
+    scheduler.add(request)
+    order, reads_at_let_go = [], None
+    while not scheduler.idle:
+        before = {name: list(counts) for name, counts in request.stats.by_proposer.items()}
+        scheduler.step()
+        order += [name for name, counts in request.stats.by_proposer.items() if counts != before.get(name)]
+        if member.let_go and reads_at_let_go is None:
+            reads_at_let_go = head.catch_ups, len(request.generated)
+    assert request.generated == reference(PROMPTS[2], 120)
+    models = [name for name in order if name in ("draft", "eagle")]
+    assert models[:4] == ["draft", "eagle", "draft", "eagle"]  # in turns, the least seen first
+    assert sorted(models[: 2 * EXPLORE_ITERATIONS]) == ["draft"] * EXPLORE_ITERATIONS + ["eagle"] * EXPLORE_ITERATIONS
+    assert set(models[2 * EXPLORE_ITERATIONS :]) == {"draft"}
+    assert reads_at_let_go is not None and head.catch_ups == reads_at_let_go[0]  # nothing read after it
+    # let go a window after its last draft (5 tokens an iteration: 4 drafts kept, and the target's own)
+    assert reads_at_let_go[1] <= 2 * EXPLORE_ITERATIONS * 5 + FLUSH_AFTER + 5

@@ -6,12 +6,21 @@ work), at the costs the load's γ policy has measured. Code and edits repeat the
 where they do a lookup is accepted as often as a draft model, for nothing; elsewhere lookups find no
 match and the draft model drafts.
 
+Where two models may draft (a draft model and an EAGLE-3 head), each is tried first: a model the
+load has not seen draft EXPLORE_ITERATIONS times, whose offer beats a plain step, is the one model
+offered (the least seen first). Expectations start from priors, and the model ranked first would
+otherwise be the only one ever measured: on the demo pair the head, whose prior is above the draft
+model's neutral one, drafted every request though it drafts slower (0.82x the same call without
+it), or, after an unlucky first iteration (2 of 10 kept), never again.
+
 Whether the chosen offer beats plain decoding is the scheduler's question for every proposer alike
 (Scheduler._against_plain, GammaPolicy.worth_running): `auto` only ranks its members.
 """
 
 from speccompile.core.gamma_policy import GammaPolicy
 from speccompile.core.proposers.base import Offer, Proposer
+
+EXPLORE_ITERATIONS = 4  # iterations each model drafts at a load before auto ranks it by what it measured
 
 
 class Auto(Proposer):
@@ -29,7 +38,24 @@ class Auto(Proposer):
         if len(drafting) < 2:
             return drafting[0] if drafting else Offer(0, self.members[0])
         costs = policy.costs_now() if policy is not None else None
+        drafting = self._exploring(drafting, request, policy, costs)
         return max(drafting, key=lambda o: o.rate(costs))  # on a tie the first: free proposers come first
+
+    @staticmethod
+    def _exploring(drafting: list[Offer], request, policy: GammaPolicy | None, costs) -> list[Offer]:
+        """The offers to rank: where two models offer drafts and one of them has not been seen drafting
+        EXPLORE_ITERATIONS times at this load (and its offer beats a plain step), only the least seen of
+        those among the models."""
+        models = [offer for offer in drafting if offer.source.runs_model]
+        if len(models) < 2:
+            return drafting
+        plain = 1.0 / costs.plain_ms if costs is not None else 0.0
+        seen = {id(offer): offer.source.observed(request, policy) for offer in models}
+        unseen = [offer for offer in models if seen[id(offer)] < EXPLORE_ITERATIONS and offer.rate(costs) >= plain]
+        if not unseen:
+            return drafting
+        trying = min(unseen, key=lambda offer: seen[id(offer)])
+        return [offer for offer in drafting if not offer.source.runs_model or offer is trying]
 
     def finish(self, request) -> None:
         for member in self.members:

@@ -72,6 +72,11 @@ class Proposer:
         own γ) asks of a model drafter, `cap` the most its length leaves room for."""
         raise NotImplementedError
 
+    def observed(self, request, policy: GammaPolicy | None) -> int:
+        """Iterations whose outcome the expectation of this proposer's offers has learned from (a
+        model's: auto explores each for a few before it trusts what they measured)."""
+        return 0
+
     def drafts_tree(self, request, batch: int, room: int) -> bool:
         """Whether this iteration, of `batch` requests, verifies a dynamic tree of its own instead of an
         offer (an EAGLE-3 head's: core/proposers/eagle_tree.py); `room`: cache positions left."""

@@ -154,6 +154,12 @@ class DraftModel(Proposer):
         if drafts:
             self.acceptance.observe(drafts, accepted)
 
+    def observed(self, request, policy: GammaPolicy | None) -> int:
+        """The load's iterations (γ auto: its policy's) or this request's whose drafts its offers expect."""
+        if policy is not None and request.gamma_is_auto:
+            return policy.counts.observed[0]
+        return self.acceptance.observed[0]
+
 
 def pad(token_lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Right-pad token lists into [B, T_max] (T_max >= 1); returns (ids, counts)."""
