@@ -123,8 +123,8 @@ class LoopCosts:
     An EAGLE-3 head (0 without one): head_step, one of its batched steps; head_catch_up, its
     catch-up over the positions the target kept since it last drafted, which gives its first draft.
     The catch-up runs only in an iteration that drafts with the head (a row decoding plainly keeps
-    its features for later, reading them in bulk every FLUSH_AFTER positions: proposers/eagle.py), so
-    it is the first draft's cost, and a plain step costs what it costs on a bundle without a head.
+    its features for later: proposers/eagle.py), so it is the first draft's cost, and a plain step
+    costs what it costs on a bundle without a head.
     """
 
     target_step: float

@@ -14,8 +14,7 @@ are corrected by every iteration the loop runs, whoever proposed: each target ca
 verification, or a plain step) updates one correction factor for every target call, each draft
 step one for every draft step, each EAGLE-3 head's calls (its catch-up and steps) one for both (the
 mean ratio of measured to prior, with a prior of `COST_PRIOR_WEIGHT` iterations at 1), and the
-loop's own work per iteration, speculative and plain, is its measured mean (a declining row's bulk
-catch-up, every FLUSH_AFTER positions, falls in it: proposers/eagle.py). The
+loop's own work per iteration, speculative and plain, is its measured mean. The
 γ in use teaches the policy about the others, and plain decoding's cost stays comparable with
 speculation's.
 
@@ -156,7 +155,8 @@ class GammaPolicy:
         self.iterations = 0  # observed so far
         self.current: int | None = None  # the γ chosen last
         self.declined: dict[str, int] = {}  # proposer -> plain iterations in a row since its offers last ran
-        self.switch_ms: dict[str, float] = {}  # proposer -> what running it again cost (a draft model catching up)
+        # proposer -> what running it again cost (a draft model catching up, a head reading what it held)
+        self.switch_ms: dict[str, float] = {}
         self._resumed: set[str] = set()  # the proposers that ran in the last decision after being declined
         self._declined_at: dict[str, tuple] = {}  # proposer -> (costs, iterations, probe's worst loss) at its decline
         self.probe_credit: dict[str, float] = {}  # proposer -> ms of plain decoding its probes may still lose

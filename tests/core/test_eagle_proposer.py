@@ -179,13 +179,13 @@ def test_rows_that_would_draft_with_two_models_draft_with_one_per_iteration():
 def test_auto_tries_each_model_then_drafts_with_the_faster_and_the_head_lets_go_of_the_row():
     """Under auto beside a draft model, each model first drafts EXPLORE_ITERATIONS times, in turns (the
     least seen first; on a tie, the earlier member); then the draft model, whose drafts are kept as
-    often at less cost, drafts. FLUSH_AFTER tokens after the head last read the row, the head lets go of it: it reads
+    often at less cost, drafts. LET_GO_AFTER tokens after the head last read the row, the head lets go of it: it keeps
     none of its features any more and offers it nothing. The output is the target's throughout."""
     from speccompile.core.cost_model import LoopCosts
     from speccompile.core.gamma_policy import GammaPolicy
     from speccompile.core.proposers.auto import EXPLORE_ITERATIONS
     from speccompile.core.proposers.draft_model import DraftRunner
-    from speccompile.core.proposers.eagle import FLUSH_AFTER
+    from speccompile.core.proposers.eagle import LET_GO_AFTER
     from speccompile.core.request import AUTO
 
     head = FakeHead()
@@ -212,4 +212,4 @@ def test_auto_tries_each_model_then_drafts_with_the_faster_and_the_head_lets_go_
     assert set(models[2 * EXPLORE_ITERATIONS :]) == {"draft"}
     assert reads_at_let_go is not None and head.catch_ups == reads_at_let_go[0]  # nothing read after it
     # let go a window after its last draft (5 tokens an iteration: 4 drafts kept, and the target's own)
-    assert reads_at_let_go[1] <= 2 * EXPLORE_ITERATIONS * 5 + FLUSH_AFTER + 5
+    assert reads_at_let_go[1] <= 2 * EXPLORE_ITERATIONS * 5 + LET_GO_AFTER + 5

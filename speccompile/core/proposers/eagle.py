@@ -9,15 +9,16 @@ Per request (`EagleDraft`): how often its drafts were kept per position, as for 
 
 Shared (`EagleRunner`): the head's one-layer cache, kept in step with the target's slots. The target
 returns its features with every call; the runner keeps those of the positions the target kept
-(`unread`) and reads them lazily: at the start of an iteration in which the row drafts here (one
+(`unread`) and reads them only when the row drafts here: at the start of such an iteration (one
 catch-up call over all of them, whose output is the row's first draft: an iteration of k drafts
-costs one catch-up and k - 1 head steps), or when a row that keeps declining has gathered
-FLUSH_AFTER of them (all but the last: the drafting iteration's catch-up always reads one). So an
-iteration that decodes plainly costs the head nothing but a copy of its features. Under `auto`
-beside a draft model, a row's features are held unread until auto has decoded FLUSH_AFTER more
-tokens of it without drafting with the head (its prompt's too, up to HOLD_AT_MOST positions); then,
-if auto drafted them with the other model, the head lets go of the row (`_let_go`): it stops reading
-its features, and offers it nothing more. Reading costs the head a pass over every position (demo
+costs one catch-up and k - 1 head steps; a row that held more than an iteration's worth reads them
+alone first, timed as the iteration's catch-up), or, bounding memory, once a row holds
+HOLD_AT_MOST of them (all but the last). So an iteration that decodes plainly costs the head nothing
+but a copy of its features, and a request the head stops drafting for is never read again (demo
+pair, batch 8, the head declined: reading every 32 positions cost 12% of the call). Under `auto`
+beside a draft model, once auto has decoded LET_GO_AFTER tokens of a row without the head, the head
+lets go of it if auto drafted them with the other model (`_let_go`): it stops keeping its features,
+and offers it nothing more. Reading costs the head a pass over every position (demo
 pair, batch 1: 8% of the default call's time, where the draft model outdrafts the head), and a row
 the head does not draft for gains nothing by it. Before a catch-up
 the head rolls back to what it had read of the target's features (`read_to`): what it wrote past
@@ -32,6 +33,8 @@ the next output position (`pending_probs` keeps its q); the rest at the steps.
 """
 
 
+import time
+
 import numpy as np
 
 from speccompile.core.gamma_policy import ACCEPTANCE_HORIZON, Acceptance, GammaPolicy
@@ -42,12 +45,14 @@ from speccompile.core.sampling import draws
 # What the load believes of the head before it has seen it draft (EAGLE-3's published acceptance is
 # higher than a small draft model's; a prior only orders the first iterations of `auto`)
 EAGLE_PRIOR, EAGLE_PRIOR_WEIGHT = 0.7, 2.0
-# A declining row's features are read once this many have gathered: a catch-up over them costs about
-# one call, so a row decoding plainly pays about 1/FLUSH_AFTER of a head call per token, in memory
-# FLUSH_AFTER feature rows (3 hidden sizes each)
-FLUSH_AFTER = 32
-HOLD_AT_MOST = 512  # positions a row under auto's decision may hold unread (the prompt's): read beyond it
-SHORT_READ = 8  # positions a batched catch-up reads per row at most: more (a row that declined) is read alone
+# Tokens auto decodes of a row without the head before the head decides to let go of it, if auto
+# drafted them with another model
+LET_GO_AFTER = 32
+# Positions a row may hold unread, in memory HOLD_AT_MOST feature rows (3 hidden sizes each): read
+# beyond it. A row the head never drafts again is never read (demo pair, batch 8, the head declined:
+# reading every 32 positions cost 12% of the call)
+HOLD_AT_MOST = 512
+SHORT_READ = 8  # positions a drafting iteration's catch-up reads per row at most: more (the row held) is read first
 
 
 class EagleRunner:
@@ -64,7 +69,8 @@ class EagleRunner:
         # policy learns the draft model's: a request that starts believing the prior pays for its first
         # iterations of a head that drafts worse (demo pair, batch 1: `auto` at 1.81x beside 2.27x without it)
         self.forget()
-        self.steps, self.catch_up_ms = 0, 0.0  # of the last draft: head calls (its catch-up the first), and 0
+        # of the last draft: head calls (its catch-up the first), and the ms of reading what rows held
+        self.steps, self.catch_up_ms = 0, 0.0
         self.pending = np.zeros(0, dtype=np.int64)  # per slot: the first draft, read at the last catch-up
         self.confidence = np.zeros(0, dtype=np.float32)
         self.hidden: np.ndarray | None = None  # per slot [H]: the head's output there, fed back by the next step
@@ -143,7 +149,7 @@ class EagleRunner:
         """A target call over slots first.. has cached row b's positions before[b]..after[b] - 1 and
         returned their features [B, T, F] (None: it returned none): keep those of each position t
         whose token t + 1 the request has, to be read later. A row with a gap before them, or whose
-        features did not come, falls out of step; one that has gathered FLUSH_AFTER reads them now."""
+        features did not come, falls out of step (_hold_or_read: what a row holding many does)."""
         rows_here = slice(first, first + len(rows))  # views: writes through them update the slots' state
         in_step = self.in_step[rows_here]
         if not in_step.any():  # none may draft here (plain requests): nothing to keep
@@ -162,17 +168,19 @@ class EagleRunner:
         held = self.held[rows_here]
         held += counts
         in_step &= counts >= after - before  # tokens it could not read yet: behind
-        # each full row alone: a batched call would run every row over the longest one's positions
-        for b in np.flatnonzero(in_step & (held >= FLUSH_AFTER)):
-            slot, request = first + int(b), rows[b]
-            others = self._others_drafted(request)
-            if others is not None and held[b] < HOLD_AT_MOST and \
-                    len(request.generated) - self.read_at[slot] < FLUSH_AFTER:
-                continue  # auto's window for the row is open: it may still draft with the head
-            if others is not None and others > self.others_seen[slot]:
-                self._let_go(request, slot)
-            else:
-                self._catch_up([request], slot, held[b : b + 1] - 1, np.zeros(1, dtype=bool))
+        for b in np.flatnonzero(in_step & (held >= LET_GO_AFTER)):
+            self._hold_or_read(rows[b], first + int(b), int(held[b]))
+
+    def _hold_or_read(self, request, slot: int, held: int) -> None:
+        """A row holding LET_GO_AFTER positions or more: under auto, once its window has closed, the head
+        lets go of it if auto drafted it with the other model meanwhile; otherwise it keeps holding
+        them, and reads all but the last alone once it holds HOLD_AT_MOST (its memory's bound)."""
+        others = self._others_drafted(request)
+        window_closed = held >= HOLD_AT_MOST or len(request.generated) - self.read_at[slot] >= LET_GO_AFTER
+        if others is not None and window_closed and others > self.others_seen[slot]:
+            self._let_go(request, slot)
+        elif held >= HOLD_AT_MOST:
+            self._catch_up([request], slot, np.array([held - 1]), np.zeros(1, dtype=bool))
 
     def _others_drafted(self, request) -> int | None:
         """The iterations in which auto drafted the request with a model other than the head (None: its
@@ -249,14 +257,15 @@ class EagleRunner:
             token[read], confidence[read], hidden[read]
         return tuple(best) if top else True
 
-    def _read_long_alone(self, rows: list, reading: np.ndarray) -> None:
-        """Rows about to be read that hold more than SHORT_READ positions (they declined for a while)
-        read all but their last alone first: the batched catch-up then runs every row over a few
-        positions, not over the longest row's. A row read alone in its batch needs no such split."""
-        if np.count_nonzero(reading) < 2:
-            return
+    def _read_held(self, rows: list, reading: np.ndarray) -> None:
+        """Rows about to be read that hold more than SHORT_READ positions (they declined for a while,
+        or start after their prompt) read all but their last alone first, timed as the iteration's
+        catch-up (`catch_up_ms`: what the policy charges a probe for resuming, as the draft model's);
+        the batched catch-up then runs every row over a few positions, not over the longest row's."""
+        began = time.perf_counter()
         for b in np.flatnonzero(reading & (self.held[: len(rows)] > SHORT_READ)):
             self._catch_up([rows[b]], int(b), self.held[b : b + 1] - 1, np.zeros(1, dtype=bool))
+        self.catch_up_ms = (time.perf_counter() - began) * 1e3
 
     def read_for_tree(self, request, slot: int) -> tuple[np.ndarray, np.ndarray] | None:
         """A greedy row about to draft a dynamic tree: the head reads every position it holds of it
@@ -287,7 +296,7 @@ class EagleRunner:
         sampled = mine & np.array([not r.params.greedy for r in rows])
         reading = mine & (drafts > 0)
         self.drawn[slots[reading]] = False
-        self._read_long_alone(rows, reading)
+        self._read_held(rows, reading)
         self.steps = int(self._catch_up(rows, 0, np.where(reading, self.held[slots], 0), reading & sampled))
         drafts[sampled & ~self.drawn[slots]] = 0  # no draw for it at this catch-up: none to verify
         drafts[mine & (self.read_to[slots] == 0)] = 0  # the head has read nothing of it yet
