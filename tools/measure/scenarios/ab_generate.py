@@ -7,9 +7,10 @@ the repeats' new/old ratios (fresh processes drift 10-30% on this machine, too m
     grep -rl speccompile /tmp/oldpkg/speccompile_old --include=*.py | xargs sed -i \
         's/\bspeccompile\./speccompile_old./g; s/from speccompile import/from speccompile_old import/g'
     PYTHONPATH=/tmp/oldpkg python -m tools.measure ab_generate --old-bundle OLD_BUNDLE [--bundle NEW_BUNDLE] \
-        [--batch 1] [--max-new-tokens 64] [--repeats 7] [--gamma 4|default] [--prompts 8]
+        [--batch 1] [--max-new-tokens 64] [--repeats 7] [--gamma 4|default] [--proposer NAME] [--prompts 8]
 
 --gamma: the speculative calls' γ, or "default": the call with no γ, each version's default.
+--proposer: the speculative calls' proposer (default: none given, each version's default).
 """
 
 from functools import partial
@@ -30,6 +31,7 @@ def add_options(parser) -> None:
     parser.add_argument("--old-bundle", required=True, help="the bundle the old version reads")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--gamma", default="4", help="the speculative calls' γ, or default: no γ given")
+    parser.add_argument("--proposer", help="the speculative calls' proposer (default: none given)")
 
 
 def gamma_option(text: str) -> int | str:
@@ -40,18 +42,19 @@ def gamma_option(text: str) -> int | str:
     return int(text)
 
 
-def generate_options(gamma) -> dict:
+def generate_options(gamma, proposer: str | None = None) -> dict:
     """γ 0: plain decoding (asked as mode "autoregressive", which both versions read); "default": no γ."""
-    if gamma == "default":
-        return {}
-    return {"gamma": gamma} if gamma else {"mode": "autoregressive"}
+    if not gamma:
+        return {"mode": "autoregressive"}
+    return ({} if gamma == "default" else {"gamma": gamma}) | ({"proposer": proposer} if proposer else {})
 
 
-def tokens(runtime, prompts: list[str], batch: int, max_new_tokens: int, gamma, _repeat: int = 0) -> int:
+def tokens(runtime, prompts: list[str], batch: int, max_new_tokens: int, gamma, proposer: str | None,
+           _repeat: int = 0) -> int:
     made = 0
     for start in range(0, len(prompts), batch):
         results = runtime.generate(prompts[start : start + batch], max_new_tokens=max_new_tokens,
-                                   **generate_options(gamma))
+                                   **generate_options(gamma, proposer))
         made += sum(len(r.token_ids) for r in results)
     return made
 
@@ -62,13 +65,15 @@ def run(args) -> Measured:
     speculative = gamma_option(args.gamma)
     prompts = args.prompts.pick(demo_prompts)
     runtimes = {"old": load_old(args.old_bundle), "new": speccompile.load(bundle(args))}
-    variants = {f"{name} {gamma}": partial(tokens, runtime, prompts, args.batch, args.max_new_tokens, gamma)
+    variants = {f"{name} {gamma}": partial(tokens, runtime, prompts, args.batch, args.max_new_tokens, gamma,
+                                           args.proposer)
                 for gamma in (speculative, 0) for name, runtime in runtimes.items()}
     for call in variants.values():  # warm: every graph loaded, the engine threads started
         call()
     samples = interleaved(variants, args.repeats, cold=runtimes.values(), alternate=True)
     rows = []
-    for gamma, mode in ((speculative, f"speculative γ={speculative}"), (0, "plain")):
+    speculating = f"speculative γ={speculative}" + (f", {args.proposer}" if args.proposer else "")
+    for gamma, mode in ((speculative, speculating), (0, "plain")):
         rates = {name: [s.value / s.seconds for s in samples[f"{name} {gamma}"]] for name in runtimes}
         rows.append({"batch": args.batch, "mode": mode, "old_tokens_per_s": Spread.of(rates["old"]),
                      "new_tokens_per_s": Spread.of(rates["new"]),
