@@ -375,9 +375,10 @@ class Scheduler:
             offers = self._against_plain(rows, offers, policy)
             offers = self._one_model_drafter(rows, offers, policy)
         # A request near its end drafts only what it still needs, but a model drafter's row keeps the
-        # graph of the γ it wanted: switching graphs costs more than the padded slots.
-        counts = np.array([w if o.source.runs_model and o.count else o.count for o, w in zip(offers, wanted)],
-                          dtype=np.int64)
+        # graph of the γ it wanted (or more, where the head chose more): switching graphs costs more
+        # than the padded slots.
+        counts = np.array([max(w, o.count) if o.source.runs_model and o.count else o.count
+                           for o, w in zip(offers, wanted)], dtype=np.int64)
         gamma = self._graph_gamma(rows, counts)
         drafts = np.minimum(np.minimum(counts, gamma), needed)
         for row, (request, offer) in enumerate(zip(rows, offers)):

@@ -65,9 +65,9 @@ class FakeHead:
         self.cache_lengths[destination] = self.cache_lengths[source]
 
 
-def eagle_scheduler(head: FakeHead, gammas=(1, 2, 4), max_batch=4, **kw) -> Scheduler:
+def eagle_scheduler(head: FakeHead, gammas=(1, 2, 4), max_batch=4, policy_for=None, **kw) -> Scheduler:
     proposers = Proposers(eagle=EagleRunner(head, 256))
-    return Scheduler(FeatureTarget(capacity=256), None, max_batch, 256, list(gammas), set(), policy_for=None,
+    return Scheduler(FeatureTarget(capacity=256), None, max_batch, 256, list(gammas), set(), policy_for=policy_for,
                      proposers=proposers, **kw)
 
 
@@ -213,3 +213,43 @@ def test_auto_tries_each_model_then_drafts_with_the_faster_and_the_head_lets_go_
     assert reads_at_let_go is not None and head.catch_ups == reads_at_let_go[0]  # nothing read after it
     # let go a window after its last draft (5 tokens an iteration: 4 drafts kept, and the target's own)
     assert reads_at_let_go[1] <= 2 * EXPLORE_ITERATIONS * 5 + LET_GO_AFTER + 5
+
+
+def test_under_gamma_auto_the_head_drafts_as_many_as_its_own_acceptance_pays_for():
+    """The load's γ is the draft model's choice; the head's offer under γ auto carries what its own
+    acceptance and costs make best, up to the row's cap: all of it where its drafts are always kept,
+    less where they rarely are, and exactly what was asked at a fixed γ."""
+    from speccompile.core.cost_model import LoopCosts
+    from speccompile.core.gamma_policy import GammaPolicy
+    from speccompile.core.request import AUTO
+
+    costs = LoopCosts(10.0, {1: 0.5, 2: 1.0, 4: 2.0}, {1: 11.0, 2: 11.5, 4: 12.5}, head_step=1.0, head_catch_up=1.0)
+    policy = GammaPolicy(costs, [0.5] * 4, prior_weight=2.0)
+    runner = EagleRunner(FakeHead(), 256)
+    proposers = Proposers(eagle=runner)
+    for _ in range(40):
+        runner.acceptance.observe(4, 4)
+    asking = Request(PROMPTS[0], 50, gamma=AUTO)
+    assert proposers.make("eagle").offer(asking, 2, 4, policy).count == 4  # the load's γ is 2; the head's 4
+    assert proposers.make("eagle").offer(Request(PROMPTS[0], 50, gamma=2), 2, 4, policy).count == 2
+    for _ in range(200):
+        runner.acceptance.observe(4, 1)  # the first kept, the second never
+    assert proposers.make("eagle").offer(asking, 2, 4, policy).count == 1
+
+
+def test_a_head_kept_always_drafts_past_the_load_s_gamma_under_gamma_auto():
+    """The scheduler verifies what the head's offer carries, not only the load's γ (the draft model's
+    choice, small here under a pessimistic prior): a head fed right drafts 4 an iteration."""
+    from speccompile.core.cost_model import LoopCosts
+    from speccompile.core.gamma_policy import GammaPolicy
+    from speccompile.core.request import AUTO
+
+    costs = LoopCosts(10.0, {1: 0.5, 2: 1.0, 4: 2.0}, {1: 11.0, 2: 11.5, 4: 12.5}, head_step=1.0, head_catch_up=1.0)
+    policy = GammaPolicy(costs, [0.4, 0.1, 0.1, 0.1], prior_weight=50.0)
+    assert policy.choose(allow_zero=False) == 1
+    scheduler = eagle_scheduler(FakeHead(), policy_for=lambda n, c: policy)
+    request = Request(PROMPTS[1], 60, gamma=AUTO, allow_plain=False)
+    request.proposer = scheduler.proposers.make("eagle")
+    run(scheduler, [request])
+    assert request.generated == reference(PROMPTS[1], 60)
+    assert request.stats.gammas_used.get(4, 0) >= request.stats.iterations // 2, request.stats.gammas_used

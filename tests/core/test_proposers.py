@@ -137,3 +137,44 @@ def test_auto_drafts_with_the_model_where_lookup_finds_nothing():
         s.step()
     assert request.generated == reference(target, [5, 6, 7], 30)
     assert request.stats.by_proposer["draft"][1] > 0 and request.stats.acceptance_rate == 1.0
+
+
+class StubModel:
+    """A model proposer whose offers are kept at `acceptance` per position, seen drafting `seen` times."""
+
+    runs_model, step_cost = True, "draft"
+
+    def __init__(self, name: str, acceptance: float, seen: int):
+        self.name, self.acceptance, self.seen = name, acceptance, seen
+
+    def offer(self, request, wanted, cap, policy):
+        from speccompile.core.proposers.base import Offer
+        return Offer(wanted, self, None, [self.acceptance**k for k in range(1, wanted + 1)])
+
+    def observed(self, request, policy):
+        return self.seen
+
+
+def test_auto_gives_the_model_ranked_second_one_turn_in_retry_share_plus_one():
+    """After both models have drafted EXPLORE_ITERATIONS times, auto drafts with the faster, except
+    where the slower has been seen drafting less than 1/RETRY_SHARE as often: a few iterations are a
+    small sample, and a model ranked below after an unlucky start would otherwise never draft again.
+    A model whose offer does not beat a plain step gets no such turn."""
+    from speccompile.core.proposers.auto import EXPLORE_ITERATIONS, RETRY_SHARE, Auto
+
+    costs = LoopCosts(10.0, {4: 2.0}, {4: 12.0})
+    policy = GammaPolicy(costs, [0.5] * 4, prior_weight=2.0)
+    request = Request([1, 2, 3], 50)
+    better, worse = StubModel("better", 0.9, EXPLORE_ITERATIONS), StubModel("worse", 0.7, EXPLORE_ITERATIONS)
+    auto = Auto([better, worse])
+    turns = []
+    for _ in range(10 * (RETRY_SHARE + 1)):
+        chosen = auto.offer(request, 4, 4, policy).source
+        chosen.seen += 1
+        turns.append(chosen.name)
+    lead = (RETRY_SHARE - 1) * EXPLORE_ITERATIONS + 1  # until the faster has drafted over RETRY_SHARE times as often
+    assert turns[:lead] == ["better"] * lead and turns[lead] == "worse", turns
+    assert (worse.seen - 1) * RETRY_SHARE < better.seen <= worse.seen * RETRY_SHARE + 1, (better.seen, worse.seen)
+    hopeless = StubModel("hopeless", 0.05, EXPLORE_ITERATIONS)  # 1.05 tokens in 14 ms: a plain step pays more
+    auto = Auto([StubModel("better", 0.9, 100), hopeless])
+    assert all(auto.offer(request, 4, 4, policy).source.name == "better" for _ in range(20))

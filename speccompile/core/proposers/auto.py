@@ -13,6 +13,12 @@ otherwise be the only one ever measured: on the demo pair the head, whose prior 
 model's neutral one, drafted every request though it drafts slower (0.82x the same call without
 it), or, after an unlucky first iteration (2 of 10 kept), never again.
 
+After that, the model ranked second drafts again whenever the first has drafted RETRY_SHARE times as
+often as it: a few iterations are a small sample (demo pair, default call on the bundle with a head:
+the draft model kept 5 of its first 8 drafts, ranked below the head, and never drafted again, at 0.76x
+the same call without the head), and one in RETRY_SHARE + 1 iterations at the other model bounds
+what a right ranking pays for being checked.
+
 Whether the chosen offer beats plain decoding is the scheduler's question for every proposer alike
 (Scheduler._against_plain, GammaPolicy.worth_running): `auto` only ranks its members.
 """
@@ -21,6 +27,7 @@ from speccompile.core.gamma_policy import GammaPolicy
 from speccompile.core.proposers.base import Offer, Proposer
 
 EXPLORE_ITERATIONS = 4  # iterations each model drafts at a load before auto ranks it by what it measured
+RETRY_SHARE = 8  # then the model ranked second drafts once the first has drafted more than this many times as often
 
 
 class Auto(Proposer):
@@ -45,16 +52,21 @@ class Auto(Proposer):
     def _exploring(drafting: list[Offer], request, policy: GammaPolicy | None, costs) -> list[Offer]:
         """The offers to rank: where two models offer drafts and one of them has not been seen drafting
         EXPLORE_ITERATIONS times at this load (and its offer beats a plain step), only the least seen of
-        those among the models."""
+        those among the models; where the model ranked second by rate has been seen fewer than
+        1/RETRY_SHARE as often as the first (and beats a plain step), only it among the models."""
         models = [offer for offer in drafting if offer.source.runs_model]
         if len(models) < 2:
             return drafting
         plain = 1.0 / costs.plain_ms if costs is not None else 0.0
         seen = {id(offer): offer.source.observed(request, policy) for offer in models}
         unseen = [offer for offer in models if seen[id(offer)] < EXPLORE_ITERATIONS and offer.rate(costs) >= plain]
-        if not unseen:
-            return drafting
-        trying = min(unseen, key=lambda offer: seen[id(offer)])
+        if unseen:
+            trying = min(unseen, key=lambda offer: seen[id(offer)])
+        else:
+            first, second = sorted(models, key=lambda offer: offer.rate(costs), reverse=True)[:2]
+            if seen[id(second)] * RETRY_SHARE >= seen[id(first)] or second.rate(costs) < plain:
+                return drafting
+            trying = second
         return [offer for offer in drafting if not offer.source.runs_model or offer is trying]
 
     def finish(self, request) -> None:

@@ -37,6 +37,7 @@ import time
 
 import numpy as np
 
+from speccompile.core.cost_model import tokens_per_ms
 from speccompile.core.gamma_policy import ACCEPTANCE_HORIZON, Acceptance, GammaPolicy
 from speccompile.core.proposers.base import Offer, Proposer
 from speccompile.core.proposers.draft_model import sampled_confidence, sampling_params
@@ -353,9 +354,20 @@ class EagleDraft(Proposer):
 
     def offer(self, request, wanted: int, cap: int, policy: GammaPolicy | None) -> Offer:
         """`wanted` drafts (for a sampled request, where the head has its sampled graphs: drafts drawn
-        from its distribution, verified exactly with it), expected to be kept as the load's were."""
-        count = wanted if (request.params.greedy or self.runner.samples) and not self.let_go else 0
+        from its distribution, verified exactly with it), expected to be kept as the load's were.
+        Under γ auto, as many as the head's own acceptance and costs make best, up to `cap`: the load's
+        γ is chosen for the draft model, whose drafts are kept at other rates and whose steps cost
+        otherwise (demo pair, default call: the head drafted at the draft model's γ of 2, where 4 pays)."""
+        if not (request.params.greedy or self.runner.samples) or self.let_go or not wanted:
+            return Offer(0, self)
+        count = self._best_count(cap, policy.costs_now()) if policy is not None and request.gamma_is_auto else wanted
         return Offer(count, self, None, lambda: self.runner.acceptance.by_position(count))
+
+    def _best_count(self, cap: int, costs) -> int:
+        """The drafts, at most `cap`, whose iteration yields the most tokens per ms (the fewest on a tie)."""
+        counts = sorted({min(gamma, cap) for gamma in costs.gammas})
+        by_position = self.runner.acceptance.by_position(counts[-1])
+        return max(counts, key=lambda n: tokens_per_ms(costs, by_position, n, self.step_cost))
 
     def observe(self, stats, offer: Offer, drafts: int, accepted: int) -> None:
         stats.record_iteration(accepted, drafts, self.name)
