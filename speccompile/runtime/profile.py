@@ -165,20 +165,35 @@ def steady_state(events: list[tuple[float, int, int]], requests: int) -> tuple[f
     """(ms, iterations, tokens) of the iterations in which every request was decoding, from
     (time, request, tokens) emissions; none when a request finished too soon. The first request to
     finish paces them: its emissions after every request's first (prefill) token, up to but not
-    including its last (cut at max_new_tokens). An iteration's emissions of all requests come within
-    microseconds of each other, iterations milliseconds apart: the midpoints between the pacing
-    request's emission times separate them."""
+    including its last (cut at max_new_tokens). The tokens counted are those of the iterations its
+    emissions end (`iteration_of`: by the order of emissions, not their times, which a loaded
+    machine delays by more than an iteration's length between two requests' emissions)."""
     times = {r: [t for t, row, _ in events if row == r] for r in range(requests)}
     if not all(times.values()):
         raise SpecCompileError("a profile run emitted no tokens for one of its prompts")
-    pace = times[min(times, key=lambda r: times[r][-1])]
+    pacer = min(times, key=lambda r: times[r][-1])
+    iterations = iteration_of(events)
+    pace = [(t, i) for (t, row, _), i in zip(events, iterations) if row == pacer]
     all_decoding = max(t[0] for t in times.values())
-    start = next(i for i, t in enumerate(pace) if t >= all_decoding)
+    start = next(k for k, (t, _) in enumerate(pace) if t >= all_decoding)
     end = len(pace) - 2  # the last whole iteration
     if end <= start:
         return 0.0, 0, 0
-    low, high = (pace[start] + pace[start + 1]) / 2, (pace[end] + pace[end + 1]) / 2
-    return (pace[end] - pace[start]) * 1e3, end - start, sum(n for t, _, n in events if low < t <= high)
+    low, high = pace[start][1], pace[end][1]
+    return (pace[end][0] - pace[start][0]) * 1e3, end - start, sum(
+        n for (_, _, n), i in zip(events, iterations) if low < i <= high)
+
+
+def iteration_of(events: list[tuple[float, int, int]]) -> list[int]:
+    """The iteration of each emission: one engine thread emits each decoding request's tokens once an
+    iteration, in order, so a request emitting again begins the next one."""
+    iteration, emitted, out = 0, set(), []
+    for _, row, _ in events:
+        if row in emitted:
+            iteration, emitted = iteration + 1, set()
+        emitted.add(row)
+        out.append(iteration)
+    return out
 
 
 def prompt_tokens(runtime, prompts: list[str]) -> list[list[int]]:
