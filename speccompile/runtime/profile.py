@@ -391,7 +391,8 @@ def context_costs(samples: list[dict[int, LoopRun]]) -> LoopCosts:
     round's plain decoding iteration, and each is the median of those ratios times the median
     iteration: the machine's speed drifts (its cores are shared), and a cost from a slow round set
     against a step from a fast one would mispredict their ratio, which is all a speedup depends on.
-    The loop's own work is also the median over γ: one number per iteration, whatever the γ."""
+    The loop's own work is also the median over γ: one number per iteration, whatever the γ. Draft
+    and verification costs never fall as γ grows (LoopCosts.monotone)."""
     step = statistics.median(s[0].iteration_ms for s in samples)
     gammas = sorted(g for g in samples[0] if g)
 
@@ -400,7 +401,7 @@ def context_costs(samples: list[dict[int, LoopRun]]) -> LoopCosts:
 
     return LoopCosts(step, {g: relative(g, lambda run: run.per_iteration("draft")) for g in gammas},
                      {g: relative(g, lambda run: run.per_iteration("verify")) for g in gammas},
-                     statistics.median(relative(g, lambda run: run.overhead_ms) for g in gammas))
+                     statistics.median(relative(g, lambda run: run.overhead_ms) for g in gammas)).monotone()
 
 
 # ---------------------------------------------------------------------------------------------

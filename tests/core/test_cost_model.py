@@ -191,3 +191,28 @@ def test_the_end_to_end_speedup_keeps_prefill_and_plain_overhead_at_their_cost()
     assert predicted_end_to_end_speedup(10.0, 8.0, 0.5, 2.0) == pytest.approx(10 / 4.5)
     assert predicted_end_to_end_speedup(10.0, 10.0, 0.0, 2.0) == pytest.approx(2.0)  # decoding only: the decode speedup
     assert predicted_end_to_end_speedup(10.0, 0.0, 0.5, 2.0) == 1.0  # nothing decoded: nothing predicted
+
+
+def test_costs_that_fall_as_gamma_grows_are_pooled_to_their_mean():
+    """A longer γ does more work: measured costs that say otherwise are noise, and the neighbours
+    whose order is wrong share their mean (least squares); costs in order are left as they are."""
+    from speccompile.core.cost_model import nondecreasing
+
+    assert nondecreasing({2: 6.40, 4: 6.24, 6: 7.81}) == {2: pytest.approx(6.32), 4: pytest.approx(6.32), 6: 7.81}
+    assert nondecreasing({1: 3.0, 2: 2.0, 4: 1.0}) == {1: 2.0, 2: 2.0, 4: 2.0}
+    assert nondecreasing({1: 1.0, 2: 3.0, 4: 2.0, 6: 5.0}) == {1: 1.0, 2: 2.5, 4: 2.5, 6: 5.0}
+    assert nondecreasing({1: 1.0, 2: 2.0, 4: 2.0}) == {1: 1.0, 2: 2.0, 4: 2.0}
+    costs = LoopCosts(5.0, {2: 1.5, 4: 2.6, 6: 3.8}, {2: 6.4, 4: 6.24, 6: 7.8}, overhead=0.5).monotone()
+    assert costs.verify[2] == costs.verify[4] == pytest.approx(6.32) and costs.draft == {2: 1.5, 4: 2.6, 6: 3.8}
+    assert costs.target_step == 5.0 and costs.overhead == 0.5
+
+
+def test_a_calibration_that_times_a_longer_verification_as_cheaper_pools_them(monkeypatch):
+    """Step costs timed in a noisy order (γ 4's verification under γ 2's) reach the policy in order."""
+    from speccompile.runtime import calibration
+    from tests.core.test_eagle_proposer import FeatureTarget
+
+    noisy = {2: (1.5, 6.40), 4: (2.6, 6.24), "target": (5.0,)}
+    monkeypatch.setattr(calibration, "_round", lambda *args, **kwargs: noisy)
+    costs = calibration.measure_costs(FeatureTarget(capacity=256), None, [2, 4], 1, 16, repeats=2)
+    assert costs.verify == {2: pytest.approx(6.32), 4: pytest.approx(6.32)} and costs.draft == {2: 1.5, 4: 2.6}
