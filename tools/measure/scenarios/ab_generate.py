@@ -9,6 +9,11 @@ the repeats' new/old ratios (fresh processes drift 10-30% on this machine, too m
     PYTHONPATH=/tmp/oldpkg python -m tools.measure ab_generate --old-bundle OLD_BUNDLE [--bundle NEW_BUNDLE] \
         [--batch 1] [--max-new-tokens 64] [--repeats 7] [--gamma 4|default] [--proposer NAME] [--prompts 8]
 
+Two runtimes in one process can differ by up to about 10% whatever their code (the same bundle
+loaded twice: a target step 5.37 against 5.99 ms, more often the one loaded second the faster): the
+plain row's new/old carries that difference, and "over plain's" (each repeat's speculative new/old
+over its plain new/old) is the change to speculation net of it.
+
 --gamma: the speculative calls' γ, or "default": the call with no γ, each version's default.
 --proposer: the speculative calls' proposer (default: none given, each version's default).
 """
@@ -24,7 +29,8 @@ from tools.measure.scenarios.overhead_ab import load_old
 
 COMMON = Common(bundle=True, prompts=8, max_new_tokens=64, repeats=7)
 COLUMNS = (Column("batch"), Column("mode"), Column("old_tokens_per_s", "tok/s", 0, "old"),
-           Column("new_tokens_per_s", "tok/s", 0, "new"), Column("new_over_old", "×", 3, "new / old"))
+           Column("new_tokens_per_s", "tok/s", 0, "new"), Column("new_over_old", "×", 3, "new / old"),
+           Column("over_plain", "×", 3, "new / old over plain's"))
 
 
 def add_options(parser) -> None:
@@ -71,13 +77,15 @@ def run(args) -> Measured:
     for call in variants.values():  # warm: every graph loaded, the engine threads started
         call()
     samples = interleaved(variants, args.repeats, cold=runtimes.values(), alternate=True)
-    rows = []
+    rows, ratios = [], {}
     speculating = f"speculative γ={speculative}" + (f", {args.proposer}" if args.proposer else "")
     for gamma, mode in ((speculative, speculating), (0, "plain")):
         rates = {name: [s.value / s.seconds for s in samples[f"{name} {gamma}"]] for name in runtimes}
+        ratios[gamma] = [n / o for n, o in zip(rates["new"], rates["old"])]
         rows.append({"batch": args.batch, "mode": mode, "old_tokens_per_s": Spread.of(rates["old"]),
-                     "new_tokens_per_s": Spread.of(rates["new"]),
-                     "new_over_old": Spread.of(n / o for n, o in zip(rates["new"], rates["old"]))})
+                     "new_tokens_per_s": Spread.of(rates["new"]), "new_over_old": Spread.of(ratios[gamma]),
+                     "over_plain": None})
+    rows[0]["over_plain"] = Spread.of(s / p for s, p in zip(ratios[speculative], ratios[0]))
     for runtime in runtimes.values():
         runtime.close()
     return Measured((Table.of("ab_generate", COLUMNS, rows),))
