@@ -15,7 +15,8 @@ faster; trees for a request alone only); the default call
 sizes. At batch 1 each prompt runs alone; at batch 8 the prompts run as one `generate` call of 8
 at a time. Each repeat runs every variant in the same order (interleaved), each after its runtimes
 forgot what earlier runs taught them; rates are medians over repeats, speedups over the plain runs
-of the default bundle. Beside each: acceptance, mean acceptance length, the draft/verify split per
+of the same bundle (two runtimes in one process can differ by up to about 10% whatever their code:
+a ratio across bundles would carry that). Beside each: acceptance, mean acceptance length, the draft/verify split per
 iteration, and the cost model's prediction from the load's calibrated costs and the acceptance
 measured (draft model and head at a fixed γ).
 """
@@ -36,7 +37,8 @@ COLUMNS = (Column("batch"), Column("variant"), Column("tokens_per_s", "tok/s", 1
            Column("mean_acceptance_length", digits=2, label="mean acceptance length"),
            Column("draft_ms", "ms", 2, "draft / iteration"), Column("verify_ms", "ms", 2, "verify / iteration"),
            Column("predicted_speedup", "×", 2, "predicted"))
-# name -> (bundle: "pair" or "medusa", generate's options, the γ and step kind the cost model prices it at)
+# name -> (bundle: "pair", "no_head" or "medusa", generate's options, the γ and step kind the cost model
+# prices it at); each bundle's first variant is its plain decoding, the baseline of its speedups
 VARIANTS = {
     "autoregressive": ("pair", {"mode": "autoregressive"}, None),
     "autoregressive, default demo bundle (no head)": ("no_head", {"mode": "autoregressive"}, None),
@@ -47,6 +49,7 @@ VARIANTS = {
     "EAGLE-2 tree over the head (batch 1; a chain, γ auto, in a batch)": ("pair", {"proposer": "eagle_tree"}, None),
     "default (auto, γ auto)": ("pair", {}, None),
     "default (auto, γ auto), default demo bundle": ("no_head", {}, None),
+    "autoregressive, Medusa bundle": ("medusa", {"mode": "autoregressive"}, None),
     "Medusa tree (sized)": ("medusa", {}, None),
 }
 
@@ -107,12 +110,17 @@ def run(args) -> Measured:
 
     samples = interleaved({key: partial(measured, key) for key in calls}, args.repeats, cold=runtimes.values())
     rows = []
+    plain_variant = {}  # bundle -> the name of its plain decoding
+    for name, (bundle, _, _) in VARIANTS.items():
+        plain_variant.setdefault(bundle, name)
     for batch in batches:
-        plain = statistics.median(s.value[0] for s in samples[batch, "autoregressive"])
+        plain = {bundle: statistics.median(s.value[0] for s in samples[batch, name])
+                 for bundle, name in plain_variant.items()}
         for name, (bundle, _, priced) in VARIANTS.items():
             stats = pooled([st for s in samples[batch, name] for st in s.value[1]])
             rates = [s.value[0] for s in samples[batch, name]]
-            rows.append(row(batch, name, rates, stats, plain, predicted(runtimes[bundle], batch, stats, priced)))
+            rows.append(row(batch, name, rates, stats, plain[bundle],
+                            predicted(runtimes[bundle], batch, stats, priced)))
     calibration = runtimes["pair"].policies.calibration
     details = {"prompts": len(prompts), "calibration": calibration.timings() if calibration else None,
                "eagle": runtimes["pair"].bundle.model("eagle").to_json()}
