@@ -133,8 +133,10 @@ class LoopCosts:
     """Milliseconds per iteration at one batch size (runtime/profile.py measures them).
 
     target_step: one plain-decoding iteration's target call. draft[γ]: an iteration's γ draft
-    steps. verify[γ]: its verification. overhead: the rest of a speculative iteration (proposing,
-    emitting, rollback, choosing γ); plain_overhead: the rest of a plain one.
+    steps. verify[γ]: its verification (as measured or recorded, kept from falling as γ grows:
+    `monotone`).
+    overhead: the rest of a speculative iteration (proposing, emitting, rollback, choosing γ);
+    plain_overhead: the rest of a plain one.
 
     An EAGLE-3 head (0 without one): head_step, one of its batched steps; head_catch_up, its
     catch-up over the positions the target kept since it last drafted, which gives its first draft.
@@ -159,15 +161,18 @@ class LoopCosts:
     @classmethod
     def from_timings(cls, timings: dict) -> "LoopCosts":
         """From the timings dict of GammaProfile.timings or measure_costs. Without a per-γ
-        "draft_ms", drafting costs γ · draft_step_ms; without "overhead_ms", nothing."""
+        "draft_ms", drafting costs γ · draft_step_ms; without "overhead_ms", nothing. Monotone (a
+        record may predate that rule)."""
         verify = {int(g): ms for g, ms in timings["verify_ms"].items()}
         per_gamma = {int(g): ms for g, ms in timings.get("draft_ms", {}).items()}
         draft = {g: per_gamma.get(g, g * timings["draft_step_ms"]) for g in verify}
         return cls(timings["target_step_ms"], draft, verify, timings.get("overhead_ms", 0.0),
-                   head_step=timings.get("head_step_ms", 0.0), head_catch_up=timings.get("head_catch_up_ms", 0.0))
+                   head_step=timings.get("head_step_ms", 0.0),
+                   head_catch_up=timings.get("head_catch_up_ms", 0.0)).monotone()
 
     def monotone(self) -> "LoopCosts":
-        """These costs with draft and verification costs that never fall as γ grows (`nondecreasing`)."""
+        """These costs with draft and verification costs that never fall as γ grows (`nondecreasing`):
+        what every measurement (calibration, profile) and every record read back gives the policy."""
         return replace(self, draft=nondecreasing(self.draft), verify=nondecreasing(self.verify))
 
     def timings(self) -> dict:

@@ -20,8 +20,8 @@ def measure_costs(target, draft, gammas: list[int], batch: int, context: int, re
     them: per γ, the draft's γ steps (the first over two tokens) and then a verification, as an
     iteration runs them; the target's steps back to back, as plain decoding runs them. Every call
     is rolled back, so every repeat sees the same context. Medians over `repeats`, after one warm-up
-    round, made to never fall as γ grows (LoopCosts.monotone). No loop work is timed: the overhead is
-    0 (`runtime.profile` measures it in loop runs).
+    round (LoopCosts keeps them from falling as γ grows). No loop work is timed: the overhead is 0
+    (`runtime.profile` measures it in loop runs).
     draft None (a draft-free bundle): iterations have no draft steps. eagle: an EAGLE-3 head, whose
     step and catch-up after a plain step are timed too (_head_calls)."""
     rng = _prefilled(target, draft, batch, context, seed, eagle)

@@ -43,7 +43,7 @@ class ProfilePoint:
         return self.acceptance_by_gamma[max(self.acceptance_by_gamma)]
 
     def costs(self) -> LoopCosts:
-        return LoopCosts.from_timings({key: getattr(self, key) for key in COST_KEYS}).monotone()
+        return LoopCosts.from_timings({key: getattr(self, key) for key in COST_KEYS})
 
     @classmethod
     def from_json(cls, fields_: dict) -> "ProfilePoint":
@@ -201,7 +201,7 @@ def find_calibration(bundle_path: Path, fp: dict, gammas: list[int], head: bool 
         entry = json.loads(path.read_text())
         if entry.get("version") != CALIBRATION_VERSION or entry.get("fingerprint") != fp:
             return None
-        costs = LoopCosts.from_timings(entry["timings"]).monotone()  # recorded before costs were made monotone
+        costs = LoopCosts.from_timings(entry["timings"])
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
     if head and not costs.has_head:

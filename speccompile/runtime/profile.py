@@ -391,8 +391,7 @@ def context_costs(samples: list[dict[int, LoopRun]]) -> LoopCosts:
     round's plain decoding iteration, and each is the median of those ratios times the median
     iteration: the machine's speed drifts (its cores are shared), and a cost from a slow round set
     against a step from a fast one would mispredict their ratio, which is all a speedup depends on.
-    The loop's own work is also the median over γ: one number per iteration, whatever the γ. Draft
-    and verification costs never fall as γ grows (LoopCosts.monotone)."""
+    The loop's own work is also the median over γ: one number per iteration, whatever the γ."""
     step = statistics.median(s[0].iteration_ms for s in samples)
     gammas = sorted(g for g in samples[0] if g)
 
