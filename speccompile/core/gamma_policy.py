@@ -142,16 +142,22 @@ class Acceptance:
             self.observed.append(0)
 
 
+# what a measured acceptance prior (a profile's) is worth, in iterations
+MEASURED_PRIOR_WEIGHT = 8.0
+
+
 class GammaPolicy:
-    def __init__(self, costs: LoopCosts, prior_by_position: list[float], prior_weight: float = 8.0,
-                 guessed_prior: bool = False):
+    def __init__(self, costs: LoopCosts, prior_by_position: list[float], prior_weight: float = MEASURED_PRIOR_WEIGHT,
+                 guessed_prior: bool = False, counts: Acceptance | None = None):
         """costs: the loop's at this batch size and context (a profile's, or a quick calibration's).
         guessed_prior: the acceptance prior was not measured, so a declined proposer's first probe
-        is due at once (see the module's docstring)."""
+        is due at once (see the module's docstring). counts: the draft model's acceptance as another
+        policy of the load learns it (how often drafts are kept does not depend on the batch size,
+        what they cost does); None: this policy's own, from the prior."""
         self.costs = costs  # the prior's
         self.gammas = self.costs.gammas
         self.prior = _conditional(prior_by_position, max(self.gammas))
-        self.counts = Acceptance(self.prior, prior_weight, ACCEPTANCE_HORIZON)
+        self.counts = counts or self.acceptance_prior(prior_by_position, max(self.gammas), prior_weight)
         self.iterations = 0  # observed so far
         self.current: int | None = None  # the γ chosen last
         self.declined: dict[str, int] = {}  # proposer -> plain iterations in a row since its offers last ran
@@ -167,6 +173,12 @@ class GammaPolicy:
         # the loop's own work per speculative and per plain iteration: [sum, count], from the prior's
         self._work = {0: [COST_PRIOR_WEIGHT * costs.plain_overhead, COST_PRIOR_WEIGHT],
                       1: [COST_PRIOR_WEIGHT * costs.overhead, COST_PRIOR_WEIGHT]}
+
+    @staticmethod
+    def acceptance_prior(prior_by_position: list[float], gamma: int,
+                         prior_weight: float = MEASURED_PRIOR_WEIGHT) -> Acceptance:
+        """The draft model's acceptance before any observation: the prior's, worth `prior_weight` iterations."""
+        return Acceptance(_conditional(prior_by_position, gamma), prior_weight, ACCEPTANCE_HORIZON)
 
     @property
     def costs(self) -> LoopCosts:

@@ -2,7 +2,11 @@
 tree sizing (tree_sizing.py): what the scheduler asks each iteration (`policy_for`).
 
 With a profile: one policy per batch size and profiled context (the nearest), with that point's
-costs and acceptance as its prior. Without one: the costs of a quick calibration at batch 1, run by
+costs and acceptance as its prior. The draft model's acceptance is learned once per load (per
+profiled context), by every batch size's policy: a batch whose rows finish runs at each smaller size
+in turn, and a policy of its own per size started each from the prior (demo pair with its EAGLE-3
+head, batch 8: the draft model, back at a neutral prior at every size, ranked below the head, whose
+acceptance is the load's, and was not tried again). Without one: the costs of a quick calibration at batch 1, run by
 `load()` before any request (`calibrate`) and recorded in the bundle for this machine (the next
 load reads them, as it reads a Medusa tree's size), carried to each batch size by the cost model
 (LoopCosts.at_batch) as a prior that the loop's own measurements correct; `speccompile profile`
@@ -26,6 +30,7 @@ class LoadPolicies:
         self.profile, self.gammas, self.max_batch, self.max_seq = profile, gammas, max_batch, max_seq
         self.head = head  # the bundle has an EAGLE-3 head, whose calls the costs must price
         self._policies: dict[tuple, GammaPolicy] = {}  # (decoding requests, context point) -> γ policy
+        self._acceptance: dict = {}  # context point (None: no profile) -> the draft model's acceptance
         self.calibration: LoopCosts | None = None  # batch-1 costs measured here (no profile, or one without the head's)
 
     @property
@@ -50,19 +55,22 @@ class LoadPolicies:
                 if self.head and not costs.has_head and self.calibration is not None:
                     timed = self.calibration.at_batch(decoding)
                     costs = replace(costs, head_step=timed.head_step, head_catch_up=timed.head_catch_up)
-                self._policies[decoding, point] = GammaPolicy(costs, acceptance)
+                counts = self._acceptance.setdefault(point, GammaPolicy.acceptance_prior(acceptance, max(self.gammas)))
+                self._policies[decoding, point] = GammaPolicy(costs, acceptance, counts=counts)
             return self._policies[decoding, point]
         if self.calibration is None:
             return None
         if (decoding, None) not in self._policies:
             prior = [0.5**k for k in range(1, max(self.gammas) + 1)]  # neutral, worth 2 iterations
+            counts = self._acceptance.setdefault(None, GammaPolicy.acceptance_prior(prior, max(self.gammas), 2.0))
             self._policies[decoding, None] = GammaPolicy(self.calibration.at_batch(decoding), prior, prior_weight=2.0,
-                                                          guessed_prior=True)
+                                                          guessed_prior=True, counts=counts)
         return self._policies[decoding, None]
 
     def forget(self) -> None:
         """Forget what the loads' policies learned (acceptance, measured costs): back to their priors."""
         self._policies.clear()
+        self._acceptance.clear()
 
     def calibrate(self, target, draft, bundle_path, fp: dict, eagle=None) -> bool:
         """The step costs at batch 1 recorded for this machine (fingerprint `fp`), or timed quickly

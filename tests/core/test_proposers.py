@@ -155,11 +155,12 @@ class StubModel:
         return self.seen
 
 
-def test_auto_gives_the_model_ranked_second_one_turn_in_retry_share_plus_one():
+def test_auto_gives_the_model_ranked_second_turns_that_grow_as_the_root_of_the_first_s():
     """After both models have drafted EXPLORE_ITERATIONS times, auto drafts with the faster, except
-    where the slower has been seen drafting less than 1/RETRY_SHARE as often: a few iterations are a
-    small sample, and a model ranked below after an unlucky start would otherwise never draft again.
-    A model whose offer does not beat a plain step gets no such turn."""
+    where the slower is owed a turn: a few iterations are a small sample, and a model ranked below
+    after an unlucky start would otherwise never draft again; but each turn it gets costs, so its
+    turns grow as the square root of the first's (the gaps between them widen). A model whose offer
+    does not beat a plain step gets no such turn."""
     from speccompile.core.proposers.auto import EXPLORE_ITERATIONS, RETRY_SHARE, Auto
 
     costs = LoopCosts(10.0, {4: 2.0}, {4: 12.0})
@@ -167,14 +168,41 @@ def test_auto_gives_the_model_ranked_second_one_turn_in_retry_share_plus_one():
     request = Request([1, 2, 3], 50)
     better, worse = StubModel("better", 0.9, EXPLORE_ITERATIONS), StubModel("worse", 0.7, EXPLORE_ITERATIONS)
     auto = Auto([better, worse])
-    turns = []
-    for _ in range(10 * (RETRY_SHARE + 1)):
+    retries = []  # the faster's count at each of the slower's turns
+    for _ in range(400):
         chosen = auto.offer(request, 4, 4, policy).source
+        if chosen is worse:
+            retries.append(better.seen)
         chosen.seen += 1
-        turns.append(chosen.name)
-    lead = (RETRY_SHARE - 1) * EXPLORE_ITERATIONS + 1  # until the faster has drafted over RETRY_SHARE times as often
-    assert turns[:lead] == ["better"] * lead and turns[lead] == "worse", turns
-    assert (worse.seen - 1) * RETRY_SHARE < better.seen <= worse.seen * RETRY_SHARE + 1, (better.seen, worse.seen)
+    assert retries[0] == RETRY_SHARE * EXPLORE_ITERATIONS + 1, retries  # as soon as the first drafted 8x as often
+    gaps = [b - a for a, b in zip(retries, retries[1:])]
+    assert len(retries) > 5 and gaps == sorted(gaps) and gaps[-1] > 2 * gaps[0], retries
+    assert all(seen * EXPLORE_ITERATIONS > RETRY_SHARE * (n + EXPLORE_ITERATIONS) ** 2
+               for n, seen in enumerate(retries)), retries
     hopeless = StubModel("hopeless", 0.05, EXPLORE_ITERATIONS)  # 1.05 tokens in 14 ms: a plain step pays more
     auto = Auto([StubModel("better", 0.9, 100), hopeless])
     assert all(auto.offer(request, 4, 4, policy).source.name == "better" for _ in range(20))
+
+
+def test_auto_tries_an_unseen_model_where_no_model_s_offer_beats_a_plain_step():
+    """In a batch, rows drafting for free can carry a row's drafts that do not pay alone: where even the
+    best model's offer is below a plain step, a model not yet seen drafting is still tried first (not
+    only the one trusted on its prior); where the best model's offer pays, an unseen one whose offer
+    does not is not tried."""
+    from speccompile.core.proposers.auto import EXPLORE_ITERATIONS, Auto
+
+    costs = LoopCosts(10.0, {4: 4.0}, {4: 40.0})  # a batch's verification: 4 drafts never beat 10 ms a token
+    policy = GammaPolicy(costs, [0.5] * 4, prior_weight=2.0)
+    request = Request([1, 2, 3], 50)
+    trusted, unseen = StubModel("trusted", 0.9, 0), StubModel("unseen", 0.5, 0)
+    auto = Auto([trusted, unseen])
+    turns = []
+    for _ in range(2 * EXPLORE_ITERATIONS):
+        chosen = auto.offer(request, 4, 4, policy).source
+        chosen.seen += 1
+        turns.append(chosen.name)
+    assert sorted(turns) == ["trusted"] * EXPLORE_ITERATIONS + ["unseen"] * EXPLORE_ITERATIONS, turns
+    cheap = GammaPolicy(LoopCosts(10.0, {4: 1.0}, {4: 12.0}), [0.5] * 4, prior_weight=2.0)
+    paying, hopeless = StubModel("paying", 0.9, EXPLORE_ITERATIONS), StubModel("hopeless", 0.05, 0)
+    auto = Auto([paying, hopeless])
+    assert all(auto.offer(request, 4, 4, cheap).source is paying for _ in range(10))

@@ -13,11 +13,13 @@ otherwise be the only one ever measured: on the demo pair the head, whose prior 
 model's neutral one, drafted every request though it drafts slower (0.82x the same call without
 it), or, after an unlucky first iteration (2 of 10 kept), never again.
 
-After that, the model ranked second drafts again whenever the first has drafted RETRY_SHARE times as
-often as it: a few iterations are a small sample (demo pair, default call on the bundle with a head:
-the draft model kept 5 of its first 8 drafts, ranked below the head, and never drafted again, at 0.76x
-the same call without the head), and one in RETRY_SHARE + 1 iterations at the other model bounds
-what a right ranking pays for being checked.
+After that, the model ranked second drafts again now and then: a few iterations are a small sample
+(demo pair, default call on the bundle with a head: the draft model kept 5 of its first 8 drafts,
+ranked below the head, and never drafted again, at 0.76x the same call without the head). Its turns
+grow as the square root of the first's (_owed_a_turn): a ranking made on a few iterations is checked
+soon, and a settled one costs less and less. A fixed share of one turn in nine had the head draft 33-40
+of 246 iterations of 16 requests, each turn on a new request reading that request's whole context
+into the head first (a third of the target's prefill cost per position on the demo pair).
 
 Whether the chosen offer beats plain decoding is the scheduler's question for every proposer alike
 (Scheduler._against_plain, GammaPolicy.worth_running): `auto` only ranks its members.
@@ -27,7 +29,8 @@ from speccompile.core.gamma_policy import GammaPolicy
 from speccompile.core.proposers.base import Offer, Proposer
 
 EXPLORE_ITERATIONS = 4  # iterations each model drafts at a load before auto ranks it by what it measured
-RETRY_SHARE = 8  # then the model ranked second drafts once the first has drafted more than this many times as often
+RETRY_SHARE = 8  # then the model ranked second drafts once the first has drafted this many times as often,
+# a share that shrinks as the second's turns add up (_owed_a_turn)
 
 
 class Auto(Proposer):
@@ -51,20 +54,26 @@ class Auto(Proposer):
     @staticmethod
     def _exploring(drafting: list[Offer], request, policy: GammaPolicy | None, costs) -> list[Offer]:
         """The offers to rank: where two models offer drafts and one of them has not been seen drafting
-        EXPLORE_ITERATIONS times at this load (and its offer beats a plain step), only the least seen of
-        those among the models; where the model ranked second by rate has been seen fewer than
-        1/RETRY_SHARE as often as the first (and beats a plain step), only it among the models."""
+        EXPLORE_ITERATIONS times at this load, only the least seen of those among the models; where the
+        model ranked second by rate is owed a turn (_owed_a_turn), only it among the models. Either
+        only if it is no worse a bet than the model auto would draft with otherwise: its offer beats
+        a plain step, or the best model's does not either (in a batch, rows drafting for free can carry
+        a row's drafts that do not pay alone: on the demo pair at batch 8 the head, ranked first on its
+        prior, drafted every batch and the draft model was never tried, 0.86x the call without the head)."""
         models = [offer for offer in drafting if offer.source.runs_model]
         if len(models) < 2:
             return drafting
         plain = 1.0 / costs.plain_ms if costs is not None else 0.0
+        best_pays = max(offer.rate(costs) for offer in models) >= plain
         seen = {id(offer): offer.source.observed(request, policy) for offer in models}
-        unseen = [offer for offer in models if seen[id(offer)] < EXPLORE_ITERATIONS and offer.rate(costs) >= plain]
+        worth_trying = [offer for offer in models if offer.rate(costs) >= plain or not best_pays]
+        unseen = [offer for offer in worth_trying if seen[id(offer)] < EXPLORE_ITERATIONS]
         if unseen:
             trying = min(unseen, key=lambda offer: seen[id(offer)])
         else:
             first, second = sorted(models, key=lambda offer: offer.rate(costs), reverse=True)[:2]
-            if seen[id(second)] * RETRY_SHARE >= seen[id(first)] or second.rate(costs) < plain:
+            owed = _owed_a_turn(seen[id(first)], seen[id(second)])
+            if not owed or not any(offer is second for offer in worth_trying):
                 return drafting
             trying = second
         return [offer for offer in drafting if not offer.source.runs_model or offer is trying]
@@ -72,3 +81,11 @@ class Auto(Proposer):
     def finish(self, request) -> None:
         for member in self.members:
             member.finish(request)
+
+
+def _owed_a_turn(first_seen: int, second_seen: int) -> bool:
+    """Whether the model ranked second drafts next: once the first has drafted RETRY_SHARE x
+    (second_seen / EXPLORE_ITERATIONS) times as often as it, so that its turns grow as the square root
+    of the first's (after its 4 exploring turns: at the first's 33rd iteration, then its 51st, 73rd,
+    99th, 129th...)."""
+    return first_seen * EXPLORE_ITERATIONS > RETRY_SHARE * second_seen * second_seen
