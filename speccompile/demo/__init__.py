@@ -1,5 +1,6 @@
 """The embedded demo pair: a small Python-code target and its distilled draft, shipped in the package
-with an EAGLE-3 head and Medusa heads trained on the same target.
+with an EAGLE-3 head (in the demo bundle beside the draft) and Medusa heads (in a bundle of their
+own) trained on the same target.
 
 Every command that takes a bundle uses the demo bundle when given none. It is built on first use
 into the user cache directory (or $SPECCOMPILE_CACHE), under a name keyed by the sha256 of the demo
@@ -27,7 +28,7 @@ DEMO_GAMMAS = [4, 2, 6]  # the first is the default γ
 DEMO_MAX_SEQ = 1024
 DEMO_MAX_BATCH = 8
 DEMO_DRAFT_VOCAB = 3072  # greedy draft steps score the 3072 most frequent tokens (see compiler/draft_vocab.py)
-DEMO_EAGLE_VOCAB = 3072  # and so do the EAGLE-3 head's, in demo_eagle_bundle (build --eagle-vocab)
+DEMO_EAGLE_VOCAB = 3072  # and so do the EAGLE-3 head's (build --eagle-vocab)
 logger = logging.getLogger(__name__)
 
 
@@ -43,24 +44,21 @@ def demo_key(target: Path | None = None, draft: Path | None = None) -> str:
     return digest.hexdigest()
 
 
-def demo_bundle(target: Path | None = None, draft: Path | None = None) -> Path:
-    """The demo bundle's path, building it first if the cache has none for this pair."""
+def demo_bundle(target: Path | None = None, draft: Path | None = None, head: bool = True) -> Path:
+    """The demo bundle's path, building it first if the cache has none for this pair: the target and
+    its draft model, and beside them the target's EAGLE-3 head where the target is the demo's and the
+    installation ships the head (`build --eagle`, its vocabulary cut as the draft's), so that
+    `proposer="eagle"` runs on it and `auto` weighs the head against the draft model. head=False: the
+    pair alone (what carrying the head costs is measured against it)."""
     target, draft = target or DEMO_TARGET, draft or DEMO_DRAFT
     if not (target / "config.json").is_file() or not (draft / "config.json").is_file():
         raise SpecCompileError("this installation has no embedded demo pair; pass a bundle directory")
-    return _built(cache_dir() / f"demo-{demo_key(target, draft)[:16]}", "the demo bundle", target, draft,
-                  draft_vocab=DEMO_DRAFT_VOCAB)
-
-
-def demo_eagle_bundle() -> Path:
-    """The demo pair with its EAGLE-3 head beside the draft (`build --eagle`, its vocabulary cut as the
-    draft's), built on first use like the demo bundle. Not the default bundle: carrying the head
-    made the default call slower there (the head's model card has the measurements)."""
-    if not (DEMO_EAGLE / "config.json").is_file():
-        raise SpecCompileError("this installation has no embedded EAGLE-3 head for the demo target")
-    key = hashlib.sha256((demo_key() + demo_key(DEMO_EAGLE, DEMO_EAGLE) + str(DEMO_EAGLE_VOCAB)).encode()).hexdigest()
-    return _built(cache_dir() / f"demo-eagle-{key[:16]}", "the demo EAGLE-3 bundle", DEMO_TARGET, DEMO_DRAFT,
-                  draft_vocab=DEMO_DRAFT_VOCAB, eagle_dir=DEMO_EAGLE, eagle_vocab=DEMO_EAGLE_VOCAB)
+    key, options = demo_key(target, draft), {"draft_vocab": DEMO_DRAFT_VOCAB}
+    if head and target == DEMO_TARGET and (DEMO_EAGLE / "config.json").is_file():
+        key = hashlib.sha256((key + demo_key(DEMO_EAGLE, DEMO_EAGLE) + str(DEMO_EAGLE_VOCAB)).encode()).hexdigest()
+        options.update(eagle_dir=DEMO_EAGLE, eagle_vocab=DEMO_EAGLE_VOCAB)
+    name = "the demo bundle" if "eagle_dir" in options else "the demo bundle (no EAGLE-3 head)"
+    return _built(cache_dir() / f"demo-{key[:16]}", name, target, draft, **options)
 
 
 def demo_medusa_bundle() -> Path:

@@ -19,12 +19,13 @@ TINY_DRAFT_VOCAB = 64
 
 @pytest.fixture
 def tiny_demo(tmp_path, monkeypatch, checkpoints):
-    """Point the demo at a tiny pair (its draft with token frequencies, as the shipped one has) and
-    the cache at a fresh directory."""
+    """Point the demo at a tiny pair (its draft with token frequencies, as the shipped one has; no
+    EAGLE-3 head: the shipped one fits the shipped target only) and the cache at a fresh directory."""
     draft = shutil.copytree(checkpoints("llama", "draft"), tmp_path / "draft")
     write_frequencies(draft, np.arange(VOCAB)[::-1], "test")  # lower ids are more frequent
     monkeypatch.setattr(demo, "DEMO_TARGET", checkpoints("llama"))
     monkeypatch.setattr(demo, "DEMO_DRAFT", draft)
+    monkeypatch.setattr(demo, "DEMO_EAGLE", tmp_path / "no-head")
     monkeypatch.setattr(demo, "DEMO_MAX_SEQ", 128)
     monkeypatch.setattr(demo, "DEMO_DRAFT_VOCAB", TINY_DRAFT_VOCAB)
     monkeypatch.setenv("SPECCOMPILE_CACHE", str(tmp_path / "cache"))
@@ -50,10 +51,10 @@ def test_shipped_draft_has_the_frequencies_its_vocabulary_is_cut_by():
     assert 0 < demo.DEMO_DRAFT_VOCAB < len(counts)
 
 
-def test_shipped_eagle_head_fits_the_shipped_target_and_keys_its_bundle(monkeypatch, tmp_path):
-    """The head demo_eagle_bundle carries: one layer for this target, reading layers it has, its
-    vocabulary cut by the frequencies shipped beside it; a changed head is a new bundle, the default
-    demo bundle the same."""
+def test_shipped_eagle_head_fits_the_shipped_target_and_keys_the_demo_bundle(monkeypatch, tmp_path):
+    """The head the demo bundle carries beside the draft: one layer for this target, reading layers it
+    has, its vocabulary cut by the frequencies shipped beside it; a changed head is a new bundle;
+    head=False, or another target, the pair alone."""
     from speccompile.eagle_head import aux_layer_ids, check_fits, load_eagle3_head
 
     head = load_eagle3_head(demo.DEMO_EAGLE)
@@ -64,12 +65,16 @@ def test_shipped_eagle_head_fits_the_shipped_target_and_keys_its_bundle(monkeypa
     assert read_frequencies(demo.DEMO_EAGLE).sum() > 8_000_000
     monkeypatch.setenv("SPECCOMPILE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(demo, "_built", lambda bundle, *args, **options: (bundle, options))
-    (path, options), default = demo.demo_eagle_bundle(), demo.demo_key()
+    path, options = demo.demo_bundle()
     assert options["eagle_dir"] == demo.DEMO_EAGLE and options["eagle_vocab"] == demo.DEMO_EAGLE_VOCAB
+    alone, without = demo.demo_bundle(head=False)
+    assert "eagle_dir" not in without and alone != path
     monkeypatch.setattr(demo, "DEMO_EAGLE", shutil.copytree(demo.DEMO_EAGLE, tmp_path / "eagle"))
-    assert demo.demo_eagle_bundle()[0] == path
+    assert demo.demo_bundle()[0] == path
     (tmp_path / "eagle" / "config.json").write_text((tmp_path / "eagle" / "config.json").read_text() + " ")
-    assert demo.demo_eagle_bundle()[0] != path and demo.demo_key() == default
+    assert demo.demo_bundle()[0] not in (path, alone) and demo.demo_bundle(head=False)[0] == alone
+    other = shutil.copytree(demo.DEMO_TARGET, tmp_path / "target")
+    assert "eagle_dir" not in demo.demo_bundle(other)[1]
 
 
 def test_cache_key_follows_the_pair_contents(tmp_path, checkpoints):

@@ -4,10 +4,9 @@ held-out completion prompts.
     python -m tools.measure eagle [--prompts 16] [--max-new-tokens 64] [--repeats 3] [--batches 1,8]
 
 Prompts: the `completion` workload of the `proposers` scenario (the first 4 lines of held-out stdlib
-functions). Bundles: the demo EAGLE-3 bundle (target, draft model and EAGLE-3 head:
-demo_eagle_bundle), the default demo bundle, which is the same pair without the head (what
-carrying the head costs plain decoding, the draft model and the default call), and the demo target
-with its Medusa heads. Variants:
+functions). Bundles: the demo bundle (target, draft model and EAGLE-3 head), the same pair
+without the head (demo_bundle(head=False): what carrying the head costs plain decoding, the draft
+model and the default call), and the demo target with its Medusa heads. Variants:
 plain decoding; the draft model at γ=4; the head's chain at γ=4 and at γ auto; proposer eagle_tree
 (EAGLE-2 trees of the default TreeShape, sized at the loop's costs, or the chain where that measured
 faster; trees for a request alone only); the default call
@@ -41,14 +40,14 @@ COLUMNS = (Column("batch"), Column("variant"), Column("tokens_per_s", "tok/s", 1
 # prices it at); each bundle's first variant is its plain decoding, the baseline of its speedups
 VARIANTS = {
     "autoregressive": ("pair", {"mode": "autoregressive"}, None),
-    "autoregressive, default demo bundle (no head)": ("no_head", {"mode": "autoregressive"}, None),
+    "autoregressive, pair without the head": ("no_head", {"mode": "autoregressive"}, None),
     "draft model, γ=4": ("pair", {"proposer": "draft", "gamma": 4}, (4, "draft")),
-    "draft model, γ=4, default demo bundle": ("no_head", {"proposer": "draft", "gamma": 4}, (4, "draft")),
+    "draft model, γ=4, pair without the head": ("no_head", {"proposer": "draft", "gamma": 4}, (4, "draft")),
     "EAGLE-3 chain, γ=4": ("pair", {"proposer": "eagle", "gamma": 4}, (4, "eagle")),
     "EAGLE-3 chain, γ auto": ("pair", {"proposer": "eagle"}, None),
     "EAGLE-2 tree over the head (batch 1; a chain, γ auto, in a batch)": ("pair", {"proposer": "eagle_tree"}, None),
     "default (auto, γ auto)": ("pair", {}, None),
-    "default (auto, γ auto), default demo bundle": ("no_head", {}, None),
+    "default (auto, γ auto), pair without the head": ("no_head", {}, None),
     "autoregressive, Medusa bundle": ("medusa", {"mode": "autoregressive"}, None),
     "Medusa tree (sized)": ("medusa", {}, None),
 }
@@ -90,14 +89,14 @@ def row(batch: int, name: str, rates: list[float], stats, plain: float, predicti
 
 def run(args) -> Measured:
     from speccompile.core.stats import pooled
-    from speccompile.demo import demo_bundle, demo_eagle_bundle, demo_medusa_bundle
+    from speccompile.demo import demo_bundle, demo_medusa_bundle
 
     prompts = workload(args.prompts, "completion")
-    runtimes = {"pair": speccompile.load(demo_eagle_bundle(), shared_threads=True),
-                "no_head": speccompile.load(demo_bundle(), shared_threads=True),
+    runtimes = {"pair": speccompile.load(demo_bundle(), shared_threads=True),
+                "no_head": speccompile.load(demo_bundle(head=False), shared_threads=True),
                 "medusa": speccompile.load(demo_medusa_bundle(), shared_threads=True)}
     if not runtimes["pair"].bundle.has_eagle:
-        raise SystemExit("the demo EAGLE-3 bundle has no head (speccompile/demo/eagle)")
+        raise SystemExit("the demo bundle has no EAGLE-3 head (speccompile/demo/eagle)")
     batches = [int(b) for b in args.batches.split(",")]
     calls = {(batch, name): (runtimes[bundle], options) for batch in batches
              for name, (bundle, options, _) in VARIANTS.items()}
