@@ -40,7 +40,8 @@ def acceptance(runtime, prompts, gamma, max_new_tokens, **sampling) -> dict:
     drafted = accepted = iterations = 0
     by_position = [0] * gamma
     for i, prompt in enumerate(prompts):
-        [r] = runtime.generate([prompt], max_new_tokens=max_new_tokens, gamma=gamma, seed=i, **sampling)
+        [r] = runtime.generate([prompt], max_new_tokens=max_new_tokens, gamma=gamma, seed=i, proposer="draft",
+                               **sampling)
         drafted += r.stats.draft_tokens
         accepted += r.stats.accepted_tokens
         iterations += r.stats.iterations
