@@ -23,6 +23,7 @@ from speccompile.core.gamma_policy import GammaPolicy
 
 log = logging.getLogger("speccompile")
 CALIBRATION_REPEATS = 3
+GUESSED_PRIOR_WEIGHT = 2.0  # iterations a neutral acceptance prior (no profile measured one) is worth
 
 
 class LoadPolicies:
@@ -61,9 +62,10 @@ class LoadPolicies:
         if self.calibration is None:
             return None
         if (decoding, None) not in self._policies:
-            prior = [0.5**k for k in range(1, max(self.gammas) + 1)]  # neutral, worth 2 iterations
-            counts = self._acceptance.setdefault(None, GammaPolicy.acceptance_prior(prior, max(self.gammas), 2.0))
-            self._policies[decoding, None] = GammaPolicy(self.calibration.at_batch(decoding), prior, prior_weight=2.0,
+            prior = [0.5**k for k in range(1, max(self.gammas) + 1)]  # neutral
+            counts = self._acceptance.setdefault(
+                None, GammaPolicy.acceptance_prior(prior, max(self.gammas), GUESSED_PRIOR_WEIGHT))
+            self._policies[decoding, None] = GammaPolicy(self.calibration.at_batch(decoding), prior,
                                                           guessed_prior=True, counts=counts)
         return self._policies[decoding, None]
 

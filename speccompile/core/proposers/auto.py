@@ -48,11 +48,13 @@ class Auto(Proposer):
         if len(drafting) < 2:
             return drafting[0] if drafting else Offer(0, self.members[0])
         costs = policy.costs_now() if policy is not None else None
-        drafting = self._exploring(drafting, request, policy, costs)
-        return max(drafting, key=lambda o: o.rate(costs))  # on a tie the first: free proposers come first
+        rates = {id(offer): offer.rate(costs) for offer in drafting}  # each priced once: asked per row and iteration
+        drafting = self._exploring(drafting, rates, request, policy, costs)
+        return max(drafting, key=lambda o: rates[id(o)])  # on a tie the first: free proposers come first
 
     @staticmethod
-    def _exploring(drafting: list[Offer], request, policy: GammaPolicy | None, costs) -> list[Offer]:
+    def _exploring(drafting: list[Offer], rates: dict[int, float], request, policy: GammaPolicy | None,
+                   costs) -> list[Offer]:
         """The offers to rank: where two models offer drafts and one of them has not been seen drafting
         EXPLORE_ITERATIONS times at this load, only the least seen of those among the models; where the
         model ranked second by rate is owed a turn (_owed_a_turn), only it among the models. Either
@@ -64,16 +66,18 @@ class Auto(Proposer):
         if len(models) < 2:
             return drafting
         plain = 1.0 / costs.plain_ms if costs is not None else 0.0
-        best_pays = max(offer.rate(costs) for offer in models) >= plain
+        best_pays = max(rates[id(offer)] for offer in models) >= plain
+
+        def worth_trying(offer: Offer) -> bool:
+            return rates[id(offer)] >= plain or not best_pays
+
         seen = {id(offer): offer.source.observed(request, policy) for offer in models}
-        worth_trying = [offer for offer in models if offer.rate(costs) >= plain or not best_pays]
-        unseen = [offer for offer in worth_trying if seen[id(offer)] < EXPLORE_ITERATIONS]
+        unseen = [offer for offer in models if seen[id(offer)] < EXPLORE_ITERATIONS and worth_trying(offer)]
         if unseen:
             trying = min(unseen, key=lambda offer: seen[id(offer)])
         else:
-            first, second = sorted(models, key=lambda offer: offer.rate(costs), reverse=True)[:2]
-            owed = _owed_a_turn(seen[id(first)], seen[id(second)])
-            if not owed or not any(offer is second for offer in worth_trying):
+            first, second = sorted(models, key=lambda offer: rates[id(offer)], reverse=True)[:2]
+            if not _owed_a_turn(seen[id(first)], seen[id(second)]) or not worth_trying(second):
                 return drafting
             trying = second
         return [offer for offer in drafting if not offer.source.runs_model or offer is trying]
