@@ -111,6 +111,8 @@ def test_the_default_binds_nothing_and_releases_its_threads_after_every_run(bund
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
     assert options.get_session_config_entry("session.force_spinning_stop") == "1"
     assert session_options(spinning=False).get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    for options in (session_options(), session_options(shared_pool=True)):  # pre-packing on the threads too
+        assert options.get_session_config_entry("session.prepack.enable_parallel") == "1"
 
 
 def test_the_probe_is_the_model_onnx_makes_and_a_load_imports_no_onnx(bundles):
