@@ -1,6 +1,6 @@
 """How far a compiled target's greedy output is from the HF float32 model's: the price of its precision.
 
-    python -m tools.measure agreement [--target CHECKPOINT --bundle BUNDLE] [--prompts N|FILE]
+    python -m tools.measure agreement [--target CHECKPOINT|FILE.gguf --bundle BUNDLE] [--prompts N|FILE]
         [--max-new-tokens 32]
 
 Speculative output equals autoregressive decoding of the target *as compiled*; a bundle built with
@@ -8,8 +8,12 @@ Speculative output equals autoregressive decoding of the target *as compiled*; a
 instead of assuming it: per prompt, the tokens identical to HF's float32 greedy continuation before
 the first divergence, and the log-likelihood gap, the mean negative log-likelihood (under the HF
 float32 model, teacher-forced) of the bundle's continuation minus that of HF's own. Without
---bundle and --target: the demo bundle against the demo target's checkpoint.
+--bundle and --target: the demo bundle against the demo target's checkpoint. A GGUF target is the
+model transformers reads from the file (its blocks dequantized to float32), which is what a bundle
+built from that file is compiled from too.
 """
+
+from pathlib import Path
 
 import numpy as np
 
@@ -27,8 +31,8 @@ SUMMARY_COLUMNS = (Column("prompts"), Column("all_identical", label="identical t
 
 
 def add_options(parser) -> None:
-    parser.add_argument("--target", help="the HF checkpoint the bundle's target was compiled from "
-                        "(default, without --bundle: the demo target)")
+    parser.add_argument("--target", help="the HF checkpoint or GGUF file the bundle's target was compiled "
+                        "from (default, without --bundle: the demo target)")
 
 
 def continuation_nll(model, prompt_ids: list[int], continuation: list[int]) -> float:
@@ -70,7 +74,10 @@ def run(args) -> Measured:
     import speccompile
 
     torch.set_num_threads(2)
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint(args), dtype=torch.float32).eval()
+    source = Path(checkpoint(args))
+    where = {"gguf_file": source.name} if source.suffix == ".gguf" else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(source.parent if where else source, **where,
+                                                              dtype=torch.float32).eval()
     runtime = speccompile.load(bundle(args), shared_threads=True)
     rows = []
     for i, prompt in enumerate(args.prompts.pick(demo_prompts)):
