@@ -148,6 +148,19 @@ def test_a_k_quant_gguf_is_dequantized_and_compiled_at_the_requested_precision(f
     assert len(speccompile.load(bundle).generate([PROMPTS[0]], max_new_tokens=4)[0].token_ids) == 4
 
 
+def test_int4_of_a_low_bit_gguf_that_is_not_q4_0_says_it_quantizes_twice(files, tmp_path, caplog):
+    _, gguf = files("qwen2", "Q5_0")
+    for weights in ("int8", "int4"):
+        caplog.clear()
+        build_bundle(gguf, None, tmp_path / weights, gammas=[2], max_seq=64, max_batch=1, target_weights=weights)
+        said = [r.getMessage() for r in caplog.records if "quantized again to int4" in r.getMessage()]
+        assert len(said) == (weights == "int4") and all("Q5_0" in line for line in said)
+    caplog.clear()
+    _, q4_0 = files("qwen2", "Q4_0")  # kept as its blocks: nothing is quantized twice
+    build_bundle(q4_0, None, tmp_path / "q4_0", gammas=[2], max_seq=64, max_batch=1, target_weights="int4")
+    assert not [r for r in caplog.records if "quantized again" in r.getMessage()]
+
+
 def test_the_gguf_tokenizer_chat_template_and_eos_reach_the_bundle(files, tmp_path):
     _, gguf = files("gemma3_text")
     bundle = build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=1)
