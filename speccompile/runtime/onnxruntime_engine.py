@@ -86,10 +86,10 @@ def session_options(threads: int | None = None, spinning: bool | None = None, sh
     spinning after every run ran the loop at 0.45x, pools that never spin at about 0.8x.
 
     Pre-packing runs on the session's threads (`session.prepack.enable_parallel`), and so does the
-    first touch of a saved pre-packed graph's mapped blobs: on the 1.1B int4 target, 0.55-0.60 s
-    against 0.81-0.95 s to open its saved graph and 0.89-0.91 against 1.12-1.27 s to pre-pack it
-    (int8: 1.46-1.53 against 1.63-1.86 s, and 1.70 against 2.84 s). What it adds to the peak RSS is
-    the weights file's pages mapped at once (page cache, shared), not the heap: +0.07 GB anonymous."""
+    first touch of a saved pre-packed graph's mapped blobs. The 1.1B targets' saved graphs, 5 fresh
+    processes per setting, interleaved: int4 0.84-0.94 s against 0.86-1.06 s one blob at a time,
+    int8 1.83-1.98 against 2.29-2.47 s (docs/performance.md, "Starting"). What it adds to the peak RSS
+    is mapped file pages (page cache, shared), not the heap: +0.06 GB anonymous."""
     ort = _ort()
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
