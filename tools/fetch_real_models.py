@@ -107,6 +107,18 @@ def models_dir() -> Path:
     return cache_dir() / "models"
 
 
+def transformers_model(source: Path):
+    """transformers' float32 model of a checkpoint directory or a GGUF file (its blocks dequantized:
+    the model a bundle built from that file is compiled from)."""
+    import torch
+    import transformers
+
+    source = Path(source)
+    where = {"gguf_file": source.name} if source.suffix == ".gguf" else {}
+    return transformers.AutoModelForCausalLM.from_pretrained(source.parent if where else source, **where,
+                                                             dtype=torch.float32)
+
+
 def fetch(model: ChunkedModel, directory: Path) -> Path:
     """The assembled, checked file; downloaded only when it is not already there."""
     target = directory / model.file

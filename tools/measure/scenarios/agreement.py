@@ -13,11 +13,10 @@ model transformers reads from the file (its blocks dequantized to float32), whic
 built from that file is compiled from too.
 """
 
-from pathlib import Path
-
 import numpy as np
 
 from speccompile.errors import SpecCompileError
+from tools.fetch_real_models import transformers_model
 from tools.measure.options import Common, bundle
 from tools.measure.prompts import demo_prompts
 from tools.measure.record import Column, Measured, Table
@@ -69,15 +68,11 @@ def compare(model, runtime, ids: list[int], max_new_tokens: int) -> tuple[int, i
 
 def run(args) -> Measured:
     import torch
-    import transformers
 
     import speccompile
 
     torch.set_num_threads(2)
-    source = Path(checkpoint(args))
-    where = {"gguf_file": source.name} if source.suffix == ".gguf" else {}
-    model = transformers.AutoModelForCausalLM.from_pretrained(source.parent if where else source, **where,
-                                                              dtype=torch.float32).eval()
+    model = transformers_model(checkpoint(args)).eval()
     runtime = speccompile.load(bundle(args), shared_threads=True)
     rows = []
     for i, prompt in enumerate(args.prompts.pick(demo_prompts)):

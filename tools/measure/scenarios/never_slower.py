@@ -88,12 +88,11 @@ def tiny_pair() -> tuple[Path, list[str]]:
 
 
 def smollm2_pair() -> tuple[Path, list[str]]:
-    import torch
     import transformers
 
     from speccompile.compiler.build import build_bundle
     from speccompile.demo import cache_dir
-    from tools.fetch_real_models import SMOLLM2_135M, models_dir
+    from tools.fetch_real_models import SMOLLM2_135M, models_dir, transformers_model
 
     gguf = models_dir() / SMOLLM2_135M.file
     if not gguf.is_file():
@@ -101,7 +100,7 @@ def smollm2_pair() -> tuple[Path, list[str]]:
     root = cache_dir() / "never-slower" / "smollm2"
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if not (root / "bundle" / "manifest.json").is_file():
-        read = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        read = transformers_model(gguf)
         model = transformers.AutoModelForCausalLM.from_config(read.config)
         model.load_state_dict(read.state_dict())
         model.generation_config = read.generation_config
