@@ -157,7 +157,9 @@ class GammaPolicy:
         self.costs = costs  # the prior's
         self.gammas = self.costs.gammas
         self.prior = _conditional(prior_by_position, max(self.gammas))
-        self.counts = counts or self.acceptance_prior(prior_by_position, max(self.gammas), prior_weight)
+        if counts is None:
+            counts = self.acceptance_prior(prior_by_position, max(self.gammas), prior_weight)
+        self.counts = counts
         self.iterations = 0  # observed so far
         self.current: int | None = None  # the γ chosen last
         self.declined: dict[str, int] = {}  # proposer -> plain iterations in a row since its offers last ran
