@@ -81,8 +81,8 @@ def main():
               "which the output follows (int8: weight-only, per output column, a quarter of the bytes per decode "
               "step; int4: weight-only in blocks of 128 along the input, about an eighth; w8a8: int8 weights and "
               "activations rounded to int8 per token, ONNX Runtime only: cheaper verifications, coarser numbers). "
-              "Default: float32; for a "
-              "GGUF int8, its Q8_0/Q4_0 blocks kept as they are (a float precision takes their exact values).")
+              "Default: float32; for a GGUF int8. A GGUF's Q4_0-Q8_0 and Q4_K-Q6_K blocks are kept as they are at "
+              "int8 and int4 (a float precision takes their exact values).")
 @click.option("--draft-weights", type=click.Choice(["int8", "int4", "w8a8", "float32", "float16", "bfloat16"]),
               default=None,
               help="Draft matmul weights: int8 or int4 weight-only (faster draft steps), float32, or float16/bfloat16 "

@@ -27,9 +27,10 @@ PADDING = 8  # embedding rows beyond the tokenizer, as real checkpoints have
 # tiny checkpoints
 
 
-def make_hf_checkpoint(path, family: str, seed: int = 0) -> Path:
+def make_hf_checkpoint(path, family: str, seed: int = 0, hidden: int = 64) -> Path:
     """A tiny random `family` model and its tokenizer, saved as a user's checkpoint directory would be.
-    Every parameter is random (norms and biases too), so that a misplaced tensor shows."""
+    Every parameter is random (norms and biases too), so that a misplaced tensor shows. `hidden` 256
+    (Llama) makes every matrix's input a multiple of 256, which the K-quants need."""
     import torch
     import transformers
 
@@ -37,7 +38,7 @@ def make_hf_checkpoint(path, family: str, seed: int = 0) -> Path:
 
     tokenizer = make_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": [END_OF_TURN[family]]})
-    config = _config(family, len(tokenizer) + PADDING)
+    config = _config(family, len(tokenizer) + PADDING, hidden)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     rng = np.random.default_rng(seed)
     with torch.no_grad():
@@ -52,20 +53,21 @@ def make_hf_checkpoint(path, family: str, seed: int = 0) -> Path:
     return path
 
 
-def _config(family: str, vocab: int):
+def _config(family: str, vocab: int, hidden: int = 64):
     """hidden 64, 4 heads of 32 (Qwen2 and Phi-3 have no head_dim setting: 16), 2 KV heads, and what
     each family's GGUF says differently: Llama 3's rope scaling and attention biases, Qwen3's YaRN,
     Gemma 3's window, pattern of 5 windowed layers then a global one and its scaled global rope,
     Phi-3's partial rotary and LongRoPE."""
     import transformers
 
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                  num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=0,
                   eos_token_id=1, pad_token_id=2)
     if family == "llama":
         llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        return transformers.LlamaConfig(**{**common, "max_position_embeddings": 16384}, head_dim=32,
+        return transformers.LlamaConfig(**{**common, "max_position_embeddings": 16384}, head_dim=hidden // 2,
                                         attention_bias=True, tie_word_embeddings=False, rope_parameters=llama3)
     if family == "qwen2":
         return transformers.Qwen2Config(**common, tie_word_embeddings=True,
@@ -251,7 +253,31 @@ def _add_tensor(writer, name: str, array: np.ndarray, qtype: str) -> None:
         writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
         return
     kind = gguf.GGMLQuantizationType[qtype]
+    if qtype in K_QUANT_SPREAD:
+        writer.add_tensor(name, _random_k_quant(array, qtype), raw_dtype=kind)
+        return
     writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), kind), raw_dtype=kind)
+
+
+# gguf-py cannot quantize to K-quants. A K-quant tensor here has random integers, sub-block scales and
+# minimums; its superblock scales (fp16 d at byte 0, dmin at 2; Q6_K's d at byte 208) are set so that its
+# values spread about as the original's do: (byte, spread of the values per unit of it).
+K_QUANT_SPREAD = {"Q4_K": ((0, 216.0), (2, 216.0 / 7.5)), "Q5_K": ((0, 439.0), (2, 439.0 / 15.5)),
+                  "Q6_K": ((208, 1369.0),), "Q2_K": ((80, 12.0), (82, 8.0))}
+
+
+def _random_k_quant(array: np.ndarray, qtype: str) -> np.ndarray:
+    """Random blocks of `qtype` in the array's shape [rows, cols] (cols a multiple of 256), seeded by its
+    values. Tests compare with the file's dequantized values, not the original's."""
+    import gguf
+
+    rows, cols = array.shape
+    _, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    rng = np.random.default_rng(int(np.abs(array).sum() * 1000) % 2**32)
+    raw = rng.integers(0, 256, (rows, cols // 256, nbytes), dtype=np.uint8)
+    for at, per_unit in K_QUANT_SPREAD[qtype]:
+        raw[:, :, at:at + 2] = np.array([array.std() / per_unit], np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,7 +54,6 @@ from speccompile.compiler.session_graph import KINDS, build_session_graph
 from speccompile.compiler.tensorrt_build import (
     TensorRTOptions,
     build_tensorrt_engines,
-    check_tensorrt_sources,
     require_tensorrt_build,
 )
 from speccompile.compiler.tokenizer import check_compatible, eos_token_ids, load_tokenizer, save_tokenizer
@@ -97,9 +96,10 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
     "float32", "float16", "bfloat16" (both computed in fp32), "int8" (weight-only, per output
     column) or "int4" (weight-only, blocks of 128 along the input; see GraphBuilder.matmul). The
     target's precision is the compiled target's numerics: speculative output equals autoregressive
-    decoding of the target *as compiled*. A GGUF's Q8_0 and Q4_0 tensors keep their own blocks at
-    int8 and int4 (and their values, exactly, at a float precision); the default target precision is
-    float32 for a checkpoint directory and int8 for a GGUF (its blocks kept, other formats at int8).
+    decoding of the target *as compiled*. A GGUF's tensors in the block formats of gguf.KEPT_BLOCKS
+    (Q4_0-Q8_0, Q4_K-Q6_K) keep their own blocks at int8 and int4 (4-bit ones only for TensorRT),
+    and their values, exactly, at a float precision; the default target precision is float32 for a
+    checkpoint directory and int8 for a GGUF (its blocks kept, other formats at int8).
     The draft's (and an EAGLE-3 head's) default follows the target's: int4 for an int4 target (the
     same bits where a draft shares the target's weights, so that it agrees with it as compiled), int8
     otherwise (a float target's draft too: its steps are what speculation pays for).
@@ -180,12 +180,10 @@ def build_bundle(target_dir, draft_dir, out_dir, gammas=(4,), max_seq: int = 102
                                                                                               eagle_weights))
     for spec, stored in ((target, target_weights), (draft, draft_weights)):
         if spec is not None and spec.source.format == "gguf":
-            spec.compile_at(stored)
+            spec.compile_at(stored, tensorrt=engines)
             _warn_int4_of_low_bit_blocks(spec, stored)
         if spec is not None:
             spec.store_embedding_at(stored)
-    if engines:
-        check_tensorrt_sources({role: spec.source.kept for role, spec, _ in _models(target, draft, None)})
     vocab_ids = None
     if draft_vocab is not None:
         if draft is None:
@@ -603,15 +601,15 @@ NEAR_FLOAT_FORMATS = ("F16", "BF16", "Q8_0")
 
 
 def _warn_int4_of_low_bit_blocks(spec: ModelSpec, stored: str) -> None:
-    """int4 of a file already in 4-6-bit blocks other than Q4_0 (kept as they are) quantizes twice:
-    symmetric blocks of 128 over blocks of 32 with their own minimums or sub-scales. Measured on Gemma
-    3 270M from Q4_K_M: +0.56 nats a token against the file's own model, where int8 stays within 0.04
-    (docs/performance.md, "On real weights")."""
+    """int4 of tensors the file already holds in low-bit blocks it does not keep (2-3-bit K-quants,
+    IQ codebooks; 5-6-bit blocks in a TensorRT build) quantizes twice: symmetric blocks of 128 over
+    the file's own. Measured before Q4_K and Q5_0 were kept, on Gemma 3 270M from Q4_K_M: +0.56 nats a
+    token against the file's own model (docs/performance.md, "On real weights")."""
     low_bit = sorted(kind for kind in spec.source.converted if kind not in NEAR_FLOAT_FORMATS)
     if stored == "int4" and low_bit:
         logger.warning(f"{spec.path}: its {', '.join(low_bit)} tensors are quantized again to int4 (symmetric "
-                       "blocks of 128), a coarser model than the file's (Gemma 3 270M from Q4_K_M: +0.56 nats a "
-                       "token); int8, the default for a GGUF, stays close to it")
+                       "blocks of 128), a coarser model than the file's; int8, the default for a GGUF, stays "
+                       "closer to it")
 
 
 def _op_summary(model: onnx.ModelProto) -> tuple[dict[str, int], int]:

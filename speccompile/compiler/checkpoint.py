@@ -5,7 +5,8 @@ Only safetensors and GGUF are read (never pickle), and nothing is fetched or exe
 checkpoint. Weights stay on disk as lazy tensors (see tensors.py) until the bundle writer needs
 their bytes: loading a checkpoint reads its config and the shards' headers only. A GGUF file is
 read as the Hugging Face checkpoint it was converted from (gguf.py): the same config keys, tensor
-names and values, with its Q8_0 and Q4_0 blocks kept beside the values.
+names and values, with its blocks (gguf.KEPT_BLOCKS: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
+kept beside the values.
 """
 
 import collections
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from speccompile.compiler.architectures import ACTIVATIONS, ARCHITECTURES, Architecture
-from speccompile.compiler.gguf import gguf_checkpoint, is_gguf
+from speccompile.compiler.gguf import KEPT_BLOCKS, gguf_checkpoint, is_gguf
 from speccompile.compiler.rope import SCALINGS, Rope, trained_positions
 from speccompile.compiler.tensors import (
     LazyTensor,
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Source:
     """What a model was read from: "safetensors" or "gguf", and for a GGUF the tensors' formats, by
-    what the build does with them (kept: Q8_0/Q4_0 blocks compiled as they are; converted: the rest,
+    what the build does with them (kept: blocks compiled as the file holds them; converted: the rest,
     dequantized to float32 and stored at the build's --*-weights)."""
 
     format: str
@@ -71,14 +72,20 @@ class ModelSpec:
     def __post_init__(self):
         self.files = self.files or self.path
 
-    def compile_at(self, matmul_weights: str) -> None:
-        """A GGUF's kept blocks stay for a quantized build (int8, int4: the file's own integers beat a
+    def compile_at(self, matmul_weights: str, tensorrt: bool = False) -> None:
+        """A GGUF's kept blocks stay for a quantized build (int8, int4: the file's own numbers beat a
         requantization); a float build multiplies by their exact values instead, as transformers'
-        model of the file does. Says in one line what the build does with each format."""
-        if matmul_weights not in ("int8", "int4") and self.source.kept:
-            self.weights = {name: replace(w, blocks=None) for name, w in self.weights.items()}
-            converted = collections.Counter(self.source.converted) + collections.Counter(self.source.kept)
-            self.source = Source(self.source.format, {}, dict(converted))
+        model of the file does. A build for TensorRT keeps the 4-bit ones only: it block-dequantizes
+        INT4 but not INT8, so 5-8-bit blocks are compiled at `matmul_weights`. Says in one line what
+        the build does with each format."""
+        kept_bits = () if matmul_weights not in ("int8", "int4") else (4,) if tensorrt else (4, 8)
+        if any(KEPT_BLOCKS[kind].bits not in kept_bits for kind in self.source.kept):
+            self.weights = {name: w if w.blocks is None or w.blocks.bits in kept_bits else replace(w, blocks=None)
+                            for name, w in self.weights.items()}
+            kept, converted = {}, collections.Counter(self.source.converted)
+            for kind, count in self.source.kept.items():
+                (kept if KEPT_BLOCKS[kind].bits in kept_bits else converted)[kind] = count
+            self.source = Source(self.source.format, kept, dict(converted))
         logger.info(f"  {self.path.name}: {self.source.describe()}; at {matmul_weights}")
 
     def store_embedding_at(self, matmul_weights: str) -> None:

@@ -13,10 +13,10 @@ the file. The layout (little-endian; versions 2 and 3 are the same):
 A string is a u64 byte length and that many UTF-8 bytes; an array a u32 element type, a u64 count and
 the elements. ggml lists dimensions fastest-moving first (`ne`), so a [out, in] weight has ne = [in, out].
 
-On top of the container: `gguf_tensors` gives each tensor as a float32 LazyTensor (Q8_0 and Q4_0
-matrices keep their blocks too, see tensors.Blocks), and `gguf_checkpoint` undoes llama.cpp's
-conversion (convert_hf_to_gguf.py) to give the config.json, tensors and tokenizer transformers
-would have for the model, which is what checkpoint.py reads.
+On top of the container: `gguf_tensors` gives each tensor as a float32 LazyTensor (matrices in the
+block formats of KEPT_BLOCKS keep their integers, scales and minimums too, see tensors.Blocks), and
+`gguf_checkpoint` undoes llama.cpp's conversion (convert_hf_to_gguf.py) to give the config.json,
+tensors and tokenizer transformers would have for the model, which is what checkpoint.py reads.
 """
 
 import functools
@@ -24,12 +24,22 @@ import math
 import mmap
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from speccompile.compiler.tensors import BFLOAT16, INT4, Blocks, LazyTensor, concatenated, rows_permuted, shifted
+from speccompile.compiler.tensors import (
+    BFLOAT16,
+    INT4,
+    Blocks,
+    LazyTensor,
+    SharedResult,
+    concatenated,
+    rows_permuted,
+    shifted,
+)
 from speccompile.errors import SpecCompileError
 
 MAGIC = b"GGUF"
@@ -51,7 +61,6 @@ _FLOATS = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": BFLOAT16}
 _QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
               "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")
 READABLE = (*_FLOATS, *_QUANTIZED)
-KEPT_BLOCKS = {"Q8_0": np.dtype(np.int8), "Q4_0": INT4}  # symmetric blocks of 32 a graph can use as they are
 
 
 def is_gguf(path: Path) -> bool:
@@ -249,17 +258,16 @@ def gguf_tensors(file: GGUFFile) -> dict[str, LazyTensor]:
 
 
 def lazy_tensor(path: Path, info: GGUFTensor) -> LazyTensor:
-    """One tensor, dequantized to float32 when loaded. A Q8_0 or Q4_0 matrix also keeps its blocks
-    ([out, in], blocks of 32 along in), so that a graph can use them without quantizing twice."""
+    """One tensor, dequantized to float32 when loaded. A matrix in one of KEPT_BLOCKS' formats also
+    keeps its blocks ([out, in], along in), so that a graph computes with the file's own numbers
+    instead of quantizing them a second time."""
     if info.ggml_type_name not in READABLE:
         raise SpecCompileError(f"{path}: tensor {info.name!r} is stored as {info.ggml_type_name}, which cannot be "
                                f"read (readable: {', '.join(READABLE)})")
     blocks = None
-    if info.ggml_type_name in KEPT_BLOCKS and len(info.shape) == 2:
-        rows, cols = info.shape
-        q = LazyTensor(info.shape, KEPT_BLOCKS[info.ggml_type_name], functools.partial(_block_values, path, info))
-        scale = LazyTensor((rows, cols // 32), np.dtype(np.float32), functools.partial(_block_scales, path, info))
-        blocks = Blocks(q, scale, axis=1, block=32)
+    kept = KEPT_BLOCKS.get(info.ggml_type_name)
+    if kept is not None and len(info.shape) == 2:
+        blocks = _kept_blocks(path, info, kept)
     return LazyTensor(info.shape, np.dtype(np.float32), functools.partial(_dequantized, path, info), blocks)
 
 
@@ -285,25 +293,125 @@ def _dequantized(path: Path, info: GGUFTensor) -> np.ndarray:
     return values.reshape(info.shape).astype(np.float32, copy=False)
 
 
-def _blocks_of(path: Path, info: GGUFTensor) -> np.ndarray:
-    """[rows, blocks, bytes]: each Q8_0 or Q4_0 block is an fp16 scale d, then 32 values' bits."""
+# ---------------------------------------------------------------------------------------------
+# block formats a graph keeps: value = scale × q + offset, per block along a row
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """How one ggml block type is kept: each stored block of `nbytes` holds `values` values in blocks
+    of `block` with a scale each (and a minimum each, for the asymmetric types), whose integers fit
+    `bits`-bit signed ints (ONNX Runtime's MatMulNBits takes 4 and 8). `unpack` turns stored blocks
+    [n, nbytes] into (q int8 [n, values] centred on 0, scale [n, values / block], offset or None)."""
+
+    values: int
+    nbytes: int
+    block: int
+    bits: int
+    has_minimum: bool
+    unpack: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray | None]]
+
+
+def _f16(raw: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 at byte `at` of each block, as float32 [n, 1] (exact)."""
+    return np.ascontiguousarray(raw[:, at:at + 2]).view("<f2").astype(np.float32)
+
+
+def _nibbles(raw: np.ndarray, width: int) -> np.ndarray:
+    """Runs of `width` bytes [n, runs * width] -> [n, runs * 2 * width]: each run's low nibbles are its
+    first `width` values, its high nibbles the next `width` (the layout of every 4-bit ggml type)."""
+    runs = raw.reshape(raw.shape[0], -1, 1, width) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    return (runs & 0x0F).reshape(raw.shape[0], -1)
+
+
+def _fifth_bits(raw: np.ndarray, at: int) -> np.ndarray:
+    """Q5_0/Q5_1: the 32 values' fifth bits, a little-endian u32 at byte `at`, as 0/16 [n, 32]."""
+    return np.unpackbits(raw[:, at:at + 4], axis=-1, bitorder="little") << 4
+
+
+def _q8_0(raw):  # d, 32 int8: d × q
+    return np.ascontiguousarray(raw[:, 2:]).view(np.int8), _f16(raw, 0), None
+
+
+def _q4_0(raw):  # d, 32 nibbles: d × (q - 8)
+    return _nibbles(raw[:, 2:], 16).astype(np.int8) - 8, _f16(raw, 0), None
+
+
+def _q4_1(raw):  # d, m, 32 nibbles: d × q + m
+    d, m = _f16(raw, 0), _f16(raw, 2)
+    return _nibbles(raw[:, 4:], 16).astype(np.int8) - 8, d, m + 8 * d
+
+
+def _q5_0(raw):  # d, fifth bits, 32 nibbles: d × (q - 16)
+    return (_nibbles(raw[:, 6:], 16) | _fifth_bits(raw, 2)).astype(np.int8) - 16, _f16(raw, 0), None
+
+
+def _q5_1(raw):  # d, m, fifth bits, 32 nibbles: d × q + m
+    d, m = _f16(raw, 0), _f16(raw, 2)
+    return (_nibbles(raw[:, 8:], 16) | _fifth_bits(raw, 4)).astype(np.int8) - 16, d, m + 16 * d
+
+
+def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: d, dmin, then 12 bytes of eight 6-bit scales and eight 6-bit minimums (sub-blocks
+    0-3 in the low 6 bits of bytes 0-3 and 4-7; 4-7 in the nibbles of bytes 8-11 and the top 2 bits
+    of bytes 0-7). Returns each sub-block's scale d × sc and minimum dmin × m, [n, 8] each."""
+    low, high, rest = raw[:, 4:8], raw[:, 8:12], raw[:, 12:16]
+    sc = np.concatenate([low & 0x3F, (rest & 0x0F) | ((low >> 2) & 0x30)], axis=-1)
+    m = np.concatenate([high & 0x3F, (rest >> 4) | ((high >> 2) & 0x30)], axis=-1)
+    return _f16(raw, 0) * sc, _f16(raw, 2) * m
+
+
+def _q4_k(raw):  # 8 sub-blocks of 32: scale × q - minimum
+    scale, minimum = _k_scales(raw)
+    return _nibbles(raw[:, 16:], 32).astype(np.int8) - 8, scale, 8 * scale - minimum
+
+
+def _q5_k(raw):  # as Q4_K, with 32 bytes of fifth bits: bit j of byte i is value i of sub-block j
+    scale, minimum = _k_scales(raw)
+    high = (raw[:, 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1  # [n, 32, 8]
+    fifth = np.swapaxes(high, 1, 2).reshape(raw.shape[0], -1) << 4
+    return (_nibbles(raw[:, 48:], 32) | fifth).astype(np.int8) - 16, scale, 16 * scale - minimum
+
+
+def _q6_k(raw):  # 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, d: d × sc × (q - 32)
+    n = raw.shape[0]
+    high = (raw[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    q = _nibbles(raw[:, :128], 64) | (high.reshape(n, -1) << 4)
+    scale = _f16(raw, 208) * np.ascontiguousarray(raw[:, 192:208]).view(np.int8)
+    return q.astype(np.int8) - 32, scale, None
+
+
+# The formats a graph keeps as they are; the rest (2-3-bit K-quants, the IQ codebooks) are dequantized
+# and quantized at the build's precision. 5- and 6-bit integers are kept in 8 bits: exact, at 8 bits a
+# value where llama.cpp keeps 5.5-6.6.
+KEPT_BLOCKS = {
+    "Q8_0": BlockFormat(32, 34, 32, 8, False, _q8_0),
+    "Q4_0": BlockFormat(32, 18, 32, 4, False, _q4_0),
+    "Q4_1": BlockFormat(32, 20, 32, 4, True, _q4_1),
+    "Q5_0": BlockFormat(32, 22, 32, 8, False, _q5_0),
+    "Q5_1": BlockFormat(32, 24, 32, 8, True, _q5_1),
+    "Q4_K": BlockFormat(256, 144, 32, 4, True, _q4_k),
+    "Q5_K": BlockFormat(256, 176, 32, 8, True, _q5_k),
+    "Q6_K": BlockFormat(256, 210, 16, 8, False, _q6_k),
+}
+
+
+def _kept_blocks(path: Path, info: GGUFTensor, kept: BlockFormat) -> Blocks:
+    """q, scale and offset of a [rows, cols] matrix, from one read and unpack of its bytes."""
     rows, cols = info.shape
-    return _read(path, info).reshape(rows, cols // 32, -1)
+    per_row = (rows, cols // kept.block)
 
+    def unpacked():
+        q, scale, offset = kept.unpack(_read(path, info).reshape(-1, kept.nbytes))
+        q = q.reshape(info.shape)
+        return (q.astype(INT4) if kept.bits == 4 else q, scale.reshape(per_row),
+                None if offset is None else offset.reshape(per_row))
 
-def _block_scales(path: Path, info: GGUFTensor) -> np.ndarray:
-    rows, cols = info.shape
-    d = np.ascontiguousarray(_blocks_of(path, info)[:, :, :2]).view("<f2")
-    return d.reshape(rows, cols // 32).astype(np.float32)  # fp16 -> fp32 is exact
-
-
-def _block_values(path: Path, info: GGUFTensor) -> np.ndarray:
-    payload = _blocks_of(path, info)[:, :, 2:]
-    if info.ggml_type_name == "Q8_0":  # 32 int8
-        return np.ascontiguousarray(payload).view(np.int8).reshape(info.shape)
-    # Q4_0: 16 bytes; byte j holds element j in its low nibble and element j + 16 in its high one, each as q + 8
-    nibbles = np.concatenate([payload & 0x0F, payload >> 4], axis=-1).astype(np.int8) - np.int8(8)
-    return nibbles.reshape(info.shape).astype(INT4)
+    parts = SharedResult(unpacked, parts=3 if kept.has_minimum else 2)
+    q = LazyTensor(info.shape, INT4 if kept.bits == 4 else np.dtype(np.int8), lambda: parts.take(0))
+    scale = LazyTensor(per_row, np.dtype(np.float32), lambda: parts.take(1))
+    offset = LazyTensor(per_row, np.dtype(np.float32), lambda: parts.take(2)) if kept.has_minimum else None
+    return Blocks(q, scale, axis=1, block=kept.block, offset=offset)
 
 
 # ---------------------------------------------------------------------------------------------

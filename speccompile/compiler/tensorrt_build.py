@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from speccompile.bundle import EngineEntry, GraphEntry, Manifest, open_bundle, sha256_file, write_manifest
+from speccompile.compiler.gguf import KEPT_BLOCKS
 from speccompile.core.tree import MAX_TREE_NODES
 from speccompile.errors import SpecCompileError
 from speccompile.progress import Progress
@@ -96,12 +97,15 @@ def check_tensorrt_weights(manifest: Manifest) -> None:
 
 def check_tensorrt_sources(kept: dict[str, dict[str, int]]) -> None:
     """`kept`: per model, the GGUF block formats its weights keep (tensors per format). TensorRT
-    block-dequantizes INT4 (and FP8/FP4) only, so a GGUF's Q8_0 blocks, kept as int8 in blocks of 32,
-    do not parse; its Q4_0 blocks are INT4 blocks it reads."""
+    block-dequantizes INT4 (and FP8/FP4) only: 4-bit formats are INT4 blocks it reads, 5-8-bit ones
+    (kept as int8 blocks) do not parse. A build for TensorRT compiles those at its precision
+    (ModelSpec.compile_at); a bundle built for ONNX Runtime keeps them."""
     for role, formats in kept.items():
-        if "Q8_0" in formats:
-            raise SpecCompileError(f"the {role}'s GGUF Q8_0 blocks are int8 in blocks of 32, which TensorRT does not "
-                                   f"dequantize; build it for TensorRT with --{role}-weights int4 or float32")
+        eight_bit = sorted(kind for kind in formats if KEPT_BLOCKS[kind].bits != 4)
+        if eight_bit:
+            raise SpecCompileError(f"the {role}'s GGUF {', '.join(eight_bit)} blocks are kept as int8 blocks, which "
+                                   f"TensorRT does not dequantize; build the bundle with --backend tensorrt, which "
+                                   f"compiles them at --{role}-weights")
 
 
 def build_tensorrt_engines(bundle_dir, options: TensorRTOptions | None = None) -> dict[str, EngineEntry]:

@@ -32,19 +32,27 @@ SAFETENSORS_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": BF
 
 @dataclass(frozen=True, eq=False)
 class Blocks:
-    """A weight kept in the block-quantized form its source stored it in (GGUF's Q8_0 and Q4_0:
-    symmetric blocks of 32 along the input dimension, value = scale × q): q holds the integers
-    (int8, or INT4 for 4 bits) in the tensor's own shape, scale [..] the same shape with the blocked
-    axis divided by `block`. The LazyTensor that carries it loads the dequantized float32 values."""
+    """A weight kept in the block-quantized form its source stored it in (a GGUF's blocks along the
+    input dimension): value = scale × q + offset, q the integers (int8, or INT4 for 4 bits) in the
+    tensor's own shape, scale and offset [..] that shape with the blocked axis divided by `block`.
+    offset is None for symmetric formats (Q8_0, Q4_0, Q5_0, Q6_K) and holds each block's value at
+    q = 0 for those with a minimum (Q4_1, Q5_1, Q4_K, Q5_K). The LazyTensor that carries it loads the
+    dequantized float32 values."""
 
     q: "LazyTensor"
     scale: "LazyTensor"
     axis: int  # the axis cut into blocks (the input dimension)
     block: int
+    offset: "LazyTensor | None" = None
 
     @property
     def bits(self) -> int:
         return 4 if self.q.dtype == INT4 else 8
+
+    def mapped(self, change: Callable[["LazyTensor"], "LazyTensor"], axis: int | None = None) -> "Blocks":
+        """The same blocks with `change` applied to q, scale and offset alike (rows taken, transposed...)."""
+        offset = None if self.offset is None else change(self.offset)
+        return Blocks(change(self.q), change(self.scale), self.axis if axis is None else axis, self.block, offset)
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,7 +146,7 @@ def _read_tensor(file: Path, offset: int, stored: np.dtype, shape: tuple) -> np.
 
 def transposed(t: LazyTensor) -> LazyTensor:
     assert t.ndim == 2, f"transpose of a {t.ndim}-d tensor"
-    blocks = t.blocks and Blocks(transposed(t.blocks.q), transposed(t.blocks.scale), 1 - t.blocks.axis, t.blocks.block)
+    blocks = t.blocks and t.blocks.mapped(transposed, axis=1 - t.blocks.axis)
     return LazyTensor(t.shape[::-1], t.dtype, lambda: np.ascontiguousarray(t.load().T), blocks)
 
 
@@ -154,7 +162,7 @@ def rows(t: LazyTensor, begin: int, end: int) -> LazyTensor:
     blocks = t.blocks
     if blocks is not None:
         assert blocks.axis == 1, "rows of a tensor blocked along its rows"
-        blocks = Blocks(rows(blocks.q, begin, end), rows(blocks.scale, begin, end), 1, blocks.block)
+        blocks = blocks.mapped(lambda part: rows(part, begin, end))
     return LazyTensor((end - begin, *t.shape[1:]), t.dtype, lambda: np.ascontiguousarray(t.load()[begin:end]), blocks)
 
 
@@ -164,7 +172,7 @@ def rows_permuted(t: LazyTensor, order: np.ndarray) -> LazyTensor:
     blocks = t.blocks
     if blocks is not None:
         assert blocks.axis == 1, "row permutation of a tensor blocked along its rows"
-        blocks = Blocks(rows_permuted(blocks.q, order), rows_permuted(blocks.scale, order), 1, blocks.block)
+        blocks = blocks.mapped(lambda part: rows_permuted(part, order))
     return LazyTensor(t.shape, t.dtype, lambda: np.ascontiguousarray(t.load()[order]), blocks)
 
 
@@ -184,8 +192,11 @@ def concatenated(tensors: list, axis: int = -1) -> LazyTensor:
     blocks = None
     parts = [getattr(t, "blocks", None) for t in tensors]
     if all(parts) and len({(b.axis, b.block, b.bits) for b in parts}) == 1 and parts[0].axis != axis:
+        offsets = None
+        if any(b.offset is not None for b in parts):  # symmetric parts beside asymmetric ones: offsets of 0
+            offsets = concatenated([b.offset if b.offset is not None else zeros(b.scale) for b in parts], axis)
         blocks = Blocks(concatenated([b.q for b in parts], axis), concatenated([b.scale for b in parts], axis),
-                        parts[0].axis, parts[0].block)
+                        parts[0].axis, parts[0].block, offsets)
     return LazyTensor(tuple(shape), first.dtype, lambda: np.concatenate([materialize(t) for t in tensors], axis=axis),
                       blocks)
 
@@ -195,10 +206,14 @@ def columns(t: LazyTensor, ids) -> LazyTensor:
     count = len(range(*ids.indices(t.shape[1]))) if isinstance(ids, slice) else len(ids)
     blocks = t.blocks
     if blocks is not None and blocks.axis == 0:
-        blocks = Blocks(columns(blocks.q, ids), columns(blocks.scale, ids), 0, blocks.block)
+        blocks = blocks.mapped(lambda part: columns(part, ids))
     elif blocks is not None:
         blocks = None  # columns cut through blocks: the float values go on alone
     return LazyTensor((t.shape[0], count), t.dtype, lambda: np.ascontiguousarray(t.load()[:, ids]), blocks)
+
+
+def zeros(like: LazyTensor) -> LazyTensor:
+    return LazyTensor(like.shape, like.dtype, lambda: np.zeros(like.shape, like.dtype))
 
 
 def cast(t: LazyTensor, dtype) -> LazyTensor:
@@ -210,7 +225,7 @@ def quantized_int8(t: LazyTensor) -> tuple[LazyTensor, LazyTensor]:
     """Symmetric per-output-column int8 of a [K, N] weight: q = round(W / s), s = max_k |W[k, n]| / 127.
     Returns (q int8 [K, N], s float32 [N]), made by one quantization that is held only until both
     have been loaded."""
-    pair = _SharedResult(lambda: _quantize_columns(t.load()), parts=2)
+    pair = SharedResult(lambda: _quantize_columns(t.load()), parts=2)
     k, n = t.shape
     return (LazyTensor((k, n), np.dtype(np.int8), lambda: pair.take(0)),
             LazyTensor((n,), np.dtype(np.float32), lambda: pair.take(1)))
@@ -223,7 +238,7 @@ def quantized_int4(t: LazyTensor, block: int) -> tuple[LazyTensor, LazyTensor]:
     s float32 [K / block, N]): the layout of ONNX's blocked DequantizeLinear (axis 0)."""
     k, n = t.shape
     assert k % block == 0, f"int4 blocks of {block} do not tile K={k}"
-    pair = _SharedResult(lambda: _quantize_blocks(t.load(), block), parts=2)
+    pair = SharedResult(lambda: _quantize_blocks(t.load(), block), parts=2)
     return (LazyTensor((k, n), INT4, lambda: pair.take(0)),
             LazyTensor((k // block, n), np.dtype(np.float32), lambda: pair.take(1)))
 
@@ -243,7 +258,7 @@ def embedding_in_int8_blocks(table: LazyTensor, block: int = EMBEDDING_BLOCK) ->
     vocab, hidden = table.shape
     if hidden % block:
         return table
-    pair = _SharedResult(lambda: _quantize_rows(table.load(), block), parts=2)
+    pair = SharedResult(lambda: _quantize_rows(table.load(), block), parts=2)
     q = LazyTensor((vocab, hidden), np.dtype(np.int8), lambda: pair.take(0))
     scale = LazyTensor((vocab, hidden // block), np.dtype(np.float32), lambda: pair.take(1))
 
@@ -278,7 +293,7 @@ def nbits_scales(scale: LazyTensor, blocks: int) -> LazyTensor:
     return LazyTensor((n * blocks,), np.dtype(np.float32), lambda: np.repeat(scale.load(), blocks))
 
 
-class _SharedResult:
+class SharedResult:
     """A tuple computed on the first take and released once every part has been taken."""
 
     def __init__(self, make: Callable[[], tuple], parts: int):

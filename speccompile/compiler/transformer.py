@@ -356,11 +356,11 @@ def _aux_hidden(g: GraphBuilder, spec: ModelSpec, ids: str, states: list[str]) -
 
 
 def _embedding(g, embed, ids) -> str:
-    """The rows of `ids` [B, T] -> [B, T, H]. A table in blocks along H (a GGUF's Q8_0 or Q4_0
-    token_embd, or a low-bit model's, ModelSpec.store_embedding_at) is gathered as int8 and scaled
-    per block after the gather: the same float32 values as the dequantized table (q × d is exact in
-    float32) at about a quarter of its bytes. 4-bit integers are stored widened to int8 (exact):
-    TensorRT cannot gather int4 rows nor cast them."""
+    """The rows of `ids` [B, T] -> [B, T, H]. A table in blocks along H (a GGUF's token_embd in a kept
+    block format, or a low-bit model's, ModelSpec.store_embedding_at) is gathered as int8, scaled per
+    block after the gather and, where its format has minimums, offset per block: the same float32
+    values as the dequantized table at about a quarter of its bytes. 4-bit integers are stored
+    widened to int8 (exact): TensorRT cannot gather int4 rows nor cast them."""
     blocks = getattr(embed, "blocks", None)
     if blocks is None or blocks.axis != 1:
         return g.op("Gather", g.weight("embed", embed), ids)
@@ -369,6 +369,9 @@ def _embedding(g, embed, ids) -> str:
     scales = g.op("Gather", g.weight("embed_scale", blocks.scale), ids)  # [B, T, H / block]
     per_block = g.op("Reshape", rows, g.const([0, 0, -1, blocks.block]))  # [B, T, H / block, block]
     scaled = g.op("Mul", per_block, g.op("Unsqueeze", scales, g.const([3])))
+    if blocks.offset is not None:
+        offsets = g.op("Gather", g.weight("embed_offset", blocks.offset), ids)  # [B, T, H / block]
+        scaled = g.op("Add", scaled, g.op("Unsqueeze", offsets, g.const([3])))
     return g.op("Reshape", scaled, g.const([0, 0, -1]))
 
 

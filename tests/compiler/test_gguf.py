@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 import pytest
 
-from speccompile.compiler.gguf import READABLE, gguf_checkpoint, gguf_tensors, read_gguf
+from speccompile.compiler.gguf import KEPT_BLOCKS, READABLE, gguf_checkpoint, gguf_tensors, read_gguf
 from speccompile.compiler.tensors import INT4
 from speccompile.errors import SpecCompileError
 from tests.gguf_files import (
@@ -130,6 +130,52 @@ def test_every_readable_type_dequantizes_as_gguf_py(tmp_path, kind):
         np.testing.assert_array_equal(tensor.load(), gguf.quants.dequantize(raw, qtype))
 
 
+def per_value(blocks, part) -> np.ndarray:
+    """A scale or offset [rows, blocks] spread over the values of its block [rows, blocks × block]."""
+    return np.repeat(part.load(), blocks.block, axis=1)
+
+
+def kept_values(blocks) -> np.ndarray:
+    """scale × q + offset, in float32 as the graphs compute them."""
+    values = per_value(blocks, blocks.scale) * blocks.q.load().astype(np.float32)
+    return values if blocks.offset is None else values + per_value(blocks, blocks.offset)
+
+
+# where each kept format's fp16 scales (and minimums) lie in its block: random bytes there could be inf/NaN
+FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
+               "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+@pytest.mark.parametrize("kind", KEPT_BLOCKS)
+def test_kept_blocks_give_the_values_gguf_py_dequantizes(tmp_path, kind):
+    """Every kept format, on random blocks (every bit pattern of the integers, sub-scales and
+    minimums): its integers fit the bits the graph stores them in, and scale × q + offset is gguf-py's
+    dequantization (golden) to float32 rounding."""
+    qtype, kept = gguf.GGMLQuantizationType[kind], KEPT_BLOCKS[kind]
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 256, (6, 512 // block, type_size), dtype=np.uint8)
+    for at in FP16_FIELDS[kind]:
+        raw[:, :, at:at + 2] = rng.uniform(-0.02, 0.02, (6, 512 // block, 1)).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(6, -1)
+    writer = gguf.GGUFWriter(tmp_path / "one.gguf", "llama")
+    writer.add_tensor("t", raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (tensor,) = gguf_tensors(read_gguf(tmp_path / "one.gguf")).values()
+    blocks = tensor.blocks
+    assert (blocks.axis, blocks.block, blocks.bits) == (1, kept.block, kept.bits)
+    assert (blocks.offset is not None) == kept.has_minimum
+    q = blocks.q.load()
+    assert q.dtype == (INT4 if kept.bits == 4 else np.int8) and q.shape == (6, 512)
+    assert -(1 << (kept.bits - 1)) <= q.astype(np.int16).min() and q.astype(np.int16).max() < 1 << (kept.bits - 1)
+    expected = gguf.quants.dequantize(raw, qtype)
+    np.testing.assert_allclose(kept_values(blocks), expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
+    np.testing.assert_array_equal(tensor.load(), expected)
+
+
 def test_tensors_are_read_only_when_loaded(ggufs, tmp_path):
     path = shutil.copy(ggufs("qwen2"), tmp_path / "copy.gguf")
     checkpoint = gguf_checkpoint(path)
@@ -240,25 +286,24 @@ def spelt_out(hp: dict) -> dict:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])  # those gguf-py quantizes to
 def test_quantized_weights_keep_their_blocks(family, qtype, hf_dirs, ggufs):
     checkpoint = gguf_checkpoint(ggufs(family, qtype))
     original = hf_weights(hf_dirs(family))
+    kept = KEPT_BLOCKS[qtype]
     for name, tensor in checkpoint.tensors.items():
         if tensor.ndim == 1:
             assert tensor.blocks is None and checkpoint.formats[name] == "F32"
             continue
         assert checkpoint.formats[name] == qtype
         blocks = tensor.blocks
-        assert (blocks.axis, blocks.block, blocks.bits) == (1, 32, 8 if qtype == "Q8_0" else 4)
-        q, scale, values = blocks.q.load(), blocks.scale.load(), tensor.load()
-        assert q.dtype == (np.int8 if qtype == "Q8_0" else INT4) and q.shape == tensor.shape
-        assert scale.dtype == np.float32 and scale.shape == (tensor.shape[0], tensor.shape[1] // 32)
-        per_value = np.repeat(scale, 32, axis=1)
-        np.testing.assert_array_equal(per_value * q.astype(np.float32), values, err_msg=name)
+        assert (blocks.axis, blocks.block, blocks.bits) == (1, kept.block, kept.bits)
+        assert blocks.q.load().shape == tensor.shape and blocks.scale.shape == (tensor.shape[0], tensor.shape[1] // 32)
+        values = tensor.load()
+        np.testing.assert_allclose(kept_values(blocks), values, rtol=1e-6, atol=1e-7, err_msg=name)
         weight = original[name][:tensor.shape[0]]
         # within a step of the original (Q4_0 clips one end of its range; d's fp16 rounding adds < 1%)
-        assert np.all(np.abs(values - weight) <= 1.01 * np.abs(per_value)), name
+        assert np.all(np.abs(values - weight) <= 1.01 * np.abs(per_value(blocks, blocks.scale))), name
 
 
 def test_phi3_file_with_split_qkv_is_fused_back(hf_dirs, tmp_path):

@@ -1,5 +1,5 @@
 """`build --target model.gguf`: a GGUF file compiles to the bundle its Hugging Face checkpoint would,
-and its Q8_0 / Q4_0 blocks are compiled as they are (golden: HF generate on the same weights)."""
+and its blocks (Q4_0-Q8_0, Q4_K-Q6_K) are compiled as they are (golden: HF on the file's values)."""
 
 import json
 
@@ -14,8 +14,8 @@ import speccompile
 from speccompile.bundle import open_bundle
 from speccompile.cli import main
 from speccompile.compiler.build import build_bundle
-from speccompile.compiler.gguf import gguf_checkpoint
-from tests.gguf_files import CHAT_TEMPLATE, FAMILIES, make_hf_checkpoint, write_gguf
+from speccompile.compiler.gguf import KEPT_BLOCKS, gguf_checkpoint
+from tests.gguf_files import CHAT_TEMPLATE, FAMILIES, K_QUANT_SPREAD, make_hf_checkpoint, write_gguf
 
 PROMPTS = [[5, 17, 33, 2, 9, 100, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
 MAX_NEW = 20  # past the tiny Gemma's window of 8
@@ -23,16 +23,20 @@ MAX_NEW = 20  # past the tiny Gemma's window of 8
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """files(family, qtype) -> (HF checkpoint, GGUF written from it as llama.cpp's converter does)."""
+    """files(family, qtype) -> (HF checkpoint, GGUF written from it as llama.cpp's converter does).
+    K-quants need inputs in multiples of 256: their files are of a Llama of hidden size 256."""
     made, checkpoints = {}, {}
 
     def get(family: str, qtype: str = "F32"):
-        if family not in checkpoints:
-            checkpoints[family] = make_hf_checkpoint(tmp_path_factory.mktemp(family) / "hf", family)
+        hidden = 256 if qtype in K_QUANT_SPREAD else 64
+        assert hidden == 64 or family == "llama", "K-quant files are of the wider Llama"
+        if (family, hidden) not in checkpoints:
+            checkpoints[family, hidden] = make_hf_checkpoint(tmp_path_factory.mktemp(family) / "hf", family,
+                                                             hidden=hidden)
         if (family, qtype) not in made:
             out = tmp_path_factory.mktemp(f"{family}-{qtype}") / f"model-{qtype}.gguf"
-            made[family, qtype] = write_gguf(checkpoints[family], out, qtype, chat_template=CHAT_TEMPLATE)
-        return checkpoints[family], made[family, qtype]
+            made[family, qtype] = write_gguf(checkpoints[family, hidden], out, qtype, chat_template=CHAT_TEMPLATE)
+        return checkpoints[family, hidden], made[family, qtype]
 
     return get
 
@@ -75,28 +79,15 @@ def test_float_gguf_generates_what_its_checkpoint_generates_in_hf(family, files,
     assert model.model_type == family and model.source_format.format == "gguf"
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
-@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-def test_q8_0_and_q4_0_blocks_are_compiled_as_the_file_holds_them(family, qtype, files, tmp_path):
-    """By default (int8 for a GGUF) every projection and the LM head keep the file's blocks
-    (MatMulNBits, 8 or 4 bits, blocks of 32, the file's integers and scales). The logits are HF's on the
-    file's dequantized weights but for the int8 rounding of activations that MatMulNBits does (as
-    llama.cpp's CPU kernels do), and speculative output equals plain decoding's."""
+def session_graph(bundle) -> onnx.ModelProto:
+    return onnx.load(str(bundle.path / "target_session.onnx"), load_external_data=False)
+
+
+def assert_logits_are_the_files(bundle, gguf) -> None:
+    """The target's last logits on a prompt are HF's on the file's dequantized weights but for the int8
+    rounding of activations that MatMulNBits does (as llama.cpp's CPU kernels do)."""
     from tests.compiler.test_transformer_parity import empty_cache, run_file
 
-    _, gguf = files(family, qtype)
-    bundle = open_bundle(build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=2))
-    source = bundle.model("target").source_format
-    matrices = [name for name, kind in gguf_checkpoint(gguf).formats.items() if kind == qtype]
-    assert source.kept == {qtype: len(matrices)} and source.converted == {}
-    session = onnx.load(str(bundle.path / "target_session.onnx"), load_external_data=False)
-    nbits = [{a.name: a.i for a in n.attribute} for n in session.graph.node if n.op_type == "MatMulNBits"]
-    assert {(a["bits"], a["block_size"]) for a in nbits} == {(8 if qtype == "Q8_0" else 4, 32)}
-    assert len(nbits) == 4 * bundle.model("target").num_layers + 1  # qkv, o, gate_up and down; the LM head
-    # the embedding too: gathered as the file's integers (Q4_0's widened to int8) and scaled per block,
-    # no float32 table
-    initializers = {t.name: t.data_type for t in session.graph.initializer}
-    assert "embed" not in initializers and initializers.get("embed_q") == onnx.TensorProto.INT8
     prompt = PROMPTS[0]
     with torch.no_grad():
         expected = model_of_gguf(gguf)(torch.tensor([prompt])).logits[0, -1].numpy()
@@ -105,24 +96,51 @@ def test_q8_0_and_q4_0_blocks_are_compiled_as_the_file_holds_them(family, qtype,
                       empty_cache(bundle.manifest, "target", 1))
     error = np.abs(out["logits"][0] - expected[:len(out["logits"][0])]).max() / np.abs(expected).max()
     assert error < 0.04, f"logits off by {error:.1%} of their range"
-    alone, batched = generated(bundle.path)
-    plain, _ = generated(bundle.path, mode="autoregressive")
-    assert alone == batched == plain
 
 
-def test_fused_projections_of_mixed_formats_keep_the_parts_they_can(files, tmp_path):
-    """q and k in Q5_0, v in Q8_0 (as llama.cpp's Q4_K_M mixes them): v keeps its 8-bit blocks in a
-    MatMul of its own, q and k are dequantized and compiled at --target-weights (int4 here); the output
-    is the plain run's."""
+@pytest.mark.parametrize("family, qtype", [("llama", kind) for kind in KEPT_BLOCKS]
+                         + [("gemma3_text", kind) for kind in ("Q8_0", "Q4_0", "Q4_1")])
+def test_blocks_are_compiled_as_the_file_holds_them(family, qtype, files, tmp_path):
+    """By default (int8 for a GGUF) every projection and the LM head keep the file's blocks
+    (MatMulNBits: 4-bit integers for Q4_0/Q4_1/Q4_K, 8-bit for the 5-8-bit formats, in the format's
+    blocks, with the file's scales; for formats with a minimum, its product with each block's sum of
+    the activations added). The logits are the file's model's, and speculative output equals plain
+    decoding's. The embedding too: gathered as the file's integers, scaled and offset per block."""
+    kept = KEPT_BLOCKS[qtype]
+    _, gguf = files(family, qtype)
+    bundle = open_bundle(build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=2))
+    source = bundle.model("target").source_format
+    matrices = [name for name, kind in gguf_checkpoint(gguf).formats.items() if kind == qtype]
+    assert source.kept == {qtype: len(matrices)} and source.converted == {}
+    session = session_graph(bundle)
+    nbits = [{a.name: a.i for a in n.attribute} for n in session.graph.node if n.op_type == "MatMulNBits"]
+    assert {(a["bits"], a["block_size"]) for a in nbits} == {(kept.bits, kept.block)}
+    assert len(nbits) == 4 * bundle.model("target").num_layers + 1  # qkv, o, gate_up and down; the LM head
+    initializers = {t.name: t.data_type for t in session.graph.initializer}
+    offsets = [name for name in initializers if name.endswith("_offset") and name != "embed_offset"]
+    assert len(offsets) == (len(nbits) if kept.has_minimum else 0)
+    assert "embed" not in initializers and initializers.get("embed_q") == onnx.TensorProto.INT8
+    assert ("embed_offset" in initializers) == kept.has_minimum
+    assert_logits_are_the_files(bundle, gguf)
+    # speculative is plain decoding, alone and batched (the random K-quant models have near-ties that the
+    # batch graph's attention and the single-sequence one's can break apart: each is compared with itself)
+    assert generated(bundle.path) == generated(bundle.path, mode="autoregressive")
+
+
+def test_fused_projections_of_mixed_formats_keep_every_part(files, tmp_path):
+    """q in Q4_1, k in Q4_0, v in Q8_0 (llama.cpp's mixes give v more bits): q and k multiply in one
+    MatMul on 4-bit blocks (k's offsets 0), v in one of its own on 8-bit blocks; nothing is quantized
+    again, even at int4, and the logits are the file's."""
     hf, _ = files("llama")
-    gguf = write_gguf(hf, tmp_path / "mixed.gguf", "Q5_0", mixed={".attn_v.": "Q8_0"})
+    gguf = write_gguf(hf, tmp_path / "mixed.gguf", "Q4_1", mixed={".attn_k.": "Q4_0", ".attn_v.": "Q8_0"})
     bundle = open_bundle(build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=1,
                                       target_weights="int4"))
     source = bundle.model("target").source_format
-    assert source.kept == {"Q8_0": 2} and source.converted == {"Q5_0": 14}  # 6 a layer, embedding, head
-    session = onnx.load(str(bundle.path / "target_session.onnx"), load_external_data=False)
-    bits = [a.i for n in session.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"]
+    assert source.kept == {"Q4_1": 12, "Q4_0": 2, "Q8_0": 2} and source.converted == {}  # 5 a layer, embedding, head
+    bits = [a.i for n in session_graph(bundle).graph.node if n.op_type == "MatMulNBits" for a in n.attribute
+            if a.name == "bits"]
     assert bits.count(8) == 2 and bits.count(4) == 4 * 2 + 1  # each layer's v; qk, o, gate_up, down, the head
+    assert_logits_are_the_files(bundle, gguf)
     alone, _ = generated(bundle.path)
     plain, _ = generated(bundle.path, mode="autoregressive")
     assert alone == plain
@@ -139,25 +157,25 @@ def test_a_float_build_of_a_quantized_gguf_takes_the_exact_values_of_its_blocks(
     assert alone == batched == [greedy(model_of_gguf(gguf), p, MAX_NEW) for p in PROMPTS]
 
 
-def test_a_k_quant_gguf_is_dequantized_and_compiled_at_the_requested_precision(files, tmp_path):
-    _, gguf = files("qwen2", "Q5_0")
+def test_a_format_not_kept_is_dequantized_and_compiled_at_the_requested_precision(files, tmp_path):
+    _, gguf = files("llama", "Q2_K")
     bundle = build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=1, target_weights="int8")
     model = open_bundle(bundle).model("target")
-    assert model.source_format.kept == {} and set(model.source_format.converted) == {"Q5_0"}
+    assert model.source_format.kept == {} and set(model.source_format.converted) == {"Q2_K"}
     assert model.matmul_weights == "int8"
     assert len(speccompile.load(bundle).generate([PROMPTS[0]], max_new_tokens=4)[0].token_ids) == 4
 
 
-def test_int4_of_a_low_bit_gguf_that_is_not_q4_0_says_it_quantizes_twice(files, tmp_path, caplog):
-    _, gguf = files("qwen2", "Q5_0")
+def test_int4_of_low_bit_blocks_it_does_not_keep_says_it_quantizes_twice(files, tmp_path, caplog):
+    _, gguf = files("llama", "Q2_K")
     for weights in ("int8", "int4"):
         caplog.clear()
         build_bundle(gguf, None, tmp_path / weights, gammas=[2], max_seq=64, max_batch=1, target_weights=weights)
         said = [r.getMessage() for r in caplog.records if "quantized again to int4" in r.getMessage()]
-        assert len(said) == (weights == "int4") and all("Q5_0" in line for line in said)
+        assert len(said) == (weights == "int4") and all("Q2_K" in line for line in said)
     caplog.clear()
-    _, q4_0 = files("qwen2", "Q4_0")  # kept as its blocks: nothing is quantized twice
-    build_bundle(q4_0, None, tmp_path / "q4_0", gammas=[2], max_seq=64, max_batch=1, target_weights="int4")
+    _, q4_k = files("llama", "Q4_K")  # kept as its blocks: nothing is quantized twice
+    build_bundle(q4_k, None, tmp_path / "q4_k", gammas=[2], max_seq=64, max_batch=1, target_weights="int4")
     assert not [r for r in caplog.records if "quantized again" in r.getMessage()]
 
 
@@ -233,7 +251,7 @@ def test_a_gguf_draft_pairs_with_the_hf_checkpoint_it_came_from(family, files, t
     assert result.stats.acceptance_rate >= 0.8
 
 
-def test_tensorrt_is_told_it_cannot_take_q8_0_blocks_before_any_engine_is_built(files, tmp_path):
+def test_tensorrt_is_told_it_cannot_take_8_bit_blocks_of_a_bundle_built_for_onnx_runtime(files, tmp_path):
     from speccompile.compiler.tensorrt_build import check_tensorrt_weights
     from speccompile.errors import SpecCompileError
 
@@ -244,17 +262,31 @@ def test_tensorrt_is_told_it_cannot_take_q8_0_blocks_before_any_engine_is_built(
         if qtype == "Q4_0":  # INT4 blocks, which TensorRT reads
             check_tensorrt_weights(manifest)
             continue
-        with pytest.raises(SpecCompileError, match="Q8_0 blocks .* --target-weights int4 or float32"):
+        with pytest.raises(SpecCompileError, match="Q8_0 blocks are kept as int8 blocks.* --backend tensorrt"):
             check_tensorrt_weights(manifest)
 
 
-def test_a_tensorrt_build_refuses_q8_0_blocks_before_exporting_a_graph(files, tmp_path, monkeypatch):
+def test_a_tensorrt_build_keeps_4_bit_blocks_and_compiles_the_others_at_its_precision(files, tmp_path, monkeypatch):
+    """TensorRT block-dequantizes INT4 only: a build for it keeps the file's 4-bit blocks and compiles
+    its 8-bit ones (Q8_0 v here) at --target-weights; what reaches the graphs is checked by TensorRT's
+    own rule (check_tensorrt_sources) on the specs the export is given."""
     from speccompile.compiler import build as build_module
-    from speccompile.errors import SpecCompileError
+    from speccompile.compiler.tensorrt_build import check_tensorrt_sources
+
+    hf, _ = files("llama")
+    gguf = write_gguf(hf, tmp_path / "mixed.gguf", "Q4_1", mixed={".attn_v.": "Q8_0"})
+    exported = []
+
+    def export(target, *args, **kwargs):
+        exported.append(target)
+        raise KeyboardInterrupt  # stop here: the rest of a TensorRT build needs TensorRT
 
     monkeypatch.setattr(build_module, "require_tensorrt_build", lambda options: None)  # as if TensorRT were here
-    monkeypatch.setattr(build_module, "_export_graphs", lambda *args, **kwargs: pytest.fail("a graph was exported"))
-    _, gguf = files("llama", "Q8_0")
-    with pytest.raises(SpecCompileError, match="Q8_0 blocks .* --target-weights int4 or float32"):
-        speccompile.build(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=1, backend="tensorrt")
-    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(build_module, "_export_graphs", export)
+    with pytest.raises(KeyboardInterrupt):
+        speccompile.build(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=1, backend="tensorrt",
+                          target_weights="int4")
+    (target,) = exported
+    assert target.source.kept == {"Q4_1": 14} and target.source.converted == {"Q8_0": 2}
+    check_tensorrt_sources({"target": target.source.kept})
+    assert {w.blocks.bits for w in target.weights.values() if getattr(w, "blocks", None)} == {4}
