@@ -33,9 +33,10 @@ def test_the_default_build_says_what_it_kept_and_converted(model_file, tmp_path)
     model = open_bundle(bundle).model("target")
     assert model.model_type == "gemma3_text" and model.matmul_weights == "int8"
     source = model.source_format
-    # the tied embedding's Q8_0 is kept for the LM head; attn_v's Q8_0 layers keep theirs beside Q5_0 q and k
-    assert source.kept == {"Q8_0": 10}
-    assert source.converted == {"Q4_K": 27, "Q5_0": 81, "Q6_K": 9}
+    # every matrix keeps the file's blocks: the tied embedding's Q8_0 (for the LM head too), attn_v's
+    # Q8_0 layers beside Q5_0 q and k, Q4_K and Q6_K
+    assert source.kept == {"Q4_K": 27, "Q5_0": 81, "Q6_K": 9, "Q8_0": 10}
+    assert source.converted == {}
 
 
 def test_greedy_output_is_transformers_own_and_speculation_changes_nothing(bundle, reference):
