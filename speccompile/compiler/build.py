@@ -601,10 +601,10 @@ NEAR_FLOAT_FORMATS = ("F16", "BF16", "Q8_0")
 
 
 def _warn_int4_of_low_bit_blocks(spec: ModelSpec, stored: str) -> None:
-    """int4 of tensors the file already holds in low-bit blocks it does not keep (2-3-bit K-quants,
-    IQ codebooks; 5-6-bit blocks in a TensorRT build) quantizes twice: symmetric blocks of 128 over
-    the file's own. Measured before Q4_K and Q5_0 were kept, on Gemma 3 270M from Q4_K_M: +0.56 nats a
-    token against the file's own model (docs/performance.md, "On real weights")."""
+    """int4 of tensors the file holds in low-bit blocks the build does not keep (2-3-bit K-quants, IQ
+    codebooks; 5-6-bit blocks in a TensorRT build) quantizes twice: symmetric blocks of 128 over the
+    file's own. Done to Gemma 3 270M's Q4_K and Q5_0 matrices, it cost +0.56 nats a token against the
+    file's own model (docs/performance.md, "On real weights")."""
     low_bit = sorted(kind for kind in spec.source.converted if kind not in NEAR_FLOAT_FORMATS)
     if stored == "int4" and low_bit:
         logger.warning(f"{spec.path}: its {', '.join(low_bit)} tensors are quantized again to int4 (symmetric "

@@ -83,16 +83,17 @@ def session_graph(bundle) -> onnx.ModelProto:
     return onnx.load(str(bundle.path / "target_session.onnx"), load_external_data=False)
 
 
-def assert_logits_are_the_files(bundle, gguf) -> None:
-    """The target's last logits on a prompt are HF's on the file's dequantized weights but for the int8
-    rounding of activations that MatMulNBits does (as llama.cpp's CPU kernels do)."""
+def assert_logits_are_the_files(bundle, gguf, graph_file: str | None = None) -> None:
+    """The target's last logits on a prompt (from its single-sequence forward graph, or `graph_file`)
+    are HF's on the file's dequantized weights but for the int8 rounding of activations that
+    MatMulNBits does (as llama.cpp's CPU kernels do)."""
     from tests.compiler.test_transformer_parity import empty_cache, run_file
 
     prompt = PROMPTS[0]
     with torch.no_grad():
         expected = model_of_gguf(gguf)(torch.tensor([prompt])).logits[0, -1].numpy()
     feeds = {"input_ids": np.array([prompt]), "past_len": np.zeros(1, np.int64), "token_count": np.array([len(prompt)])}
-    out, _ = run_file(bundle, bundle.graph("target_forward").single_sequence.file, feeds,
+    out, _ = run_file(bundle, graph_file or bundle.graph("target_forward").single_sequence.file, feeds,
                       empty_cache(bundle.manifest, "target", 1))
     error = np.abs(out["logits"][0] - expected[:len(out["logits"][0])]).max() / np.abs(expected).max()
     assert error < 0.04, f"logits off by {error:.1%} of their range"
@@ -144,6 +145,19 @@ def test_fused_projections_of_mixed_formats_keep_every_part(files, tmp_path):
     alone, _ = generated(bundle.path)
     plain, _ = generated(bundle.path, mode="autoregressive")
     assert alone == plain
+
+
+def test_blocks_with_minimums_export_as_graphs_tensorrt_parses(files, tmp_path):
+    """The portable graphs (--backend onnx) of a Q4_1 file: blocked DequantizeLinear on int4 and the
+    offsets' Reshape, ReduceSum and MatMul pass TensorRT's rules (the build checks them and would
+    refuse), and their logits are the file's."""
+    _, gguf = files("llama", "Q4_1")
+    bundle = open_bundle(build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=1,
+                                      backend="onnx", single_sequence=False))
+    graph = onnx.load(str(bundle.path / bundle.graph("target_forward").file), load_external_data=False)
+    ops = {n.op_type for n in graph.graph.node}
+    assert {"DequantizeLinear", "ReduceSum"} <= ops and "MatMulNBits" not in ops
+    assert_logits_are_the_files(bundle, gguf, bundle.graph("target_forward").file)
 
 
 def test_a_float_build_of_a_quantized_gguf_takes_the_exact_values_of_its_blocks(files, tmp_path):

@@ -4,7 +4,7 @@ draft at each precision, interleaved in one run.
     python -m tools.make_random_checkpoint --shape tinyllama-1.1b --residual-scale 0.0001 --out /tmp/tl
     python -m tools.make_random_checkpoint --draft-of /tmp/tl --layers 2 --out /tmp/tl-draft
     python -m tools.measure llama_cpp --target /tmp/tl --draft /tmp/tl-draft --llama-cpp DIR \\
-        [--work DIR] [--precisions F32 Q8_0 Q4_0] [--gamma 4] [--max-new-tokens 64] [--repeats 3]
+        [--work DIR] [--precisions F32 Q8_0 Q4_0 Q4_K_M] [--gamma 4] [--max-new-tokens 64] [--repeats 3]
 
 `--llama-cpp`: a llama.cpp source tree built with CMake into its build/ (llama-completion,
 llama-speculative-simple and llama-quantize), e.g. the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp:
@@ -14,9 +14,10 @@ llama-speculative-simple and llama-quantize), e.g. the llama-cpp-python 0.3.36 s
 
 The files, made once into `--work` (default /tmp/llama_cpp_side_by_side): the tree's own
 convert_hf_to_gguf.py writes target and draft as F32 GGUF; `llama-quantize --pure` makes each
-quantized type (every tensor but the norms); `speccompile build` makes one bundle from each pair of
-GGUF files (F32 as float32; Q8_0 and Q4_0 blocks kept as they are, so both engines multiply the same
-integers by the same scales; the draft at the target's precision), with `--gamma γ`.
+quantized type (every tensor but the norms), and `llama-quantize` alone the Q4_K_M mix (Q4_K, with
+Q6_K where llama.cpp puts more bits); `speccompile build` makes one bundle from each pair of GGUF
+files (F32 as float32; the quantized files' blocks kept as they are, so both engines multiply the
+same integers by the same scales; the draft at the target's precision), with `--gamma γ`.
 
 Each repeat runs, per precision: our bundle in a fresh process (`bench`, plain decoding and the draft
 model at γ over the prompts, interleaved); llama.cpp's plain decoding (llama-completion) and its
@@ -46,7 +47,9 @@ from tools.measure.record import Column, Measured, Spread, Table
 from tools.measure.scenarios.precisions import one_bundle
 
 COMMON = Common(max_new_tokens=64, repeats=3)
-OUR_WEIGHTS = {"F32": "float32", "Q8_0": "int8", "Q4_0": "int4"}  # a GGUF type -> our --target-weights
+# a GGUF type (or llama-quantize's mix) -> our --target-weights
+OUR_WEIGHTS = {"F32": "float32", "Q8_0": "int8", "Q4_0": "int4", "Q4_K_M": "int4"}
+MIXES = ("Q4_K_M",)  # quantized as llama.cpp's users get them: its per-tensor mix, not --pure
 THREADS = 2
 COLUMNS = (Column("precision"), Column("ours_plain", "tok/s", 1, "ours plain"),
            Column("ours_speculative", "tok/s", 1, "ours speculative"), Column("ours_speedup", "×", 2, "ours speedup"),
@@ -108,7 +111,8 @@ def prepare(args, precision: str) -> Pair:
             convert_to_gguf(args.llama_cpp, checkpoint, f32, "f32")
         files[role] = args.work / f"{role}-{precision}.gguf"
         if not files[role].is_file():
-            subprocess.run([str(binary(args, "llama-quantize")), "--pure", str(f32), str(files[role]), precision],
+            pure = [] if precision in MIXES else ["--pure"]
+            subprocess.run([str(binary(args, "llama-quantize")), *pure, str(f32), str(files[role]), precision],
                            check=True, capture_output=True)
     bundle = args.work / f"bundle-{precision}"
     if not (bundle / "manifest.json").is_file():
