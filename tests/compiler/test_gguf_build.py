@@ -106,7 +106,8 @@ def test_blocks_are_compiled_as_the_file_holds_them(family, qtype, files, tmp_pa
     (MatMulNBits: 4-bit integers for Q4_0/Q4_1/Q4_K, 8-bit for the 5-8-bit formats, in the format's
     blocks, with the file's scales; for formats with a minimum, its product with each block's sum of
     the activations added). The logits are the file's model's, and speculative output equals plain
-    decoding's. The embedding too: gathered as the file's integers, scaled and offset per block."""
+    decoding's, alone and batched. The embedding too: gathered as the file's integers, scaled and
+    offset per block."""
     kept = KEPT_BLOCKS[qtype]
     _, gguf = files(family, qtype)
     bundle = open_bundle(build_bundle(gguf, None, tmp_path / "b", gammas=[2], max_seq=64, max_batch=2))

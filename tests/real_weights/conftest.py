@@ -86,3 +86,31 @@ def assert_greedy_is_transformers(bundle: Path, reference: TransformersModel, pr
         assert runtime.tokenizer.encode(prompt) == ids
         assert ours.token_ids == spec.token_ids == reference.greedy(ids, max_new, eos), prompt
     return plain
+
+
+def prompt_logprob_gap(bundle: Path, reference: TransformersModel, prompts: list[str]) -> float:
+    """Mean |log p(token)| difference over every prompt token (after each prompt's first) between the
+    bundle's target (its exact prompt log-probabilities) and transformers' float32 model of the file:
+    how far a build's model is from the file's, free of greedy decoding's near ties."""
+    import numpy as np
+    import torch
+
+    import speccompile
+
+    runtime = speccompile.load(bundle)
+    gaps = []
+    for prompt in prompts:
+        ids = runtime.tokenizer.encode(prompt)
+        [result] = runtime.generate([ids], max_new_tokens=1, prompt_logprobs=1)
+        ours = np.array([entry[0] for entry in result.prompt_logprobs])
+        with torch.no_grad():
+            log_p = torch.log_softmax(reference.model(torch.tensor([ids])).logits[0].double(), -1).numpy()
+        gaps.append(np.abs(ours - log_p[np.arange(len(ids) - 1), ids[1:]]))
+    return float(np.concatenate(gaps).mean())
+
+
+def default_bundle(model_file: Path, directory: Path) -> Path:
+    """The build with no precision given (int8 for a GGUF: every block kept as the file holds it)."""
+    from speccompile.compiler.build import build_bundle
+
+    return build_bundle(model_file, None, directory / "default", gammas=[4], max_seq=256, max_batch=1)
