@@ -113,18 +113,24 @@ def test_lazy_tensors_equal_gguf_py_dequantize(ggufs, qtype):
         np.testing.assert_array_equal(lazy[tensor.name].load(), expected, err_msg=tensor.name)
 
 
-@pytest.mark.parametrize("kind", READABLE)
-def test_every_readable_type_dequantizes_as_gguf_py(tmp_path, kind):
-    qtype = gguf.GGMLQuantizationType[kind]
-    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = np.random.default_rng(0).integers(0, 256, (3, 512 // block * type_size), dtype=np.uint8)
-    writer = gguf.GGUFWriter(tmp_path / "one.gguf", "llama")
+def one_tensor_file(path, raw: np.ndarray, qtype):
+    """A GGUF holding one tensor of `qtype`'s raw blocks [rows, bytes], read back as our lazy tensor."""
+    writer = gguf.GGUFWriter(path, "llama")
     writer.add_tensor("t", raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    (tensor,) = gguf_tensors(read_gguf(tmp_path / "one.gguf")).values()
+    (tensor,) = gguf_tensors(read_gguf(path)).values()
+    return tensor
+
+
+@pytest.mark.parametrize("kind", READABLE)
+def test_every_readable_type_dequantizes_as_gguf_py(tmp_path, kind):
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(0).integers(0, 256, (3, 512 // block * type_size), dtype=np.uint8)
+    tensor = one_tensor_file(tmp_path / "one.gguf", raw, qtype)
     assert tensor.shape == (3, 512) and tensor.dtype == np.float32
     with np.errstate(all="ignore"):  # random bits make infinities and NaNs, alike in both
         np.testing.assert_array_equal(tensor.load(), gguf.quants.dequantize(raw, qtype))
@@ -158,13 +164,7 @@ def test_kept_blocks_give_the_values_gguf_py_dequantizes(tmp_path, kind):
     for at in FP16_FIELDS[kind]:
         raw[:, :, at:at + 2] = rng.uniform(-0.02, 0.02, (6, 512 // block, 1)).astype(np.float16).view(np.uint8)
     raw = raw.reshape(6, -1)
-    writer = gguf.GGUFWriter(tmp_path / "one.gguf", "llama")
-    writer.add_tensor("t", raw, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    (tensor,) = gguf_tensors(read_gguf(tmp_path / "one.gguf")).values()
+    tensor = one_tensor_file(tmp_path / "one.gguf", raw, qtype)
     blocks = tensor.blocks
     assert (blocks.axis, blocks.block, blocks.bits) == (1, kept.block, kept.bits)
     assert (blocks.offset is not None) == kept.has_minimum
