@@ -299,12 +299,12 @@ def _dequantized(path: Path, info: GGUFTensor) -> np.ndarray:
 
 @dataclass(frozen=True)
 class BlockFormat:
-    """How one ggml block type is kept: each stored block of `nbytes` holds `values` values in blocks
-    of `block` with a scale each (and a minimum each, for the asymmetric types), whose integers fit
-    `bits`-bit signed ints (ONNX Runtime's MatMulNBits takes 4 and 8). `unpack` turns stored blocks
-    [n, nbytes] into (q int8 [n, values] centred on 0, scale [n, values / block], offset or None)."""
+    """How one ggml block type is kept: its stored blocks of `nbytes` (32 values, or a K-quant's 256)
+    hold values in blocks of `block` with a scale each (and a minimum each, for the asymmetric types),
+    whose integers fit `bits`-bit signed ints (ONNX Runtime's MatMulNBits takes 4 and 8). `unpack`
+    turns stored blocks [n, nbytes] into (q int8 [n, values] centred on 0, scale [n, values / block],
+    offset or None)."""
 
-    values: int
     nbytes: int
     block: int
     bits: int
@@ -385,14 +385,14 @@ def _q6_k(raw):  # 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, 
 # and quantized at the build's precision. 5- and 6-bit integers are kept in 8 bits: exact, at 8 bits a
 # value where llama.cpp keeps 5.5-6.6.
 KEPT_BLOCKS = {
-    "Q8_0": BlockFormat(32, 34, 32, 8, False, _q8_0),
-    "Q4_0": BlockFormat(32, 18, 32, 4, False, _q4_0),
-    "Q4_1": BlockFormat(32, 20, 32, 4, True, _q4_1),
-    "Q5_0": BlockFormat(32, 22, 32, 8, False, _q5_0),
-    "Q5_1": BlockFormat(32, 24, 32, 8, True, _q5_1),
-    "Q4_K": BlockFormat(256, 144, 32, 4, True, _q4_k),
-    "Q5_K": BlockFormat(256, 176, 32, 8, True, _q5_k),
-    "Q6_K": BlockFormat(256, 210, 16, 8, False, _q6_k),
+    "Q8_0": BlockFormat(34, 32, 8, False, _q8_0),
+    "Q4_0": BlockFormat(18, 32, 4, False, _q4_0),
+    "Q4_1": BlockFormat(20, 32, 4, True, _q4_1),
+    "Q5_0": BlockFormat(22, 32, 8, False, _q5_0),
+    "Q5_1": BlockFormat(24, 32, 8, True, _q5_1),
+    "Q4_K": BlockFormat(144, 32, 4, True, _q4_k),
+    "Q5_K": BlockFormat(176, 32, 8, True, _q5_k),
+    "Q6_K": BlockFormat(210, 16, 8, False, _q6_k),
 }
 
 
