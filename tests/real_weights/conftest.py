@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from fetch_real_models import MODELS, convert_to_gguf, converter_dir, models_dir  # noqa: E402, F401 (for tests)
+from fetch_real_models import (  # noqa: E402, F401 (for tests)
+    MODELS,
+    convert_to_gguf,
+    converter_dir,
+    models_dir,
+    transformers_model,
+)
 
 
 def real_model(name: str) -> Path:
@@ -50,12 +56,10 @@ class TransformersModel:
     """transformers' tokenizer and float32 model loaded from the same GGUF file; greedy decoding."""
 
     def __init__(self, model_file: Path):
-        import torch
         import transformers
 
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_file.parent, gguf_file=model_file.name)
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_file.parent, gguf_file=model_file.name,
-                                                                       dtype=torch.float32).eval()
+        self.model = transformers_model(model_file).eval()
 
     def greedy(self, ids: list[int], max_new: int, eos: list[int]) -> list[int]:
         """Stopping at the tokens the bundle stops at (its EOS ids, end-of-turn tokens included)."""
