@@ -1,6 +1,6 @@
 """The user's cache directory: $SPECCOMPILE_CACHE, else the platform's (e.g. ~/.cache/speccompile).
-It holds what can always be made again: the demo bundles, and each machine's pre-packed session
-graphs (runtime/prepacked.py)."""
+It holds what can always be made again: the demo bundles, and each machine's optimized session
+graphs (runtime/saved_graphs.py)."""
 
 import os
 from pathlib import Path

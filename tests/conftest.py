@@ -3,14 +3,14 @@ import pytest
 
 
 @pytest.fixture(scope="session", autouse=True)
-def prepacked_cache(tmp_path_factory):
-    """Session graphs pre-packed by the tests are saved in a directory of the test run, not in the
-    user's cache (runtime/prepacked.py)."""
-    from speccompile.runtime import prepacked
+def saved_graphs_cache(tmp_path_factory):
+    """Session graphs optimized by the tests are saved in a directory of the test run, not in the
+    user's cache (runtime/saved_graphs.py)."""
+    from speccompile.runtime import saved_graphs
 
-    root = tmp_path_factory.mktemp("prepacked")
+    root = tmp_path_factory.mktemp("optimized")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(prepacked, "prepacked_root", lambda: root)
+        patch.setattr(saved_graphs, "saved_graphs_root", lambda: root)
         yield root
 
 

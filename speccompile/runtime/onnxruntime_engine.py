@@ -17,7 +17,7 @@ import numpy as np
 
 from speccompile.bundle import AUX_HIDDEN, HEAD_ROLE, Bundle, GraphId, ModelEntry, kv_cache_shape, output_array
 from speccompile.errors import SpecCompileError
-from speccompile.runtime import prepacked
+from speccompile.runtime import saved_graphs
 from speccompile.runtime.model import CachedModel
 
 
@@ -85,11 +85,9 @@ def session_options(threads: int | None = None, spinning: bool | None = None, sh
     target's step sessions spinning made plain decoding 1.01x and the loop 0.75x; pools that kept
     spinning after every run ran the loop at 0.45x, pools that never spin at about 0.8x.
 
-    Pre-packing runs on the session's threads (`session.prepack.enable_parallel`), and so does the
-    first touch of a saved pre-packed graph's mapped blobs. The 1.1B targets' saved graphs, 5 fresh
-    processes per setting, interleaved: int4 0.84-0.94 s against 0.86-1.06 s one blob at a time,
-    int8 1.83-1.98 against 2.29-2.47 s (docs/performance.md, "Starting"). What it adds to the peak RSS
-    is mapped file pages (page cache, shared), not the heap: +0.06 GB anonymous."""
+    Pre-packing runs on the session's threads (`session.prepack.enable_parallel`): on the 1.1B
+    targets, 5 fresh processes per setting, interleaved, int4 0.84-0.94 s against 0.86-1.06 s one
+    weight at a time, int8 1.83-1.98 against 2.29-2.47 s (docs/performance.md, "Starting")."""
     ort = _ort()
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -142,7 +140,7 @@ class OrtModel(CachedModel):
         self._session_graph = info.session if _one_session(bundle, info, one_session) else None
         self._variant_files = {e.single_sequence.file for e in bundle.manifest.graphs.values() if e.single_sequence}
         self._sessions: dict = {}  # graph file -> session
-        self.session_source = "plain"  # a session graph's: "saved" pre-packed, "saving" it, or "plain" (prepacked.py)
+        self.session_source = "plain"  # a session graph's: "saved" optimized, "saving" it, or "plain" (saved_graphs.py)
         # (graph, first slot, batch) -> (session, binding, outputs, fed): resolved once, not per step
         self._calls: dict = {}
         self.cache: list[np.ndarray] = []  # each layer's K and V [slots, KV heads, max_seq, head dim], written in place
@@ -203,8 +201,8 @@ class OrtModel(CachedModel):
         options = session_options(self._threads, self._spinning, self.shared_pool)
         options.log_severity_level = 3  # a session graph's optional inputs have defaults, which it warns about
         if self._session_graph is not None and self._providers == ["CPUExecutionProvider"]:
-            # a real-size model: its optimized, pre-packed graph is saved once per machine (prepacked.py)
-            session, self.session_source = prepacked.open_session(self.bundle, file, options, self._providers)
+            # a real-size model: its optimized graph is saved once per machine (saved_graphs.py)
+            session, self.session_source = saved_graphs.open_session(self.bundle, file, options, self._providers)
             return session
         return _ort().InferenceSession(str(self.bundle.path / file), options, providers=self._providers)
 

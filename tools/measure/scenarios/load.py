@@ -3,14 +3,15 @@
     python -m tools.measure load [--bundle DIR] [--cold] [--repeats 3]
 
 Each repeat runs in a fresh process: import, the bundle's integrity stamp (`open_bundle`), `load()`
-(the tokenizer, each model's session: saved pre-packed or made now, see runtime/prepacked.py), then
+(the tokenizer, each model's session: from its saved optimized graph or made now, see
+runtime/saved_graphs.py), then
 one generated token (prefill of an 8-token prompt and the first step). `--cold` drops the page cache
 before each repeat (root only: `sync; echo 3 > /proc/sys/vm/drop_caches`), so the bundle's bytes
-come from disk, and adds the time to read the files a start reads (tokenizer, graphs, the saved
-pre-packed graphs or else the weights), also from a dropped page cache: the floor a cold start is
-held to. Each part: the median over repeats and the range. Then what the bundle takes on disk
-beside its weights files (the tensors as stored), and what this machine's saved pre-packed graphs of
-it take in the user's cache.
+come from disk, and adds the time to read the files a start reads (tokenizer, graphs, weights and
+the saved optimized graphs), also from a dropped page cache: the floor a cold start is held to.
+Each part: the median over repeats and the range. Then what the bundle takes on disk beside its
+weights files (the tensors as stored), and what this machine's saved graphs of it take in the
+user's cache.
 """
 
 import subprocess
@@ -87,17 +88,14 @@ def run(args) -> Measured:
 
 
 def start_files(path: Path) -> list[Path]:
-    """The files a start reads: the manifest, tokenizer and graphs of the bundle, and each session's
-    saved pre-packed graph where there is one (else the weights files its graphs read)."""
+    """The files a start reads: the bundle's manifest, tokenizer, graphs and weights, and this
+    machine's saved optimized graphs of it."""
     from speccompile.bundle import open_bundle
-    from speccompile.runtime.prepacked import prepacked_dir
+    from speccompile.runtime.saved_graphs import saved_dir
 
-    saved = prepacked_dir(open_bundle(path))
-    files = [f for f in path.rglob("*") if f.is_file() and f.suffix != ".weights" and "profiles" not in f.parts]
-    for weights in path.glob("*.weights"):  # a model's saved graph holds its weights; else its graphs read these
-        graph = saved / f"{weights.stem}_session"
-        files += [f for f in graph.iterdir() if f.is_file()] if graph.is_dir() else [weights]
-    return files
+    saved = saved_dir(open_bundle(path))
+    files = [f for f in path.rglob("*") if f.is_file() and "profiles" not in f.parts]
+    return files + [f for f in saved.rglob("*") if f.is_file()]
 
 
 def read_seconds(files: list[Path]) -> float:
@@ -111,12 +109,12 @@ def read_seconds(files: list[Path]) -> float:
 
 
 DISK_COLUMNS = (Column("bundle", "GB", 3), Column("weights", "GB", 3, "its weights files"),
-                Column("ratio", "×", 3, "bundle / weights"), Column("prepacked", "GB", 3, "saved pre-packed (cache)"))
+                Column("ratio", "×", 3, "bundle / weights"), Column("saved", "GB", 3, "saved optimized graphs (cache)"))
 
 
 def disk(path: Path) -> dict:
     from speccompile.bundle import open_bundle
-    from speccompile.runtime.prepacked import prepacked_dir
+    from speccompile.runtime.saved_graphs import saved_dir
 
     def size(files) -> float:
         return sum(f.stat().st_size for f in files if f.is_file()) / 1e9
@@ -124,4 +122,4 @@ def disk(path: Path) -> dict:
     bundle = size(path.rglob("*"))
     weights = size(path.glob("*.weights"))
     return {"bundle": bundle, "weights": weights, "ratio": bundle / weights if weights else None,
-            "prepacked": size(prepacked_dir(open_bundle(path)).rglob("*"))}
+            "saved": size(saved_dir(open_bundle(path)).rglob("*"))}
