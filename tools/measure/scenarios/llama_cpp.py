@@ -1,10 +1,14 @@
-"""Ours beside llama.cpp on the same GGUF files: plain and speculative decoding of a target and its
-draft at each precision, interleaved in one run.
+"""Ours beside llama.cpp on the same GGUF files: plain and speculative decoding of targets and their
+drafts at each precision, interleaved in one run.
 
     python -m tools.make_random_checkpoint --shape tinyllama-1.1b --residual-scale 0.0001 --out /tmp/tl
     python -m tools.make_random_checkpoint --draft-of /tmp/tl --layers 2 --out /tmp/tl-draft
     python -m tools.measure llama_cpp --target /tmp/tl --draft /tmp/tl-draft --llama-cpp DIR \\
         [--work DIR] [--precisions F32 Q8_0 Q4_0 Q4_K_M] [--gamma 4] [--max-new-tokens 64] [--repeats 3]
+
+`--target` and `--draft` take several checkpoints, paired in order (e.g. the 1.1B pair at
+`--residual-scale 0.001` and at 0.0001: a draft that agrees less and more often); each row names its
+target's directory.
 
 `--llama-cpp`: a llama.cpp source tree built with CMake into its build/ (llama-completion,
 llama-speculative-simple and llama-quantize), e.g. the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp:
@@ -12,7 +16,7 @@ llama-speculative-simple and llama-quantize), e.g. the llama-cpp-python 0.3.36 s
     cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
     cmake --build build -j2 --target llama-completion llama-speculative-simple llama-quantize
 
-The files, made once into `--work` (default /tmp/llama_cpp_side_by_side): the tree's own
+The files, made once into `--work`/<target's name> (default /tmp/llama_cpp_side_by_side): the tree's own
 convert_hf_to_gguf.py writes target and draft as F32 GGUF; `llama-quantize --pure` makes each
 quantized type (every tensor but the norms), and `llama-quantize` alone the Q4_K_M mix (Q4_K, with
 Q6_K where llama.cpp puts more bits); `speccompile build` makes one bundle from each pair of GGUF
@@ -40,6 +44,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from speccompile.errors import SpecCompileError
 from tools.fetch_real_models import convert_to_gguf
 from tools.measure.harness import in_fresh_process, interleaved
 from tools.measure.options import Common, positive
@@ -51,7 +56,7 @@ COMMON = Common(max_new_tokens=64, repeats=3)
 OUR_WEIGHTS = {"F32": "float32", "Q8_0": "int8", "Q4_0": "int4", "Q4_K_M": "int4"}
 MIXES = ("Q4_K_M",)  # quantized as llama.cpp's users get them: its per-tensor mix, not --pure
 THREADS = 2
-COLUMNS = (Column("precision"), Column("ours_plain", "tok/s", 1, "ours plain"),
+COLUMNS = (Column("pair"), Column("precision"), Column("ours_plain", "tok/s", 1, "ours plain"),
            Column("ours_speculative", "tok/s", 1, "ours speculative"), Column("ours_speedup", "×", 2, "ours speedup"),
            Column("ours_acceptance", digits=2, label="ours acceptance"),
            Column("llama_plain", "tok/s", 1, "llama.cpp plain"),
@@ -60,7 +65,7 @@ COLUMNS = (Column("precision"), Column("ours_plain", "tok/s", 1, "ours plain"),
            Column("llama_acceptance", digits=2, label="llama.cpp acceptance"),
            Column("plain_lead", "×", 2, "ours / llama.cpp plain"),
            Column("speculative_lead", "×", 2, "ours / llama.cpp speculative"))
-SPLIT_COLUMNS = (Column("precision"), Column("prompt_tokens", digits=0, label="prompt tokens"),
+SPLIT_COLUMNS = (Column("pair"), Column("precision"), Column("prompt_tokens", digits=0, label="prompt tokens"),
                  Column("ours_prefill", "ms", 0, "ours prefill"), Column("llama_prefill", "ms", 0, "llama.cpp prefill"),
                  Column("ours_per_token", "ms", 1, "ours per new token"),
                  Column("llama_per_token", "ms", 1, "llama.cpp per new token"))
@@ -83,8 +88,9 @@ print(json.dumps(split))
 
 
 def add_options(parser) -> None:
-    parser.add_argument("--target", type=Path, required=True, help="the target's Hugging Face checkpoint")
-    parser.add_argument("--draft", type=Path, required=True, help="the draft's Hugging Face checkpoint")
+    parser.add_argument("--target", type=Path, nargs="+", required=True, help="the targets' Hugging Face checkpoints")
+    parser.add_argument("--draft", type=Path, nargs="+", required=True,
+                        help="the drafts' Hugging Face checkpoints, one per target, in order")
     parser.add_argument("--llama-cpp", type=Path, required=True, help="a llama.cpp tree built into its build/")
     parser.add_argument("--work", type=Path, default=Path("/tmp/llama_cpp_side_by_side"),
                         help="where the GGUF files and bundles are made, once")
@@ -96,30 +102,37 @@ def add_options(parser) -> None:
 class Pair:
     """One precision's files: the target's and the draft's GGUF, and our bundle built from them."""
 
+    name: str  # the target checkpoint's directory
+    precision: str
     target: Path
     draft: Path
     bundle: Path
 
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.precision}"
 
-def prepare(args, precision: str) -> Pair:
-    """The GGUF files and the bundle of one precision, made where missing."""
-    args.work.mkdir(parents=True, exist_ok=True)
+
+def prepare(args, target: Path, draft: Path, precision: str) -> Pair:
+    """The GGUF files and the bundle of one pair at one precision, made where missing."""
+    work = args.work / target.name
+    work.mkdir(parents=True, exist_ok=True)
     files = {}
-    for role, checkpoint in (("target", args.target), ("draft", args.draft)):
-        f32 = args.work / f"{role}-F32.gguf"
+    for role, checkpoint in (("target", target), ("draft", draft)):
+        f32 = work / f"{role}-F32.gguf"
         if not f32.is_file():
             convert_to_gguf(args.llama_cpp, checkpoint, f32, "f32")
-        files[role] = args.work / f"{role}-{precision}.gguf"
+        files[role] = work / f"{role}-{precision}.gguf"
         if not files[role].is_file():
             pure = [] if precision in MIXES else ["--pure"]
             subprocess.run([str(binary(args, "llama-quantize")), *pure, str(f32), str(files[role]), precision],
                            check=True, capture_output=True)
-    bundle = args.work / f"bundle-{precision}"
+    bundle = work / f"bundle-{precision}"
     if not (bundle / "manifest.json").is_file():
         subprocess.run(["speccompile", "build", "--target", str(files["target"]), "--draft", str(files["draft"]),
                         "--out", str(bundle), "--target-weights", OUR_WEIGHTS[precision], "--gamma", str(args.gamma),
                         "--max-seq", "512", "--max-batch", "4", "--force"], check=True, capture_output=True)
-    return Pair(files["target"], files["draft"], bundle)
+    return Pair(target.name, precision, files["target"], files["draft"], bundle)
 
 
 def binary(args, name: str) -> Path:
@@ -178,30 +191,32 @@ def run(args) -> Measured:
     from tools.measure.prompts import heldout_functions, workloads
 
     prompts = workloads(heldout_functions(3))["completion"]
-    pairs = {precision: prepare(args, precision) for precision in args.precisions}
+    if len(args.target) != len(args.draft):
+        raise SpecCompileError(f"{len(args.target)} targets and {len(args.draft)} drafts: give one draft per target")
+    pairs = [prepare(args, target, draft, precision)
+             for target, draft in zip(args.target, args.draft) for precision in args.precisions]
     variants = {}
-    for precision, pair in pairs.items():
-        variants[f"ours {precision}"] = lambda _, p=pair: one_bundle(p.bundle, args.gamma, args.max_new_tokens, 1,
-                                                                     "draft")["bench"]
-        variants[f"ours split {precision}"] = lambda _, p=pair: ours_split(args, p)
+    for pair in pairs:
+        variants[f"ours {pair.label}"] = lambda _, p=pair: one_bundle(p.bundle, args.gamma, args.max_new_tokens, 1,
+                                                                      "draft")["bench"]
+        variants[f"ours split {pair.label}"] = lambda _, p=pair: ours_split(args, p)
         for speculative in (False, True):
-            variants[f"llama.cpp {precision} {speculative}"] = (
+            variants[f"llama.cpp {pair.label} {speculative}"] = (
                 lambda _, p=pair, s=speculative: llama_requests(args, p, prompts, s))
     samples = interleaved(variants, args.repeats)
     values = {name: [s.value for s in runs] for name, runs in samples.items()}
-    return Measured((Table.of("llama_cpp", COLUMNS, [row(precision, values) for precision in pairs]),
+    return Measured((Table.of("llama_cpp", COLUMNS, [row(pair, values) for pair in pairs]),
                      Table.of("llama_cpp_split", SPLIT_COLUMNS,
-                              [split_row(precision, prompt, values) for precision in pairs
-                               for prompt in range(len(prompts))],
+                              [split_row(pair, prompt, values) for pair in pairs for prompt in range(len(prompts))],
                               "plain decoding, phase by phase: each prompt's prefill and ms per new token")),
-                    {"runs": values, "gamma": args.gamma, "files": {p: str(pair.target) for p, pair in pairs.items()}})
+                    {"runs": values, "gamma": args.gamma, "files": {pair.label: str(pair.target) for pair in pairs}})
 
 
-def row(precision: str, values: dict) -> dict:
-    ours, plain, speculative = (values[f"ours {precision}"], values[f"llama.cpp {precision} False"],
-                                values[f"llama.cpp {precision} True"])
+def row(pair: Pair, values: dict) -> dict:
+    ours, plain, speculative = (values[f"ours {pair.label}"], values[f"llama.cpp {pair.label} False"],
+                                values[f"llama.cpp {pair.label} True"])
     over = Spread.of
-    return {"precision": precision, "ours_plain": over(r["ar_tokens_per_s"] for r in ours),
+    return {"pair": pair.name, "precision": pair.precision, "ours_plain": over(r["ar_tokens_per_s"] for r in ours),
             "ours_speculative": over(r["spec_tokens_per_s"] for r in ours),
             "ours_speedup": over(r["speedup"] for r in ours),
             "ours_acceptance": over(r["acceptance_rate"] for r in ours),
@@ -213,11 +228,11 @@ def row(precision: str, values: dict) -> dict:
             "speculative_lead": over(o["spec_tokens_per_s"] / s["tokens_per_s"] for o, s in zip(ours, speculative))}
 
 
-def split_row(precision: str, prompt: int, values: dict) -> dict:
-    ours = [run[prompt] for run in values[f"ours split {precision}"]]
-    theirs = [run["split"][prompt] for run in values[f"llama.cpp {precision} False"]]
+def split_row(pair: Pair, prompt: int, values: dict) -> dict:
+    ours = [run[prompt] for run in values[f"ours split {pair.label}"]]
+    theirs = [run["split"][prompt] for run in values[f"llama.cpp {pair.label} False"]]
     over = Spread.of
-    return {"precision": precision, "prompt_tokens": theirs[0]["prompt_tokens"],
+    return {"pair": pair.name, "precision": pair.precision, "prompt_tokens": theirs[0]["prompt_tokens"],
             "ours_prefill": over(r["prefill_ms"] for r in ours), "llama_prefill": over(r["prefill_ms"] for r in theirs),
             "ours_per_token": over(r["per_token_ms"] for r in ours),
             "llama_per_token": over(r["per_token_ms"] for r in theirs)}
