@@ -3,16 +3,19 @@ cancellation; their tokens arrive through the runtime's edge, edge.py) and the e
 runs the scheduler's iterations.
 """
 
-import asyncio
 import logging
 import queue
 import threading
 from collections import deque
+from typing import TYPE_CHECKING
 
 from speccompile.core.request import Request
 from speccompile.core.scheduler import Scheduler
 from speccompile.errors import SpecCompileError
 from speccompile.runtime.output import Delta, OutputProcessor
+
+if TYPE_CHECKING:  # imported where used: asyncio adds 50 ms to every start, and only async callers need it
+    import asyncio
 
 log = logging.getLogger("speccompile")
 
@@ -96,8 +99,10 @@ class RequestHandle(_Handle):
 class AsyncRequestHandle(_Handle):
     """The asyncio counterpart of RequestHandle: results and tokens are handed to the event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, runtime, output: OutputProcessor, on_tokens=None,
+    def __init__(self, loop: "asyncio.AbstractEventLoop", runtime, output: OutputProcessor, on_tokens=None,
                  on_finish=None):
+        import asyncio
+
         self._loop, self._runtime, self.output, self.prompt = loop, runtime, output, output.prompt
         self.request = output.request
         self._deltas: asyncio.Queue = asyncio.Queue()
@@ -109,6 +114,8 @@ class AsyncRequestHandle(_Handle):
         return self._done.done()
 
     async def result(self):
+        import asyncio
+
         await asyncio.shield(self._done)
         self._raise_its_error()
         return self.output.result()

@@ -10,7 +10,6 @@ their calibration live in policies.py, a Medusa bundle's tree sizing in tree_siz
 at load, before any request is served.
 """
 
-import asyncio
 import threading
 import time
 from pathlib import Path
@@ -157,6 +156,8 @@ class Runtime:
         params = GenerationParams.of(params, **options)
         request = make_request(self, prompt, params, shares_prefill_with=_request_of(same_prompt_as))
         output = OutputProcessor(self.tokenizer, request, prompt, follow_text=stream_text)
+        import asyncio  # here, not at the top: only async callers pay for importing it (handles.py)
+
         handle = AsyncRequestHandle(asyncio.get_running_loop(), self, output, on_tokens, on_finish)
         self._queue(handle)
         return handle

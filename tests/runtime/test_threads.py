@@ -118,7 +118,7 @@ def test_the_default_binds_nothing_and_releases_its_threads_after_every_run(bund
 def test_the_probe_is_the_model_onnx_makes_and_a_load_imports_no_onnx(bundles):
     """The shared-pool probe is kept as bytes so that load() and a first token never import onnx
     (about 1 s of a real-size model's start): the bytes are onnx.helper's model, and a fresh process
-    that loads a bundle and generates has not imported it."""
+    that loads a bundle and generates has not imported it, nor asyncio (50 ms; async callers only)."""
     from onnx import TensorProto, helper
 
     from speccompile.runtime.onnxruntime_engine import PROBE_MODEL
@@ -129,5 +129,5 @@ def test_the_probe_is_the_model_onnx_makes_and_a_load_imports_no_onnx(bundles):
     assert probe.SerializeToString() == PROBE_MODEL
     code = ("import sys, speccompile\n"
             "speccompile.load(sys.argv[1]).generate([[5, 6, 7]], max_new_tokens=4)\n"
-            "print(sorted(m for m in ('onnx', 'torch', 'transformers') if m in sys.modules))")
+            "print(sorted(m for m in ('onnx', 'torch', 'transformers', 'asyncio') if m in sys.modules))")
     assert run_python(code, bundles("llama", "copy")).stdout.strip() == "[]"
