@@ -194,7 +194,7 @@ class GraphBuilder:
         verification on an AVX2 host, MatMulInteger's u8u8 kernel 1.3x, at the same one-row time
         (`python -m tools.measure matmul_kernels`). Why u8u8: its u8s8 kernel sums pairs of products
         in 16 bits on AVX2 and saturates. A token's numbers depend on its own features only, so a
-        verification computes what a decode step does. The price: one scale per token where
+        verification's projections compute what a decode step's do. The price: one scale per token where
         MatMulNBits keeps one per 32 features, coarser where a few features are large."""
         peak = self.op("ReduceMax", self.op("Abs", x), self.const([-1]), keepdims=1)
         row_scale = self.op("Div", self.op("Max", peak, self.const(1e-30, np.float32)), self.const(127.0, np.float32))
