@@ -100,7 +100,7 @@ def add_options(parser) -> None:
 
 @dataclass(frozen=True)
 class Pair:
-    """One precision's files: the target's and the draft's GGUF, and our bundle built from them."""
+    """One pair at one precision: the target's and the draft's GGUF, and our bundle built from them."""
 
     name: str  # the target checkpoint's directory
     precision: str
