@@ -157,7 +157,6 @@ class Runtime:
         request = make_request(self, prompt, params, shares_prefill_with=_request_of(same_prompt_as))
         output = OutputProcessor(self.tokenizer, request, prompt, follow_text=stream_text)
         import asyncio  # here, not at the top: only async callers pay for importing it (handles.py)
-
         handle = AsyncRequestHandle(asyncio.get_running_loop(), self, output, on_tokens, on_finish)
         self._queue(handle)
         return handle
