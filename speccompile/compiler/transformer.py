@@ -649,7 +649,7 @@ def rope_tables(rope: Rope, head_dim: int, max_seq: int) -> tuple[np.ndarray, np
 
 
 def _linear(g, spec, x, prefix, parts=None):
-    """x @ W (+ b). With `parts`, W is those projections side by side: one MatMul instead of several
+    """x [B, T, K] @ W (+ b). With `parts`, W is those projections side by side: one MatMul instead of several
     (their outputs are split or reshaped by the caller). Parts kept in different source blocks (a
     GGUF's Q8_0 v beside Q5_0 q and k) multiply in one MatMul per run of alike parts, so that each
     keeps its own numbers."""
@@ -658,9 +658,9 @@ def _linear(g, spec, x, prefix, parts=None):
     runs = [list(run) for _, run in itertools.groupby(names, key=lambda n: _blocks_kind(w[n + "_w"]))]
     if len(runs) == 1:
         weight = w[names[0] + "_w"] if parts is None else concatenated([w[n + "_w"] for n in names], axis=1)
-        y = g.matmul(x, prefix + "_w", weight)
+        y = g.matmul(x, prefix + "_w", weight, rank=3)
     else:
-        products = [g.matmul(x, f"{prefix}{k}_w", concatenated([w[n + "_w"] for n in run], axis=1))
+        products = [g.matmul(x, f"{prefix}{k}_w", concatenated([w[n + "_w"] for n in run], axis=1), rank=3)
                     for k, run in enumerate(runs)]
         y = g.op("Concat", *products, axis=-1)
     has_bias = [n + "_b" in w for n in names]
