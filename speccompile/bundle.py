@@ -860,7 +860,7 @@ def check_graph(path: Path, manifest: Manifest, name: str) -> None:
     except Exception as e:  # noqa: BLE001 (protobuf's own errors: a file that is not an ONNX model)
         raise SpecCompileError(f"{path}: {name} is not an ONNX model ({type(e).__name__}): refused") from None
     functions = {f.name for f in model.functions if f.domain == "speccompile" and f.name in SPEC_FUNCTION_NAMES}
-    for tensor in _initializers(model.graph):
+    for tensor in graph_initializers(model.graph):
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             location = next((e.value for e in tensor.external_data if e.key == "location"), "")
             if location not in manifest.files:
@@ -887,14 +887,15 @@ def _nodes(nodes):
                 yield from _nodes(attribute.g.node)
 
 
-def _initializers(graph):
+def graph_initializers(graph):
+    """Every initializer of a graph, those of its If branches included."""
     import onnx
 
     yield from graph.initializer
     for node in graph.node:
         for attribute in node.attribute:
             if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from _initializers(attribute.g)
+                yield from graph_initializers(attribute.g)
 
 
 def _verify_files(path: Path, files: dict[str, str]) -> None:

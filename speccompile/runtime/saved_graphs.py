@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from speccompile.bundle import Bundle
+from speccompile.bundle import Bundle, graph_initializers
 from speccompile.errors import SpecCompileError
 from speccompile.runtime.hardware import fingerprint, fingerprint_key
 from speccompile.user_cache import cache_dir
@@ -106,13 +106,14 @@ def open_session(bundle: Bundle, file: str, options, providers):
         options.add_session_config_entry("session.optimized_model_external_initializers_file_name", SAVING_DATA)
         options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
         session = ort.InferenceSession(str(bundle.path / file), options, providers=providers)
-        _point_into_bundle(bundle.path / file, making / MODEL, making / SAVING_DATA)
-        (making / SAVING_DATA).unlink()
-        _write_stamp(bundle, file, making)
-        _move_into_place(making, saved)
-    except NotSaved as why:
-        log.info(f"{file}: its optimized graph is not saved ({why})")
-        return session, "plain"
+        try:
+            _point_into_bundle(bundle.path / file, making / MODEL, making / SAVING_DATA)
+            (making / SAVING_DATA).unlink()
+            _write_stamp(bundle, file, making)
+            _move_into_place(making, saved)
+        except (NotSaved, OSError) as why:  # the cache's trouble (a full disk too), not the load's
+            log.info(f"{file}: its optimized graph is not saved ({why})")
+            return session, "plain"
     finally:
         shutil.rmtree(making, ignore_errors=True)  # gone already where it was moved into place
     log.info(f"{file}: optimized for this machine in {time.perf_counter() - started:.1f} s, "
@@ -128,12 +129,12 @@ def _point_into_bundle(source: Path, model_path: Path, data_path: Path) -> None:
     import numpy as np
     import onnx
 
-    bundle_tensors = {tensor.name: _external(tensor) for tensor in _initializers(onnx.load(
+    bundle_tensors = {tensor.name: _external(tensor) for tensor in graph_initializers(onnx.load(
         str(source), load_external_data=False).graph) if tensor.data_location == onnx.TensorProto.EXTERNAL}
     model = onnx.load(str(model_path), load_external_data=False)
     data = np.memmap(data_path, np.uint8, "r") if data_path.stat().st_size else np.zeros(0, np.uint8)
     made = 0
-    for tensor in _initializers(model.graph):
+    for tensor in graph_initializers(model.graph):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
         entry = _external(tensor)
@@ -151,15 +152,6 @@ def _point_into_bundle(source: Path, model_path: Path, data_path: Path) -> None:
         tensor.data_location = onnx.TensorProto.DEFAULT
         tensor.raw_data = values.tobytes()
     model_path.write_bytes(model.SerializeToString())
-
-
-def _initializers(graph):
-    """Every initializer of a graph and of the graphs its nodes hold (If branches)."""
-    yield from graph.initializer
-    for node in graph.node:
-        for attribute in node.attribute:
-            for branch in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
-                yield from _initializers(branch)
 
 
 def _external(tensor) -> dict:

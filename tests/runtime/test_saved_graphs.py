@@ -77,10 +77,11 @@ def assert_reads_the_bundles_weights(saved: Path, source: Path):
     the graph."""
     import onnx
 
-    from speccompile.runtime.saved_graphs import _external, _initializers
+    from speccompile.bundle import graph_initializers
+    from speccompile.runtime.saved_graphs import _external
 
     def external(path):
-        return {t.name: _external(t) for t in _initializers(onnx.load(str(path), load_external_data=False).graph)
+        return {t.name: _external(t) for t in graph_initializers(onnx.load(str(path), load_external_data=False).graph)
                 if t.data_location == onnx.TensorProto.EXTERNAL}
 
     reads, bundle_reads = external(saved), external(source)
