@@ -1,4 +1,5 @@
-"""Quick calibration: step costs in the loop's order, timed on a model pair's engines directly.
+"""Quick calibration: step costs in the loop's order, timed on a model pair's engines directly, and
+the draft model's acceptance in a few iterations continuing a prompt.
 
 What a runtime without a γ profile measures once before `gamma="auto"` can weigh γ (runtime.py),
 and what the measuring tools time; `speccompile profile` measures whole loop runs instead
@@ -15,7 +16,7 @@ from speccompile.core.cost_model import LoopCosts
 
 
 def measure_costs(target, draft, gammas: list[int], batch: int, context: int, repeats: int = 5,
-                  seed: int = 0, eagle=None) -> LoopCosts:
+                  seed: int = 0, eagle=None, prompt: list[int] | None = None) -> LoopCosts:
     """Step costs at one batch size and context, each call finding the caches as the loop leaves
     them: per γ, the draft's γ steps (the first over two tokens) and then a verification, as an
     iteration runs them; the target's steps back to back, as plain decoding runs them. Every call
@@ -23,14 +24,62 @@ def measure_costs(target, draft, gammas: list[int], batch: int, context: int, re
     round (LoopCosts keeps them from falling as γ grows). No loop work is timed: the overhead is 0
     (`runtime.profile` measures it in loop runs).
     draft None (a draft-free bundle): iterations have no draft steps. eagle: an EAGLE-3 head, whose
-    step and catch-up after a plain step are timed too (_head_calls)."""
-    rng = _prefilled(target, draft, batch, context, seed, eagle)
+    step and catch-up after a plain step are timed too (_head_calls). prompt: the context's tokens,
+    every row's (`context` of them; default random tokens), which the caches hold afterwards (see
+    measure_acceptance's `prefilled`)."""
+    rng = _prefilled(target, draft, batch, context, seed, eagle, prompt)
     rounds = [_round(target, draft, gammas, batch, rng, eagle=eagle) for _ in range(repeats + 1)]
     times = {key: [r[key] for r in rounds] for key in rounds[0]}
     head = {} if eagle is None else {"head_step": _median_after_warm_up(times["head"], 0),
                                      "head_catch_up": _median_after_warm_up(times["head"], 1)}
     return LoopCosts(_median_after_warm_up(times["target"], 0), {g: _median_after_warm_up(times[g], 0) for g in gammas},
                      {g: _median_after_warm_up(times[g], 1) for g in gammas}, **head).monotone()
+
+
+# Where no γ profile measured the draft model's acceptance, the policy first judges it by a few
+# greedy speculative iterations continuing this prompt (prose, then code), timed nowhere. Without
+# them its prior was a guess (0.5 at the first position, halving) worth two iterations, under which,
+# at a low-bit target's costs, the first probe's result decided alone: on the 1.1B int8 pair whose
+# draft agrees 93 times in 100, a first probe that kept 2 of 4 drafts (where the text began) left
+# it decoding plainly for the next 13 steps of a 64-token request.
+ACCEPTANCE_PROMPT = ("Speculative decoding makes a large language model generate faster: a small draft model "
+                     "proposes a few tokens, and the large model checks them all in one pass.\n\n"
+                     "def moving_average(values, window):\n"
+                     '    """The mean of each run of `window` consecutive values."""\n')
+ACCEPTANCE_ITERATIONS = 8
+
+
+def measure_acceptance(target, draft, prompt: list[int], gamma: int, iterations: int = ACCEPTANCE_ITERATIONS,
+                       prefilled: bool = False) -> list[int]:
+    """The drafts kept in each of `iterations` greedy speculative iterations at γ continuing `prompt`
+    (at least two tokens), run as the loop runs them: the draft one token behind the target, its
+    first step over two tokens, both caches keeping what was accepted. Each iteration continues the
+    target's own text, so what it kept is what a request continuing the prompt would keep. Runs in
+    slot 0 and leaves it to the next start(). prefilled: slot 0 holds the prompt already, as
+    measure_costs(prompt=...) leaves it: the target steps over its last token again for the token
+    after it, instead of both models reading the whole prompt (on a 1.1B target, about a second)."""
+    ids = np.array([prompt], dtype=np.int64)
+    if prefilled:
+        target.cache_lengths[0] = len(prompt) - 1
+        correction = int(target.forward(ids[:, -1:], np.ones(1, dtype=np.int64))[0])
+    else:
+        for engine in (target, draft):
+            engine.start(1)
+        correction = int(target.forward(ids, np.array([len(prompt)]))[0])
+        draft.forward(ids[:, :-1], np.array([len(prompt) - 1]))
+    last, kept = prompt[-1], []
+    for _ in range(iterations):
+        behind = int(draft.cache_lengths[0])
+        drafts = [int(draft.forward(np.array([[last, correction]]), np.array([2]))[0])]
+        while len(drafts) < gamma:
+            drafts.append(int(draft.forward(np.array([[drafts[-1]]]), np.ones(1, dtype=np.int64))[0]))
+        accepted, next_token = target.verify(np.array([[correction, *drafts]]), np.array([gamma]))
+        accepted = int(accepted[0])
+        kept.append(accepted)
+        # the draft holds everything before the last token kept: its next first step reads it and the correction
+        draft.cache_lengths[0] = behind + 1 + accepted
+        last, correction = (drafts[accepted - 1] if accepted else correction), int(next_token[0])
+    return kept
 
 
 # From this size of target weights up, load() does not warm up (Runtime.warm_up): a first run's own
@@ -53,15 +102,16 @@ def warm_up(target, draft, gammas: list[int], batch: int, context: int = 8, seed
     _round(target, draft, gammas, batch, _prefilled(target, draft, batch, context, seed), target_steps=1)
 
 
-def _prefilled(target, draft, batch: int, context: int, seed: int, eagle=None):
-    """The engines' caches hold `context` random tokens per row, as the loop leaves them (the
-    draft one token behind: its first step re-reads the last; the head has read the target's
-    features of every position but the last, each with the token after it); the random generator
-    that made them."""
+def _prefilled(target, draft, batch: int, context: int, seed: int, eagle=None, prompt: list[int] | None = None):
+    """The engines' caches hold `context` tokens per row (the prompt's, or random ones), as the loop
+    leaves them (the draft one token behind: its first step re-reads the last; the head has read the
+    target's features of every position but the last, each with the token after it); the random
+    generator the rounds draw their tokens from."""
     rng = np.random.default_rng(seed)
     for engine in (e for e in (target, draft) if e is not None):
         engine.start(batch)
-        tokens = rng.integers(0, engine.vocab_size, (batch, context))
+        tokens = rng.integers(0, engine.vocab_size, (batch, context)) if prompt is None else \
+            np.tile(np.asarray(prompt, dtype=np.int64), (batch, 1))
         engine.forward(tokens, np.full(batch, context, dtype=np.int64))
         if engine is target and eagle is not None:
             eagle.start(batch)

@@ -179,29 +179,42 @@ def find_tree_profile(bundle_path: Path, fp: dict) -> tuple[list, dict, dict] | 
 # ---------------------------------------------------------------------------------------------
 # a quick calibration's step costs, as measured on one machine (policies.LoadPolicies.calibrate)
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2  # 2: the draft model's acceptance beside the costs
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What load() measured on one machine without a γ profile: batch-1 step costs, and (a bundle
+    with a draft model) the drafts kept in each greedy iteration at γ `acceptance_gamma` continuing
+    calibration.ACCEPTANCE_PROMPT (empty: not measured)."""
+
+    costs: LoopCosts
+    acceptance_gamma: int = 0
+    accepted: tuple[int, ...] = ()
 
 
 def calibration_path(bundle_path: Path, fp: dict) -> Path:
     return Path(bundle_path) / PROFILES_DIR / f"calibration-{fingerprint_key(fp)}.json"
 
 
-def write_calibration(bundle_path: Path, fp: dict, costs: LoopCosts) -> Path | None:
-    """Record batch-1 step costs timed here; None where the bundle is read-only (then each load times them)."""
-    entry = {"version": CALIBRATION_VERSION, "fingerprint": fp, "timings": costs.timings()}
+def write_calibration(bundle_path: Path, fp: dict, calibration: Calibration) -> Path | None:
+    """Record what was measured here; None where the bundle is read-only (then each load measures it)."""
+    entry = {"version": CALIBRATION_VERSION, "fingerprint": fp, "timings": calibration.costs.timings(),
+             "acceptance": {"gamma": calibration.acceptance_gamma, "accepted": list(calibration.accepted)}}
     return _write_record(calibration_path(bundle_path, fp), entry)
 
 
-def find_calibration(bundle_path: Path, fp: dict, gammas: list[int], head: bool = False) -> LoopCosts | None:
-    """The step costs recorded on hardware with this fingerprint for these γ; None when there are
-    none, or what is there is of another version, machine or γ, or not a calibration at all, or
-    (head: the bundle has an EAGLE-3 head) has no head's costs (recorded before they were measured)."""
+def find_calibration(bundle_path: Path, fp: dict, gammas: list[int], head: bool = False) -> Calibration | None:
+    """What was recorded on hardware with this fingerprint for these γ; None when there is nothing,
+    or what is there is of another version, machine or γ, or not a calibration at all, or (head: the
+    bundle has an EAGLE-3 head) has no head's costs (recorded before they were measured)."""
     path = calibration_path(bundle_path, fp)
     try:
         entry = json.loads(path.read_text())
         if entry.get("version") != CALIBRATION_VERSION or entry.get("fingerprint") != fp:
             return None
         costs = LoopCosts.from_timings(entry["timings"])
+        gamma, accepted = int(entry["acceptance"]["gamma"]), tuple(entry["acceptance"]["accepted"])
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
     if head and not costs.has_head:
@@ -210,4 +223,6 @@ def find_calibration(bundle_path: Path, fp: dict, gammas: list[int], head: bool 
     if costs.gammas != sorted(gammas) or not all(isinstance(ms, float) and math.isfinite(ms) and ms >= 0
                                                  for ms in positive):
         return None
-    return costs
+    if not all(isinstance(a, int) and 0 <= a <= gamma for a in accepted):
+        return None
+    return Calibration(costs, gamma, accepted)

@@ -33,6 +33,7 @@ class LoadPolicies:
         self._policies: dict[tuple, GammaPolicy] = {}  # (decoding requests, context point) -> γ policy
         self._acceptance: dict = {}  # context point (None: no profile) -> the draft model's acceptance
         self.calibration: LoopCosts | None = None  # batch-1 costs measured here (no profile, or one without the head's)
+        self.calibrated_acceptance: tuple[int, tuple[int, ...]] | None = None  # (γ, drafts kept per iteration)
 
     @property
     def needs_calibration(self) -> bool:
@@ -62,36 +63,74 @@ class LoadPolicies:
         if self.calibration is None:
             return None
         if (decoding, None) not in self._policies:
-            prior = [0.5**k for k in range(1, max(self.gammas) + 1)]  # neutral
-            counts = self._acceptance.setdefault(
-                None, GammaPolicy.acceptance_prior(prior, max(self.gammas), GUESSED_PRIOR_WEIGHT))
+            prior, weight = self.calibrated_prior()
+            counts = self._acceptance.setdefault(None, GammaPolicy.acceptance_prior(prior, max(self.gammas), weight))
             self._policies[decoding, None] = GammaPolicy(self.calibration.at_batch(decoding), prior,
-                                                          guessed_prior=True, counts=counts)
+                                                          guessed_prior=not self._calibration_kept, counts=counts)
         return self._policies[decoding, None]
+
+    @property
+    def _calibration_kept(self) -> bool:
+        """Whether the calibration ran iterations of a draft model (their drafts kept or not)."""
+        return bool(self.calibrated_acceptance and self.calibrated_acceptance[1])
+
+    def calibrated_prior(self) -> tuple[list[float], float]:
+        """The draft model's acceptance prior without a profile, P_1..P_γ, and what it is worth in
+        iterations: the calibration's iterations on the neutral guess (0.5 at the first position,
+        halving, worth GUESSED_PRIOR_WEIGHT iterations), worth as many iterations as it ran; or,
+        where none ran (no draft model, or none kept), the guess alone."""
+        gamma = max(self.gammas)
+        guess = [0.5**k for k in range(1, gamma + 1)]
+        if not self._calibration_kept:
+            return guess, GUESSED_PRIOR_WEIGHT
+        measured_gamma, kept = self.calibrated_acceptance
+        counts = GammaPolicy.acceptance_prior(guess, gamma, GUESSED_PRIOR_WEIGHT)
+        for accepted in kept:
+            counts.observe(measured_gamma, accepted)
+        return counts.by_position(gamma), float(len(kept))
 
     def forget(self) -> None:
         """Forget what the loads' policies learned (acceptance, measured costs): back to their priors."""
         self._policies.clear()
         self._acceptance.clear()
 
-    def calibrate(self, target, draft, bundle_path, fp: dict, eagle=None) -> bool:
+    def calibrate(self, target, draft, bundle_path, fp: dict, eagle=None, tokenizer=None) -> bool:
         """The step costs at batch 1 recorded for this machine (fingerprint `fp`), or timed quickly
         now and recorded (other batch sizes start from the cost model's extrapolation); whether they
         were timed. With an EAGLE-3 head (`eagle`), its step and catch-up too: a record without them
-        is timed again, or the head's drafts would look free. Timing drives the models directly:
-        only with no request in flight."""
-        from speccompile.runtime.calibration import measure_costs
-        from speccompile.runtime.gamma_profile import find_calibration, write_calibration
+        is timed again, or the head's drafts would look free. With a draft model (and the bundle's
+        `tokenizer`), its acceptance in a few iterations continuing the calibration prompt, recorded
+        with them (`calibrated_prior`). Both drive the models directly: only with no request in flight."""
+        from speccompile.runtime.calibration import measure_acceptance, measure_costs
+        from speccompile.runtime.gamma_profile import Calibration, find_calibration, write_calibration
 
-        self.calibration = find_calibration(bundle_path, fp, self.gammas, head=eagle is not None)
-        if self.calibration is not None:
-            return False
-        began = time.perf_counter()
-        context = min(64, self.max_seq // 4)
-        self.calibration = measure_costs(target, draft, self.gammas, 1, context, repeats=CALIBRATION_REPEATS,
-                                         eagle=eagle)
-        written = write_calibration(bundle_path, fp, self.calibration)
-        recorded = f", recorded in {written}" if written else ""
-        log.debug(f"no γ profile for this hardware in the bundle (`speccompile profile` measures one): calibrated "
-                  f"step costs in {time.perf_counter() - began:.2f} s{recorded}")
-        return True
+        found = find_calibration(bundle_path, fp, self.gammas, head=eagle is not None)
+        timed = found is None
+        if timed:
+            began = time.perf_counter()
+            prompt = self._acceptance_prompt(draft, tokenizer)
+            context = len(prompt) if prompt else min(64, self.max_seq // 4)
+            costs = measure_costs(target, draft, self.gammas, 1, context, repeats=CALIBRATION_REPEATS, eagle=eagle,
+                                  prompt=prompt or None)
+            accepted = measure_acceptance(target, draft, prompt, max(self.gammas), prefilled=True) if prompt else []
+            found = Calibration(costs, max(self.gammas), tuple(accepted))
+            written = write_calibration(bundle_path, fp, found)
+            recorded = f", recorded in {written}" if written else ""
+            log.debug(f"no γ profile for this hardware in the bundle (`speccompile profile` measures one): calibrated "
+                      f"step costs and drafts kept {list(found.accepted)} in {time.perf_counter() - began:.2f} s"
+                      f"{recorded}")
+        self.calibration = found.costs
+        self.calibrated_acceptance = (found.acceptance_gamma, found.accepted)
+        return timed
+
+    def _acceptance_prompt(self, draft, tokenizer) -> list[int]:
+        """What the calibration's acceptance iterations continue, also the context its costs are timed
+        at: the calibration prompt's last tokens, as many as the usual context (64, or a quarter of
+        the cache) and the iterations' room in the cache allow; none without a draft model."""
+        from speccompile.runtime.calibration import ACCEPTANCE_ITERATIONS, ACCEPTANCE_PROMPT
+
+        room = self.max_seq - ACCEPTANCE_ITERATIONS * (max(self.gammas) + 1)
+        keep = min(64, self.max_seq // 4, room)
+        if draft is None or tokenizer is None or keep < 2:
+            return []
+        return tokenizer.encode(ACCEPTANCE_PROMPT)[-keep:]

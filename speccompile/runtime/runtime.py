@@ -71,8 +71,8 @@ class Runtime:
         if self.tree_sizing is not None:  # a tree has no γ: its size, recorded for this machine or measured
             self.tree_sizing.size()
         else:
-            timed = self.policies.needs_calibration and self.policies.calibrate(self.target, self.draft, bundle.path,
-                                                                                self.fingerprint, self.eagle)
+            timed = self.policies.needs_calibration and self.policies.calibrate(
+                self.target, self.draft, bundle.path, self.fingerprint, self.eagle, self.tokenizer)
             self.warm_up(engines=not timed, runs=first_runs_matter(self.target))  # timing ran every graph
 
     @property

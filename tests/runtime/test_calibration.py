@@ -1,5 +1,6 @@
 """load()'s warm-up (runtime/calibration.py: first_runs_matter, warm_up): run where a model's first
-runs cost more than later ones, skipped for a real-size target, whose sessions are opened all the same."""
+runs cost more than later ones, skipped for a real-size target, whose sessions are opened all the same;
+and the calibration's acceptance iterations (measure_acceptance), against the loop's own."""
 
 import pytest
 
@@ -52,3 +53,30 @@ def test_a_real_size_target_opens_its_sessions_but_runs_nothing_at_load(bundles,
     assert runtime.target.loaded_files == warmed_files
     assert runtime.generate([PROMPT], max_new_tokens=8)[0].token_ids == expected
     runtime.close()
+
+
+@pytest.mark.parametrize("draft_weights", ["float32", "int8"])
+def test_the_acceptance_iterations_keep_what_the_loop_keeps(bundles, monkeypatch, draft_weights):
+    """measure_acceptance's iterations are the loop's: continuing the same prompt greedily at γ=4
+    (read by them, or left in the caches by measure_costs), the loop's first iterations keep the
+    same drafts (the target itself as its draft: all of them; its int8 copy: most)."""
+    from speccompile.core.stats import GenerationStats
+
+    runtime = speccompile.load(bundles("llama", "copy", draft_weights))
+    prompt = runtime.tokenizer.encode(calibration.ACCEPTANCE_PROMPT)[-30:]
+    measured = calibration.measure_acceptance(runtime.target, runtime.draft, prompt, 4, 8)
+    # after timing the costs at the prompt as context, the same iterations without reading it again
+    calibration.measure_costs(runtime.target, runtime.draft, [1, 4], 1, len(prompt), repeats=1, prompt=prompt)
+    assert calibration.measure_acceptance(runtime.target, runtime.draft, prompt, 4, 8, prefilled=True) == measured
+    kept = []
+    record = GenerationStats.record_iteration
+    monkeypatch.setattr(GenerationStats, "record_iteration",
+                        lambda self, accepted, gamma, proposer=None: kept.append((gamma, accepted))
+                        or record(self, accepted, gamma, proposer))
+    runtime.generate([prompt], max_new_tokens=60, gamma=4, mode="speculative", proposer="draft", ignore_eos=True)
+    runtime.close()
+    assert [(4, accepted) for accepted in measured] == kept[:8]
+    if draft_weights == "float32":
+        assert measured == [4] * 8
+    else:
+        assert 0 < sum(measured) < 32, measured  # a draft that agrees in part: the comparison checks both

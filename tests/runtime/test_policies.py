@@ -22,3 +22,30 @@ def test_every_batch_size_s_policy_learns_the_one_acceptance_and_keeps_its_own_c
     assert seven.acceptance_by_position(4)[3] > prior[3] + 0.3
     policies.forget()
     assert policies.policy_for(7, 16).acceptance_by_position(4) == prior
+
+
+# a low-bit target's costs: a verification of 5 tokens 2.5 plain steps, four draft steps 0.8
+LOW_BIT = LoopCosts(10.0, {4: 8.0}, {4: 25.0})
+
+
+def low_bit_policy(acceptance):
+    """The batch-1 policy of a load without a profile whose calibration kept `acceptance`: (γ, drafts
+    kept per iteration)."""
+    policies = LoadPolicies(None, [4], max_batch=1, max_seq=256)
+    policies.calibration, policies.calibrated_acceptance = LOW_BIT, acceptance
+    return policies.policy_for(1, 16)
+
+
+def test_without_a_profile_the_calibration_s_iterations_are_the_acceptance_prior():
+    """The guess (half of each position's drafts kept) declines γ=4 at a low-bit target's costs and
+    leaves it to the first probe; the calibration's iterations decide instead, worth as many
+    iterations as they were: a draft that kept everything speculates from the first iteration, one
+    that kept nothing is declined without a free probe."""
+    guessed = low_bit_policy(None)
+    assert guessed.guessed_prior and guessed.choose() == 0
+    agrees = low_bit_policy((4, (4,) * 8))
+    assert not agrees.guessed_prior and agrees.counts.weight == 8.0
+    assert agrees.choose() == 4 and agrees.speedup(4) > 1.1
+    never = low_bit_policy((4, (0,) * 8))
+    assert not never.guessed_prior and never.choose() == 0 and never.acceptance_by_position(1)[0] < 0.2
+    assert low_bit_policy((4, ())).guessed_prior  # nothing measured (no draft model): the guess

@@ -368,6 +368,9 @@ def test_without_a_profile_load_calibrates_once_and_no_request_waits_for_it(bund
     shutil.rmtree(bundle / "profiles", ignore_errors=True)  # as built: what earlier loads recorded, gone
     runtime = speccompile.load(bundle)
     assert calls == [1] and runtime.policies.calibration.draft.keys() == {1, 4}  # in the loop's order, at batch 1
+    gamma, kept = runtime.policies.calibrated_acceptance  # the draft (the target itself) kept every draft
+    assert gamma == 4 and kept == (4,) * calibration.ACCEPTANCE_ITERATIONS
+    assert not runtime.policies.policy_for(1, 16).guessed_prior
     assert sum("no γ profile for this hardware" in r.getMessage() for r in caplog.records) == 1
     for _ in range(2):
         runtime.generate(["import os"], max_new_tokens=4)  # γ auto, the default
@@ -378,14 +381,23 @@ def test_without_a_profile_load_calibrates_once_and_no_request_waits_for_it(bund
     assert runtime.policies.policy_for(2, 16).costs == runtime.policies.calibration.at_batch(2)
     # recorded for this machine: the next load reads the costs instead of timing them again
     monkeypatch.setattr(calibration, "measure_costs", lambda *a, **k: pytest.fail("calibrated again"))
+    monkeypatch.setattr(calibration, "measure_acceptance", lambda *a, **k: pytest.fail("measured again"))
     again = speccompile.load(bundle)
     assert again.policies.calibration == runtime.policies.calibration
+    assert again.policies.calibrated_acceptance == runtime.policies.calibrated_acceptance
     again.close()
     record = gamma_profile.calibration_path(bundle, fingerprint("onnxruntime"))
-    for damaged in ("{", '{"version": 1}', json.dumps({"version": 1, "fingerprint": fingerprint("onnxruntime"),
-                                                        "timings": {"target_step_ms": "x"}})):
+    entry = json.loads(record.read_text())
+    version, fp = gamma_profile.CALIBRATION_VERSION, fingerprint("onnxruntime")
+    for damaged in ("{", json.dumps({"version": version}),
+                    json.dumps({**entry, "timings": {"target_step_ms": "x"}}),
+                    json.dumps({k: v for k, v in entry.items() if k != "acceptance"}),  # a version 1 record's fields
+                    json.dumps({**entry, "acceptance": {"gamma": 4, "accepted": [5]}}),
+                    json.dumps({**entry, "version": 1, "fingerprint": fp})):
         record.write_text(damaged)  # unreadable or not a calibration: measured again, never an error
         assert gamma_profile.find_calibration(bundle, fingerprint("onnxruntime"), [1, 4]) is None
+    record.write_text(json.dumps(entry))
+    assert gamma_profile.find_calibration(bundle, fingerprint("onnxruntime"), [1, 4]).accepted == kept
     assert gamma_profile.find_calibration(bundle, fingerprint("onnxruntime"), [4]) is None  # other γ
 
 
