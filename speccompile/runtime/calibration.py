@@ -9,6 +9,7 @@ and what the measuring tools time; `speccompile profile` measures whole loop run
 import functools
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -16,7 +17,7 @@ from speccompile.core.cost_model import LoopCosts
 
 
 def measure_costs(target, draft, gammas: list[int], batch: int, context: int, repeats: int = 5,
-                  seed: int = 0, eagle=None, prompt: list[int] | None = None) -> LoopCosts:
+                  seed: int = 0, eagle=None, text: "Continuation | None" = None) -> LoopCosts:
     """Step costs at one batch size and context, each call finding the caches as the loop leaves
     them: per γ, the draft's γ steps (the first over two tokens) and then a verification, as an
     iteration runs them; the target's steps back to back, as plain decoding runs them. Every call
@@ -24,11 +25,15 @@ def measure_costs(target, draft, gammas: list[int], batch: int, context: int, re
     round (LoopCosts keeps them from falling as γ grows). No loop work is timed: the overhead is 0
     (`runtime.profile` measures it in loop runs).
     draft None (a draft-free bundle): iterations have no draft steps. eagle: an EAGLE-3 head, whose
-    step and catch-up after a plain step are timed too (_head_calls). prompt: the context's tokens,
-    every row's (`context` of them; default random tokens), which the caches hold afterwards (see
-    measure_acceptance's `prefilled`)."""
-    rng = _prefilled(target, draft, batch, context, seed, eagle, prompt)
-    rounds = [_round(target, draft, gammas, batch, rng, eagle=eagle) for _ in range(repeats + 1)]
+    step and catch-up after a plain step are timed too (_head_calls). text (batch 1, with a draft
+    model): the context is its prompt (`context` is its length), and each round's iteration at the
+    largest γ is one of its iterations (Continuation): the same calls, on the draft's own tokens,
+    kept as the loop keeps them instead of rolled back, so the rounds also tell what the draft's
+    drafts keep, at no call more."""
+    rng = _prefilled(target, draft, batch, context, seed, eagle, text.prompt if text else None)
+    if text is not None:
+        text.start(target)
+    rounds = [_round(target, draft, gammas, batch, rng, eagle=eagle, text=text) for _ in range(repeats + 1)]
     times = {key: [r[key] for r in rounds] for key in rounds[0]}
     head = {} if eagle is None else {"head_step": _median_after_warm_up(times["head"], 0),
                                      "head_catch_up": _median_after_warm_up(times["head"], 1)}
@@ -36,50 +41,65 @@ def measure_costs(target, draft, gammas: list[int], batch: int, context: int, re
                      {g: _median_after_warm_up(times[g], 1) for g in gammas}, **head).monotone()
 
 
-# Where no γ profile measured the draft model's acceptance, the policy first judges it by a few
-# greedy speculative iterations continuing this prompt (prose, then code), timed nowhere. Without
-# them its prior was a guess (0.5 at the first position, halving) worth two iterations, under which,
-# at a low-bit target's costs, the first probe's result decided alone: on the 1.1B int8 pair whose
-# draft agrees 93 times in 100, a first probe that kept 2 of 4 drafts (where the text began) left
-# it decoding plainly for the next 13 steps of a 64-token request.
+# Where no γ profile measured the draft model's acceptance, the policy first judges it by the
+# calibration's iterations continuing this prompt (prose, then code). Without them its prior was a
+# guess (0.5 at the first position, halving) worth two iterations, under which, at a low-bit
+# target's costs, the first probe's result decided alone: on the 1.1B int8 pair whose draft agrees
+# 93 times in 100, a first probe that kept 2 of 4 drafts (where the text began) left it decoding
+# plainly for the next 13 steps of a 64-token request.
 ACCEPTANCE_PROMPT = ("Speculative decoding makes a large language model generate faster: a small draft model "
                      "proposes a few tokens, and the large model checks them all in one pass.\n\n"
                      "def moving_average(values, window):\n"
                      '    """The mean of each run of `window` consecutive values."""\n')
-ACCEPTANCE_ITERATIONS = 8
 
 
-def measure_acceptance(target, draft, prompt: list[int], gamma: int, iterations: int = ACCEPTANCE_ITERATIONS,
-                       prefilled: bool = False) -> list[int]:
-    """The drafts kept in each of `iterations` greedy speculative iterations at γ continuing `prompt`
-    (at least two tokens), run as the loop runs them: the draft one token behind the target, its
-    first step over two tokens, both caches keeping what was accepted. Each iteration continues the
-    target's own text, so what it kept is what a request continuing the prompt would keep. Runs in
-    slot 0 and leaves it to the next start(). prefilled: slot 0 holds the prompt already, as
-    measure_costs(prompt=...) leaves it: the target steps over its last token again for the token
-    after it, instead of both models reading the whole prompt (on a 1.1B target, about a second)."""
-    ids = np.array([prompt], dtype=np.int64)
-    if prefilled:
-        target.cache_lengths[0] = len(prompt) - 1
-        correction = int(target.forward(ids[:, -1:], np.ones(1, dtype=np.int64))[0])
-    else:
-        for engine in (target, draft):
-            engine.start(1)
-        correction = int(target.forward(ids, np.array([len(prompt)]))[0])
-        draft.forward(ids[:, :-1], np.array([len(prompt) - 1]))
-    last, kept = prompt[-1], []
-    for _ in range(iterations):
+@dataclass
+class Continuation:
+    """Greedy speculative iterations continuing `prompt` (at least two tokens) in slot 0, run as
+    the loop runs them: the draft one token behind the target, its first step over the last token
+    kept and the target's token after it, both caches keeping what was accepted. Each continues the
+    target's own text, so what it kept is what a request continuing the prompt would keep. `kept`:
+    the drafts each iteration kept."""
+
+    prompt: list[int]
+    kept: list[int] = field(default_factory=list)
+    _last: int = 0
+    _correction: int = 0
+
+    def start(self, target) -> None:
+        """With the prompt in both caches (the draft's one token behind): the target's token after it,
+        by stepping over the prompt's last token again."""
+        target.cache_lengths[0] = len(self.prompt) - 1
+        self._last = self.prompt[-1]
+        self._correction = int(target.forward(np.array([self.prompt[-1:]]), np.ones(1, dtype=np.int64))[0])
+
+    def iterate(self, target, draft, gamma: int) -> tuple[float, float]:
+        """One iteration at γ: (draft ms, verification ms), as _iteration times them."""
         behind = int(draft.cache_lengths[0])
-        drafts = [int(draft.forward(np.array([[last, correction]]), np.array([2]))[0])]
+        start = time.perf_counter()
+        drafts = [int(draft.forward(np.array([[self._last, self._correction]]), np.array([2]))[0])]
         while len(drafts) < gamma:
-            drafts.append(int(draft.forward(np.array([[drafts[-1]]]), np.ones(1, dtype=np.int64))[0]))
-        accepted, next_token = target.verify(np.array([[correction, *drafts]]), np.array([gamma]))
-        accepted = int(accepted[0])
-        kept.append(accepted)
+            drafts.append(int(draft.forward(np.array([drafts[-1:]]), np.ones(1, dtype=np.int64))[0]))
+        drafted = time.perf_counter()
+        accepted, next_token = target.verify(np.array([[self._correction, *drafts]]), np.array([gamma]))
+        verified = time.perf_counter()
+        kept = int(accepted[0])
+        self.kept.append(kept)
         # the draft holds everything before the last token kept: its next first step reads it and the correction
-        draft.cache_lengths[0] = behind + 1 + accepted
-        last, correction = (drafts[accepted - 1] if accepted else correction), int(next_token[0])
-    return kept
+        draft.cache_lengths[0] = behind + 1 + kept
+        self._last, self._correction = (drafts[kept - 1] if kept else self._correction), int(next_token[0])
+        return (drafted - start) * 1e3, (verified - drafted) * 1e3
+
+
+def measure_acceptance(target, draft, prompt: list[int], gamma: int, iterations: int) -> list[int]:
+    """The drafts kept in each of `iterations` iterations at γ continuing `prompt` (Continuation),
+    nothing timed."""
+    text = Continuation(prompt)
+    _prefilled(target, draft, 1, len(prompt), 0, prompt=prompt)
+    text.start(target)
+    for _ in range(iterations):
+        text.iterate(target, draft, gamma)
+    return text.kept
 
 
 # From this size of target weights up, load() does not warm up (Runtime.warm_up): a first run's own
@@ -122,12 +142,16 @@ def _prefilled(target, draft, batch: int, context: int, seed: int, eagle=None, p
     return rng
 
 
-def _round(target, draft, gammas: list[int], batch: int, rng, target_steps: int = 3, eagle=None) -> dict:
+def _round(target, draft, gammas: list[int], batch: int, rng, target_steps: int = 3, eagle=None,
+           text: Continuation | None = None) -> dict:
     """One round, every call rolled back: per γ, (draft ms, verification ms) of an iteration;
     "target": (ms of the last of `target_steps` plain steps,); with a head, "head": (ms of one of its
-    steps, ms of its catch-up after a plain step)."""
+    steps, ms of its catch-up after a plain step). text: the largest γ's iteration is its next one, kept."""
     engines = (target, draft, eagle)
-    times = {g: _rolled_back(engines, lambda g=g: _iteration(target, draft, batch, g, rng)) for g in gammas}
+    times = {g: _rolled_back(engines, lambda g=g: _iteration(target, draft, batch, g, rng)) for g in gammas
+             if text is None or g != max(gammas)}
+    if text is not None:
+        times[max(gammas)] = text.iterate(target, draft, max(gammas))
     times["target"] = _rolled_back(engines, lambda: _target_steps(target, batch, rng, target_steps))
     if eagle is not None:
         times["head"] = _rolled_back(engines, lambda: _head_calls(target, eagle, batch, rng, max(gammas) - 1))

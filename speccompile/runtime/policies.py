@@ -101,7 +101,7 @@ class LoadPolicies:
         is timed again, or the head's drafts would look free. With a draft model (and the bundle's
         `tokenizer`), its acceptance in a few iterations continuing the calibration prompt, recorded
         with them (`calibrated_prior`). Both drive the models directly: only with no request in flight."""
-        from speccompile.runtime.calibration import measure_acceptance, measure_costs
+        from speccompile.runtime.calibration import Continuation, measure_costs
         from speccompile.runtime.gamma_profile import Calibration, find_calibration, write_calibration
 
         found = find_calibration(bundle_path, fp, self.gammas, head=eagle is not None)
@@ -109,11 +109,11 @@ class LoadPolicies:
         if timed:
             began = time.perf_counter()
             prompt = self._acceptance_prompt(draft, tokenizer)
+            text = Continuation(prompt) if prompt else None
             context = len(prompt) if prompt else min(64, self.max_seq // 4)
             costs = measure_costs(target, draft, self.gammas, 1, context, repeats=CALIBRATION_REPEATS, eagle=eagle,
-                                  prompt=prompt or None)
-            accepted = measure_acceptance(target, draft, prompt, max(self.gammas), prefilled=True) if prompt else []
-            found = Calibration(costs, max(self.gammas), tuple(accepted))
+                                  text=text)
+            found = Calibration(costs, max(self.gammas), tuple(text.kept) if text else ())
             written = write_calibration(bundle_path, fp, found)
             recorded = f", recorded in {written}" if written else ""
             log.debug(f"no γ profile for this hardware in the bundle (`speccompile profile` measures one): calibrated "
@@ -127,9 +127,9 @@ class LoadPolicies:
         """What the calibration's acceptance iterations continue, also the context its costs are timed
         at: the calibration prompt's last tokens, as many as the usual context (64, or a quarter of
         the cache) and the iterations' room in the cache allow; none without a draft model."""
-        from speccompile.runtime.calibration import ACCEPTANCE_ITERATIONS, ACCEPTANCE_PROMPT
+        from speccompile.runtime.calibration import ACCEPTANCE_PROMPT
 
-        room = self.max_seq - ACCEPTANCE_ITERATIONS * (max(self.gammas) + 1)
+        room = self.max_seq - (CALIBRATION_REPEATS + 1) * (max(self.gammas) + 1)
         keep = min(64, self.max_seq // 4, room)
         if draft is None or tokenizer is None or keep < 2:
             return []

@@ -1,6 +1,6 @@
 """load()'s warm-up (runtime/calibration.py: first_runs_matter, warm_up): run where a model's first
 runs cost more than later ones, skipped for a real-size target, whose sessions are opened all the same;
-and the calibration's acceptance iterations (measure_acceptance), against the loop's own."""
+and the calibration's acceptance iterations (Continuation), against the loop's own."""
 
 import pytest
 
@@ -57,17 +57,19 @@ def test_a_real_size_target_opens_its_sessions_but_runs_nothing_at_load(bundles,
 
 @pytest.mark.parametrize("draft_weights", ["float32", "int8"])
 def test_the_acceptance_iterations_keep_what_the_loop_keeps(bundles, monkeypatch, draft_weights):
-    """measure_acceptance's iterations are the loop's: continuing the same prompt greedily at γ=4
-    (read by them, or left in the caches by measure_costs), the loop's first iterations keep the
-    same drafts (the target itself as its draft: all of them; its int8 copy: most)."""
+    """The calibration's iterations continuing a prompt (Continuation; alone, or as measure_costs'
+    rounds at the largest γ) are the loop's: continuing the same prompt greedily at γ=4, the loop's
+    first iterations keep the same drafts (the target itself as its draft: all of them; its int8
+    copy: most)."""
     from speccompile.core.stats import GenerationStats
 
     runtime = speccompile.load(bundles("llama", "copy", draft_weights))
     prompt = runtime.tokenizer.encode(calibration.ACCEPTANCE_PROMPT)[-30:]
     measured = calibration.measure_acceptance(runtime.target, runtime.draft, prompt, 4, 8)
-    # after timing the costs at the prompt as context, the same iterations without reading it again
-    calibration.measure_costs(runtime.target, runtime.draft, [1, 4], 1, len(prompt), repeats=1, prompt=prompt)
-    assert calibration.measure_acceptance(runtime.target, runtime.draft, prompt, 4, 8, prefilled=True) == measured
+    # the cost rounds' iterations at the largest γ are the same iterations, among rolled-back calls
+    text = calibration.Continuation(prompt)
+    costs = calibration.measure_costs(runtime.target, runtime.draft, [1, 4], 1, len(prompt), repeats=3, text=text)
+    assert text.kept == measured[:4] and costs.verify[4] > 0
     kept = []
     record = GenerationStats.record_iteration
     monkeypatch.setattr(GenerationStats, "record_iteration",

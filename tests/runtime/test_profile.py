@@ -358,6 +358,7 @@ def test_auto_reads_the_profile_s_costs_at_each_load(random_bundle, monkeypatch)
 
 def test_without_a_profile_load_calibrates_once_and_no_request_waits_for_it(bundles, caplog, monkeypatch, tmp_path):
     from speccompile.runtime import calibration
+    from speccompile.runtime import policies as policies_module
     from speccompile.runtime.policies import LoadPolicies
 
     calls = []
@@ -369,7 +370,7 @@ def test_without_a_profile_load_calibrates_once_and_no_request_waits_for_it(bund
     runtime = speccompile.load(bundle)
     assert calls == [1] and runtime.policies.calibration.draft.keys() == {1, 4}  # in the loop's order, at batch 1
     gamma, kept = runtime.policies.calibrated_acceptance  # the draft (the target itself) kept every draft
-    assert gamma == 4 and kept == (4,) * calibration.ACCEPTANCE_ITERATIONS
+    assert gamma == 4 and kept == (4,) * (policies_module.CALIBRATION_REPEATS + 1)  # one per round
     assert not runtime.policies.policy_for(1, 16).guessed_prior
     assert sum("no γ profile for this hardware" in r.getMessage() for r in caplog.records) == 1
     for _ in range(2):
@@ -381,7 +382,6 @@ def test_without_a_profile_load_calibrates_once_and_no_request_waits_for_it(bund
     assert runtime.policies.policy_for(2, 16).costs == runtime.policies.calibration.at_batch(2)
     # recorded for this machine: the next load reads the costs instead of timing them again
     monkeypatch.setattr(calibration, "measure_costs", lambda *a, **k: pytest.fail("calibrated again"))
-    monkeypatch.setattr(calibration, "measure_acceptance", lambda *a, **k: pytest.fail("measured again"))
     again = speccompile.load(bundle)
     assert again.policies.calibration == runtime.policies.calibration
     assert again.policies.calibrated_acceptance == runtime.policies.calibrated_acceptance
