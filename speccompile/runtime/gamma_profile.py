@@ -183,14 +183,21 @@ CALIBRATION_VERSION = 2  # 2: the draft model's acceptance beside the costs
 
 
 @dataclass(frozen=True)
+class KeptDrafts:
+    """Greedy speculative iterations at γ and the drafts each kept (a calibration's, continuing
+    calibration.ACCEPTANCE_PROMPT)."""
+
+    gamma: int
+    kept: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Calibration:
-    """What load() measured on one machine without a γ profile: batch-1 step costs, and (a bundle
-    with a draft model) the drafts kept in each greedy iteration at γ `acceptance_gamma` continuing
-    calibration.ACCEPTANCE_PROMPT (empty: not measured)."""
+    """What load() measured on one machine without a γ profile: batch-1 step costs and, with a draft
+    model, what its drafts kept in the timing's iterations (None: no draft model)."""
 
     costs: LoopCosts
-    acceptance_gamma: int = 0
-    accepted: tuple[int, ...] = ()
+    acceptance: KeptDrafts | None = None
 
 
 def calibration_path(bundle_path: Path, fp: dict) -> Path:
@@ -199,8 +206,9 @@ def calibration_path(bundle_path: Path, fp: dict) -> Path:
 
 def write_calibration(bundle_path: Path, fp: dict, calibration: Calibration) -> Path | None:
     """Record what was measured here; None where the bundle is read-only (then each load measures it)."""
+    kept = calibration.acceptance
     entry = {"version": CALIBRATION_VERSION, "fingerprint": fp, "timings": calibration.costs.timings(),
-             "acceptance": {"gamma": calibration.acceptance_gamma, "accepted": list(calibration.accepted)}}
+             "acceptance": None if kept is None else {"gamma": kept.gamma, "kept": list(kept.kept)}}
     return _write_record(calibration_path(bundle_path, fp), entry)
 
 
@@ -214,7 +222,8 @@ def find_calibration(bundle_path: Path, fp: dict, gammas: list[int], head: bool 
         if entry.get("version") != CALIBRATION_VERSION or entry.get("fingerprint") != fp:
             return None
         costs = LoopCosts.from_timings(entry["timings"])
-        gamma, accepted = int(entry["acceptance"]["gamma"]), tuple(entry["acceptance"]["accepted"])
+        recorded = entry["acceptance"]
+        kept = None if recorded is None else KeptDrafts(int(recorded["gamma"]), tuple(recorded["kept"]))
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
     if head and not costs.has_head:
@@ -223,6 +232,6 @@ def find_calibration(bundle_path: Path, fp: dict, gammas: list[int], head: bool 
     if costs.gammas != sorted(gammas) or not all(isinstance(ms, float) and math.isfinite(ms) and ms >= 0
                                                  for ms in positive):
         return None
-    if not all(isinstance(a, int) and 0 <= a <= gamma for a in accepted):
+    if kept is not None and not all(isinstance(a, int) and 0 <= a <= kept.gamma for a in kept.kept):
         return None
-    return Calibration(costs, gamma, accepted)
+    return Calibration(costs, kept)

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 from speccompile.core.cost_model import LoopCosts
 from speccompile.core.gamma_policy import GammaPolicy
+from speccompile.runtime.gamma_profile import Calibration, KeptDrafts, find_calibration, write_calibration
 
 log = logging.getLogger("speccompile")
 CALIBRATION_REPEATS = 3
@@ -33,7 +34,7 @@ class LoadPolicies:
         self._policies: dict[tuple, GammaPolicy] = {}  # (decoding requests, context point) -> γ policy
         self._acceptance: dict = {}  # context point (None: no profile) -> the draft model's acceptance
         self.calibration: LoopCosts | None = None  # batch-1 costs measured here (no profile, or one without the head's)
-        self.calibrated_acceptance: tuple[int, tuple[int, ...]] | None = None  # (γ, drafts kept per iteration)
+        self.calibrated_acceptance: KeptDrafts | None = None  # what the calibration's drafts kept
 
     @property
     def needs_calibration(self) -> bool:
@@ -72,7 +73,7 @@ class LoadPolicies:
     @property
     def _calibration_kept(self) -> bool:
         """Whether the calibration ran iterations of a draft model (their drafts kept or not)."""
-        return bool(self.calibrated_acceptance and self.calibrated_acceptance[1])
+        return bool(self.calibrated_acceptance and self.calibrated_acceptance.kept)
 
     def calibrated_prior(self) -> tuple[list[float], float]:
         """The draft model's acceptance prior without a profile, P_1..P_γ, and what it is worth in
@@ -83,11 +84,11 @@ class LoadPolicies:
         guess = [0.5**k for k in range(1, gamma + 1)]
         if not self._calibration_kept:
             return guess, GUESSED_PRIOR_WEIGHT
-        measured_gamma, kept = self.calibrated_acceptance
+        measured = self.calibrated_acceptance
         counts = GammaPolicy.acceptance_prior(guess, gamma, GUESSED_PRIOR_WEIGHT)
-        for accepted in kept:
-            counts.observe(measured_gamma, accepted)
-        return counts.by_position(gamma), float(len(kept))
+        for accepted in measured.kept:
+            counts.observe(measured.gamma, accepted)
+        return counts.by_position(gamma), float(len(measured.kept))
 
     def forget(self) -> None:
         """Forget what the loads' policies learned (acceptance, measured costs): back to their priors."""
@@ -102,7 +103,6 @@ class LoadPolicies:
         `tokenizer`), its acceptance in a few iterations continuing the calibration prompt, recorded
         with them (`calibrated_prior`). Both drive the models directly: only with no request in flight."""
         from speccompile.runtime.calibration import Continuation, measure_costs
-        from speccompile.runtime.gamma_profile import Calibration, find_calibration, write_calibration
 
         found = find_calibration(bundle_path, fp, self.gammas, head=eagle is not None)
         timed = found is None
@@ -113,14 +113,14 @@ class LoadPolicies:
             context = len(prompt) if prompt else min(64, self.max_seq // 4)
             costs = measure_costs(target, draft, self.gammas, 1, context, repeats=CALIBRATION_REPEATS, eagle=eagle,
                                   text=text)
-            found = Calibration(costs, max(self.gammas), tuple(text.kept) if text else ())
+            found = Calibration(costs, KeptDrafts(max(self.gammas), tuple(text.kept)) if text else None)
             written = write_calibration(bundle_path, fp, found)
             recorded = f", recorded in {written}" if written else ""
             log.debug(f"no γ profile for this hardware in the bundle (`speccompile profile` measures one): calibrated "
-                      f"step costs and drafts kept {list(found.accepted)} in {time.perf_counter() - began:.2f} s"
+                      f"step costs (drafts kept: {found.acceptance}) in {time.perf_counter() - began:.2f} s"
                       f"{recorded}")
         self.calibration = found.costs
-        self.calibrated_acceptance = (found.acceptance_gamma, found.accepted)
+        self.calibrated_acceptance = found.acceptance
         return timed
 
     def _acceptance_prompt(self, draft, tokenizer) -> list[int]:

@@ -1,6 +1,7 @@
 """The load's γ policies (runtime/policies.py): one per batch size, one draft-model acceptance."""
 
 from speccompile.core.cost_model import LoopCosts
+from speccompile.runtime.gamma_profile import KeptDrafts
 from speccompile.runtime.policies import LoadPolicies
 
 
@@ -28,11 +29,12 @@ def test_every_batch_size_s_policy_learns_the_one_acceptance_and_keeps_its_own_c
 LOW_BIT = LoopCosts(10.0, {4: 8.0}, {4: 25.0})
 
 
-def low_bit_policy(acceptance):
-    """The batch-1 policy of a load without a profile whose calibration kept `acceptance`: (γ, drafts
-    kept per iteration)."""
+def low_bit_policy(kept: tuple[int, ...] | None):
+    """The batch-1 policy of a load without a profile whose calibration's iterations at γ=4 kept
+    `kept` drafts each (None: it had no draft model to run)."""
     policies = LoadPolicies(None, [4], max_batch=1, max_seq=256)
-    policies.calibration, policies.calibrated_acceptance = LOW_BIT, acceptance
+    policies.calibration = LOW_BIT
+    policies.calibrated_acceptance = None if kept is None else KeptDrafts(4, kept)
     return policies.policy_for(1, 16)
 
 
@@ -43,9 +45,9 @@ def test_without_a_profile_the_calibration_s_iterations_are_the_acceptance_prior
     that kept nothing is declined without a free probe."""
     guessed = low_bit_policy(None)
     assert guessed.guessed_prior and guessed.choose() == 0
-    agrees = low_bit_policy((4, (4,) * 8))
+    agrees = low_bit_policy((4,) * 8)
     assert not agrees.guessed_prior and agrees.counts.weight == 8.0
     assert agrees.choose() == 4 and agrees.speedup(4) > 1.1
-    never = low_bit_policy((4, (0,) * 8))
+    never = low_bit_policy((0,) * 8)
     assert not never.guessed_prior and never.choose() == 0 and never.acceptance_by_position(1)[0] < 0.2
-    assert low_bit_policy((4, ())).guessed_prior  # nothing measured (no draft model): the guess
+    assert low_bit_policy(()).guessed_prior  # no iteration ran: the guess

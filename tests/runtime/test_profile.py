@@ -369,8 +369,8 @@ def test_without_a_profile_load_calibrates_once_and_no_request_waits_for_it(bund
     shutil.rmtree(bundle / "profiles", ignore_errors=True)  # as built: what earlier loads recorded, gone
     runtime = speccompile.load(bundle)
     assert calls == [1] and runtime.policies.calibration.draft.keys() == {1, 4}  # in the loop's order, at batch 1
-    gamma, kept = runtime.policies.calibrated_acceptance  # the draft (the target itself) kept every draft
-    assert gamma == 4 and kept == (4,) * (policies_module.CALIBRATION_REPEATS + 1)  # one per round
+    kept = runtime.policies.calibrated_acceptance  # the draft (the target itself) kept every draft
+    assert kept == gamma_profile.KeptDrafts(4, (4,) * (policies_module.CALIBRATION_REPEATS + 1))  # one a round
     assert not runtime.policies.policy_for(1, 16).guessed_prior
     assert sum("no γ profile for this hardware" in r.getMessage() for r in caplog.records) == 1
     for _ in range(2):
@@ -392,12 +392,12 @@ def test_without_a_profile_load_calibrates_once_and_no_request_waits_for_it(bund
     for damaged in ("{", json.dumps({"version": version}),
                     json.dumps({**entry, "timings": {"target_step_ms": "x"}}),
                     json.dumps({k: v for k, v in entry.items() if k != "acceptance"}),  # a version 1 record's fields
-                    json.dumps({**entry, "acceptance": {"gamma": 4, "accepted": [5]}}),
+                    json.dumps({**entry, "acceptance": {"gamma": 4, "kept": [5]}}),
                     json.dumps({**entry, "version": 1, "fingerprint": fp})):
         record.write_text(damaged)  # unreadable or not a calibration: measured again, never an error
         assert gamma_profile.find_calibration(bundle, fingerprint("onnxruntime"), [1, 4]) is None
     record.write_text(json.dumps(entry))
-    assert gamma_profile.find_calibration(bundle, fingerprint("onnxruntime"), [1, 4]).accepted == kept
+    assert gamma_profile.find_calibration(bundle, fingerprint("onnxruntime"), [1, 4]).acceptance == kept
     assert gamma_profile.find_calibration(bundle, fingerprint("onnxruntime"), [4]) is None  # other γ
 
 
