@@ -79,7 +79,7 @@ class LoadPolicies:
         """The draft model's acceptance prior without a profile, P_1..P_γ, and what it is worth in
         iterations: the calibration's iterations on the neutral guess (0.5 at the first position,
         halving, worth GUESSED_PRIOR_WEIGHT iterations), worth as many iterations as it ran; or,
-        where none ran (no draft model, or none kept), the guess alone."""
+        where none ran (no draft model), the guess alone."""
         gamma = max(self.gammas)
         guess = [0.5**k for k in range(1, gamma + 1)]
         if not self._calibration_kept:
@@ -100,8 +100,9 @@ class LoadPolicies:
         now and recorded (other batch sizes start from the cost model's extrapolation); whether they
         were timed. With an EAGLE-3 head (`eagle`), its step and catch-up too: a record without them
         is timed again, or the head's drafts would look free. With a draft model (and the bundle's
-        `tokenizer`), its acceptance in a few iterations continuing the calibration prompt, recorded
-        with them (`calibrated_prior`). Both drive the models directly: only with no request in flight."""
+        `tokenizer`), the timing continues the calibration prompt and its rounds' iterations at the
+        largest γ keep what the target keeps: the drafts they kept are recorded with the costs
+        (`calibrated_prior`). Timing drives the models directly: only with no request in flight."""
         from speccompile.runtime.calibration import Continuation, measure_costs
 
         found = find_calibration(bundle_path, fp, self.gammas, head=eagle is not None)
