@@ -63,8 +63,8 @@ class Continuation:
 
     prompt: list[int]
     kept: list[int] = field(default_factory=list)
-    _last: int = 0
-    _correction: int = 0
+    _last: int = field(default=0, init=False, repr=False)  # the last token kept, which the draft reads next
+    _correction: int = field(default=0, init=False, repr=False)  # the target's token after it
 
     def start(self, target) -> None:
         """With the prompt in both caches (the draft's one token behind): the target's token after it,
