@@ -196,6 +196,24 @@ class LoopCosts:
     def gammas(self) -> list[int]:
         return sorted(self.verify)
 
+    def filled(self, gammas: list[int]) -> "LoopCosts":
+        """These costs at every γ of `gammas`, each not timed here linearly between the nearest timed
+        γ below and above it (the nearest one beyond the timed range). On one session graph every γ
+        is the same call at another width, and its cost grows with the width evenly enough for this
+        (1.1B int4 target, 2 cores, a decode step's multiples timed: 1.03, 1.61, 2.05, 2.64 at γ = 1..4;
+        linear from γ=1 and 4: 1.57 and 2.10): the calibration times the ends, not every γ."""
+        timed = self.gammas
+
+        def at(by_gamma: dict[int, float], gamma: int) -> float:
+            below = max((g for g in timed if g <= gamma), default=timed[0])
+            above = min((g for g in timed if g >= gamma), default=timed[-1])
+            if below == above:
+                return by_gamma[below]
+            return between(by_gamma[below], by_gamma[above], (gamma - below) / (above - below))
+
+        return replace(self, draft={g: at(self.draft, g) for g in gammas},
+                       verify={g: at(self.verify, g) for g in gammas})
+
     def graph_for(self, drafts: int) -> int:
         """The smallest compiled γ that holds `drafts` (the largest when none does)."""
         return min((g for g in self.gammas if g >= drafts), default=max(self.gammas))

@@ -51,6 +51,11 @@ class CachedModel:
         # returns them (a bundle built for an EAGLE-3 head), else None; valid until the next call
         self.last_aux_hidden: np.ndarray | None = None
 
+    def verifiable_gammas(self, compiled: list[int]) -> list[int]:
+        """The γ a verification can run at, given the bundle's compiled ones: each compiled γ is a
+        graph of its own here (a backend whose one graph verifies any width says more)."""
+        return sorted(compiled)
+
     @property
     def weight_bytes(self) -> int:
         """The size of this model's weights file in the bundle."""

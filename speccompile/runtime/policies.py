@@ -28,8 +28,12 @@ GUESSED_PRIOR_WEIGHT = 2.0  # iterations a neutral acceptance prior (no profile 
 
 
 class LoadPolicies:
-    def __init__(self, profile, gammas: list[int], max_batch: int, max_seq: int, head: bool = False):
+    def __init__(self, profile, gammas: list[int], max_batch: int, max_seq: int, head: bool = False,
+                 timed_gammas: list[int] | None = None):
+        """gammas: those the runtime verifies at; timed_gammas: those the calibration times (default:
+        all), the others' costs filled in between them (LoopCosts.filled)."""
         self.profile, self.gammas, self.max_batch, self.max_seq = profile, gammas, max_batch, max_seq
+        self.timed_gammas = sorted(timed_gammas or gammas)
         self.head = head  # the bundle has an EAGLE-3 head, whose calls the costs must price
         self._policies: dict[tuple, GammaPolicy] = {}  # (decoding requests, context point) -> γ policy
         self._acceptance: dict = {}  # context point (None: no profile) -> the draft model's acceptance
@@ -105,22 +109,22 @@ class LoadPolicies:
         (`calibrated_prior`). Timing drives the models directly: only with no request in flight."""
         from speccompile.runtime.calibration import Continuation, measure_costs
 
-        found = find_calibration(bundle_path, fp, self.gammas, head=eagle is not None)
+        found = find_calibration(bundle_path, fp, self.timed_gammas, head=eagle is not None)
         timed = found is None
         if timed:
             began = time.perf_counter()
             prompt = self._acceptance_prompt(draft, tokenizer)
             text = Continuation(prompt) if prompt else None
             context = len(prompt) if prompt else min(64, self.max_seq // 4)
-            costs = measure_costs(target, draft, self.gammas, 1, context, repeats=CALIBRATION_REPEATS, eagle=eagle,
-                                  text=text)
+            costs = measure_costs(target, draft, self.timed_gammas, 1, context, repeats=CALIBRATION_REPEATS,
+                                  eagle=eagle, text=text)
             found = Calibration(costs, KeptDrafts(max(self.gammas), tuple(text.kept)) if text else None)
             written = write_calibration(bundle_path, fp, found)
             recorded = f", recorded in {written}" if written else ""
             log.debug(f"no γ profile for this hardware in the bundle (`speccompile profile` measures one): calibrated "
                       f"step costs (drafts kept: {found.acceptance}) in {time.perf_counter() - began:.2f} s"
                       f"{recorded}")
-        self.calibration = found.costs
+        self.calibration = found.costs.filled(self.gammas)
         self.calibrated_acceptance = found.acceptance
         return timed
 

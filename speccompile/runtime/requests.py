@@ -97,7 +97,7 @@ def _medusa_gamma(runtime, params: GenerationParams) -> tuple[int | str, bool]:
 
 
 def request_gamma(gammas: list[int], mode: Mode | None, gamma, warn: bool = False) -> tuple[int | str, bool]:
-    """(γ: a compiled γ, AUTO or 0 for plain decoding; may AUTO choose plain decoding)."""
+    """(γ: one the runtime verifies at, AUTO or 0 for plain decoding; may AUTO choose plain decoding)."""
     if mode == Mode.AUTOREGRESSIVE:
         if gamma is not None and warn:
             log.warning(f"warning: gamma={gamma} has no effect in autoregressive mode (the target decodes alone)")
@@ -107,8 +107,8 @@ def request_gamma(gammas: list[int], mode: Mode | None, gamma, warn: bool = Fals
     if gamma == 0 and not isinstance(gamma, bool) and mode is None:  # plain decoding, asked for by γ
         return 0, False
     if isinstance(gamma, bool) or gamma not in gammas:
-        raise SpecCompileError(f"γ={gamma} was not compiled into this bundle "
-                               f"(compiled: {', '.join(map(str, gammas))}, or \"auto\")")
+        raise SpecCompileError(f"γ={gamma} is not one this bundle verifies at "
+                               f"({', '.join(map(str, gammas))}, or \"auto\")")
     return int(gamma), False
 
 

@@ -54,7 +54,10 @@ class Runtime:
 
         self.fingerprint = fingerprint(backend)
         self.profile = find_profile(bundle.path, self.fingerprint)  # measured on this hardware and backend, if any
-        self.policies = LoadPolicies(self.profile, self.gammas, self.max_batch, self.max_seq, self.eagle is not None)
+        # the calibration times the compiled γ and the smallest (a session graph verifies each γ between)
+        timed = sorted({*bundle.gammas, min(self.gammas)})
+        self.policies = LoadPolicies(self.profile, self.gammas, self.max_batch, self.max_seq, self.eagle is not None,
+                                     timed)
         shape = TreeShape() if bundle.medusa else None
         self.tree_sizing = TreeSizing(bundle, self.target, backend, self.max_batch, shape) if shape else None
         self.proposers = make_proposers(self.draft, self.eagle, self.max_seq, shape,
@@ -77,7 +80,9 @@ class Runtime:
 
     @property
     def gammas(self) -> list[int]:
-        return self.bundle.gammas
+        """The γ this runtime verifies at: the bundle's compiled ones, or every one up to the
+        largest where the target's backend verifies any width (OrtModel.verifiable_gammas)."""
+        return self.target.verifiable_gammas(self.bundle.gammas)
 
     def warm_up(self, batched: bool = False, engines: bool = True, runs: bool = True) -> None:
         """Load the graphs a default request runs (greedy, γ auto) and run each once (engines), at

@@ -320,6 +320,29 @@ def test_one_session_samples_what_sessions_per_graph_sample(bundles, batch):
     assert one.target.session_count == 1 < len(one.target.loaded_files)
 
 
+def test_one_session_verifies_every_gamma_up_to_the_largest_compiled(bundles):
+    """A session graph's verification takes γ from its input's width: a bundle compiled at γ 1 and 4
+    speculates at 2 and 3 too, exactly as the target decodes, greedy and sampled (the coupled rule's
+    output is the target's sampled output for the seed, whatever γ), and γ auto chooses among all
+    four; a session per graph verifies
+    at the compiled γ only, and refuses another in one line."""
+    per_graph = speccompile.load(bundles("llama", "random"), one_session=False)
+    one = speccompile.load(bundles("llama", "random"), one_session=True)
+    assert per_graph.gammas == [1, 4] and one.gammas == [1, 2, 3, 4]
+    prompts = [[5, 17, 33, 2, 9], [8, 9, 10]]
+    greedy = [r.token_ids for r in per_graph.generate(prompts, max_new_tokens=16, mode="autoregressive")]
+    sampling = {"max_new_tokens": 12, "temperature": 0.9, "seed": 3}
+    sampled = [r.token_ids for r in per_graph.generate(prompts, mode="autoregressive", **sampling)]
+    for gamma in (2, 3):
+        assert [r.token_ids for r in one.generate(prompts, max_new_tokens=16, gamma=gamma)] == greedy, gamma
+        assert [r.token_ids for r in one.generate(prompts, gamma=gamma, **sampling)] == sampled, gamma
+    assert one.target.session_count == 1
+    # its calibration timed the compiled γ; the policy prices the others between them
+    assert one.policies.timed_gammas == [1, 4] and one.policies.calibration.gammas == [1, 2, 3, 4]
+    with pytest.raises(SpecCompileError, match=r"γ=2 is not one this bundle verifies at \(1, 4, or"):
+        per_graph.generate(prompts, max_new_tokens=4, gamma=2)
+
+
 def test_one_session_per_model_from_a_weight_size_up(bundles, monkeypatch):
     from speccompile.runtime import onnxruntime_engine
 

@@ -141,6 +141,16 @@ class ModelDrafter(Proposer):
     runs_model = True  # a draft model's drafts: step_cost "draft"
 
 
+def test_costs_at_the_gammas_between_the_timed_ones_are_linear_and_the_nearest_beyond_them():
+    timed = LoopCosts(10.0, {1: 2.0, 4: 8.0}, {1: 11.0, 4: 26.0}, overhead=0.5)
+    filled = timed.filled([1, 2, 3, 4, 5])
+    assert filled.gammas == [1, 2, 3, 4, 5]
+    assert filled.verify == pytest.approx({1: 11.0, 2: 16.0, 3: 21.0, 4: 26.0, 5: 26.0})
+    assert filled.draft == pytest.approx({1: 2.0, 2: 4.0, 3: 6.0, 4: 8.0, 5: 8.0})
+    assert (filled.target_step, filled.overhead) == (10.0, 0.5)
+    assert timed.filled([1, 4]) == timed
+
+
 def test_an_eagle_offer_costs_a_catch_up_and_the_heads_steps_not_the_draft_models():
     """k drafts of the EAGLE-3 head cost its catch-up (which gives the first) and k - 1 head steps; the
     same count from a draft model costs its own steps; a plain step pays no catch-up."""
