@@ -29,7 +29,7 @@ def expected_tokens(acceptance_by_position: list[float]) -> float:
 def tokens_per_ms(costs: "LoopCosts | None", acceptance_by_position: list[float], drafts: int,
                   draft_steps: bool | str | None = True) -> float:
     """Expected tokens per millisecond of one iteration with `drafts` proposals, (1 + Σ P_k) over
-    its time: verified by the smallest compiled γ that holds them, with the steps of the model that
+    its time: verified by the smallest γ verified at that holds them, with the steps of the model that
     drafts them (draft_steps: "draft" or True the draft model's, "eagle" the EAGLE-3 head's; False or
     None none: a lookup costs no model time). 0 drafts is a plain step. Without costs, expected tokens
     per iteration. The one rate every choice between proposers and trees compares."""
@@ -215,7 +215,7 @@ class LoopCosts:
                        verify={g: at(self.verify, g) for g in gammas})
 
     def graph_for(self, drafts: int) -> int:
-        """The smallest compiled γ that holds `drafts` (the largest when none does)."""
+        """The smallest γ priced here that holds `drafts` (the largest when none does)."""
         return min((g for g in self.gammas if g >= drafts), default=max(self.gammas))
 
     def mix(self, other: "LoopCosts", weight: float) -> "LoopCosts":

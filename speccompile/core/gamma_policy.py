@@ -35,9 +35,10 @@ verification of 5 tokens 2.5 decode steps) a neutral prior declines a draft that
 10, and the credit would first allow a probe after about a hundred plain steps.
 
 Once a γ is in use, another must promise `SWITCH_MARGIN` more speedup to replace it; so must
-speculation to replace plain decoding, and the reverse. Each compiled γ is its own verification
-graph, and on a CPU each ONNX Runtime session holds its own packed copy of the target's weights: a
-verification right after another γ's finds its weights evicted from cache (demo pair, 2 cores: a
+speculation to replace plain decoding, and the reverse. Where each compiled γ is its own
+verification graph (a small model, a session per graph), each ONNX Runtime session holds its own
+packed copy of the target's weights on a CPU: a verification right after another γ's finds its
+weights evicted from cache (demo pair, 2 cores: a
 γ=4 verification after γ=2 and γ=6 ones took 4.6 ms instead of 2.3). Without the margin, estimates
 hovering near a tie flip γ every few iterations and pay that each time.
 """

@@ -2,7 +2,7 @@
 
 The Python API (`Runtime.submit`, `Runtime.generate`), the CLI (`generate`, `bench`, `profile`) and
 the server's routes all make one of these and hand it to the runtime, which checks what depends on
-the bundle (a compiled γ, the vocabulary, the proposers it has, the context length) when it makes the
+the bundle (a γ it verifies at, the vocabulary, the proposers it has, the context length) when it makes the
 engine's `Request` (runtime/requests.py). A new option is a field here, with its `Option` metadata:
 the keyword API takes every field by name, the CLI makes an option of each field that has a flag
 (speccompile/cli_options.py), and the server's body a field of each that has a body name
@@ -102,8 +102,8 @@ class GenerationParams:
     prompt_logprobs: int | None = option(None, "Report each prompt token's log-probability (after the first).",
                                          "--prompt-logprobs")
     # speculation
-    gamma: int | str | None = option(None, "Drafts per iteration at most: a compiled γ, 0 (plain decoding) or "
-                                     "\"auto\" (the default: chosen each iteration).", "--gamma",
+    gamma: int | str | None = option(None, "Drafts per iteration at most: a γ the bundle verifies at, 0 (plain "
+                                     "decoding) or \"auto\" (the default: chosen each iteration).", "--gamma",
                                      "num_speculative_tokens")
     mode: Mode | None = option(None, "\"autoregressive\": the target alone; \"speculative\": never plain decoding "
                                "(default: γ auto decides).", "--mode")

@@ -37,7 +37,7 @@ class Request:
     max_new_tokens: int
     params: SamplingParams = SamplingParams()
     seed: int | np.random.SeedSequence | None = None
-    gamma: int | str = AUTO  # drafts per iteration at most: a compiled γ, 0 (plain decoding) or AUTO
+    gamma: int | str = AUTO  # drafts per iteration at most: a γ the bundle verifies at, 0 (plain decoding) or AUTO
     allow_plain: bool = True  # under AUTO: may the policy decode plainly (γ = 0) where speculation does not pay?
     stop_token_ids: frozenset[int] = frozenset()  # besides the model's EOS; kept in the tokens, as EOS
     ignore_eos: bool = False  # go on past the model's EOS (stop_token_ids still stop)

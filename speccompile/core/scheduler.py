@@ -11,7 +11,7 @@ Requests arrive at any time (`add`) and wait in a queue. Each `step` is one iter
               offer (a lookup's tokens at once, the draft model's count); under γ auto, an offer
               that promises fewer tokens per ms than a plain step is declined (the row decodes
               plainly), but for a rare probe (core/gamma_policy.py); the verification graph is
-              the smallest compiled γ that holds the longest offer. Rows may carry different numbers
+              the smallest γ verified at that holds the longest offer. Rows may carry different numbers
               of drafts: the verification takes each row's draft length. A Medusa plan verifies
               token trees instead. All of it is one `Plan`.
      execute  the runners draft what the offers left to them (the draft model, batched, stopping a
@@ -449,7 +449,7 @@ class Scheduler:
         return min(cap, shared) if shared is not None and request.gamma == AUTO else cap
 
     def _graph_gamma(self, rows: list[Request], wanted: np.ndarray) -> int:
-        """The compiled γ whose verification graph runs: the smallest that holds every row's wanted
+        """The γ whose verification runs: the smallest that holds every row's wanted
         drafts, and whose padded positions stay inside every row's cache."""
         longest = int(wanted.max())
         if longest == 0:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 @dataclass
 class GenerationStats:
     mode: str  # the loop that ran: "speculative" or "autoregressive"
-    gamma: int | str  # the γ asked for: a compiled γ, "auto" (see gammas_used), or 0 for plain decoding
+    gamma: int | str  # the γ asked for: one the bundle verifies at, "auto" (see gammas_used), or 0 for plain decoding
     new_tokens: int = 0
     iterations: int = 0  # target passes after prefill: verifications, or plain decode steps
     draft_tokens: int = 0

@@ -1,7 +1,7 @@
 """`profile`: measure what γ costs and buys on this hardware, and store a γ profile in the bundle.
 
 What it measures: loop runs, not steps. At every batch size b and context length, the prompts go
-through `Runtime.generate` b at a time, in plain decoding and at every compiled γ, the modes
+through `Runtime.generate` b at a time, in plain decoding and at every γ the runtime verifies at, the modes
 alternating prompt group by prompt group, for `rounds` rounds. Each run is read two ways:
   - its steady state, from the times at which tokens stream out (`on_tokens`): over the iterations
     in which all b requests were decoding (after the last one's first token, before the first one

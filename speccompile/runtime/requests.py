@@ -1,6 +1,6 @@
 """From what a request asks (`GenerationParams`, checked on its own when made) to the engine's
 `Request`: what depends on the bundle is checked here, in the caller's thread, before anything is
-queued (the proposers it has, a compiled γ, the vocabulary, the context length, Medusa's rules), and
+queued (the proposers it has, a γ it verifies at, the vocabulary, the context length, Medusa's rules), and
 the defaults the load decides are filled in (γ auto, the γ profile's p_min, the sampling rule).
 """
 

@@ -127,7 +127,7 @@ class Runtime:
                 "last_error": None if error is None else f"{type(error).__name__}: {error}"}
 
     def speculative_config(self) -> dict:
-        """What speculates here, for a client to see: the compiled γ, the default (γ auto, priors from
+        """What speculates here, for a client to see: the γ it verifies at, the default (γ auto, priors from
         a γ profile of this hardware or the calibration at load), the proposers, the sampling rules."""
         return {"gammas": self.gammas, "default_gamma": "auto", "gamma_profile": self.profile is not None,
                 "proposers": self.proposers.available(), "default_proposer": DEFAULT_PROPOSER,

@@ -88,8 +88,8 @@ def create_app(runtime, model_name: str, api_key: str | None = None, max_waiting
                chat_template: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI application serving `runtime` as model `model_name` (bearer `api_key` if given).
     gamma, proposer, p_min: what a request gets that does not ask (default: the runtime's defaults);
-    gamma is a compiled γ or "auto". chat_template: the template to render chats with, instead of
-    the checkpoint's. max_waiting: requests beyond the engine's slots that may wait (default: 4 ×
+    gamma is a γ the bundle verifies at or "auto". chat_template: the template to render chats with,
+    instead of the checkpoint's. max_waiting: requests beyond the engine's slots that may wait (default: 4 ×
     its max batch); past that, 429 with Retry-After rather than a queue without bound."""
     defaults = GenerationParams.of(gamma=gamma, p_min=p_min, **({"proposer": proposer} if proposer else {}))
     capacity = runtime.max_batch + (4 * runtime.max_batch if max_waiting is None else max_waiting)

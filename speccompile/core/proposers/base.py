@@ -50,7 +50,7 @@ class Offer:
 
     def iteration_ms(self, costs: LoopCosts) -> float:
         """The ms of an iteration carrying this offer (count > 0): its drafts' model steps, if its
-        source runs a model, and the verification of the smallest compiled γ that holds it."""
+        source runs a model, and the verification of the smallest γ verified at that holds it."""
         return costs.iteration_ms(costs.graph_for(self.count), self.count, self.step_cost)
 
 
