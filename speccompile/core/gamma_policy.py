@@ -38,9 +38,9 @@ Once a γ is in use, another must promise `SWITCH_MARGIN` more speedup to replac
 speculation to replace plain decoding, and the reverse. Where each compiled γ is its own
 verification graph (a small model, a session per graph), each ONNX Runtime session holds its own
 packed copy of the target's weights on a CPU: a verification right after another γ's finds its
-weights evicted from cache (demo pair, 2 cores: a
-γ=4 verification after γ=2 and γ=6 ones took 4.6 ms instead of 2.3). Without the margin, estimates
-hovering near a tie flip γ every few iterations and pay that each time.
+weights evicted from cache (demo pair, 2 cores: a γ=4 verification after γ=2 and γ=6 ones took 4.6
+ms instead of 2.3). Without the margin, estimates hovering near a tie flip γ every few iterations
+and pay that each time.
 """
 
 import math

@@ -29,11 +29,12 @@ GUESSED_PRIOR_WEIGHT = 2.0  # iterations a neutral acceptance prior (no profile 
 
 class LoadPolicies:
     def __init__(self, profile, gammas: list[int], max_batch: int, max_seq: int, head: bool = False,
-                 timed_gammas: list[int] | None = None):
-        """gammas: those the runtime verifies at; timed_gammas: those the calibration times (default:
-        all), the others' costs filled in between them (LoopCosts.filled)."""
+                 compiled: list[int] | None = None):
+        """gammas: those the runtime verifies at; compiled: the bundle's (default: the same). The
+        calibration times the compiled γ and the smallest, and fills in the costs of those between
+        (LoopCosts.filled): on a session graph every γ is the same call at another width."""
         self.profile, self.gammas, self.max_batch, self.max_seq = profile, gammas, max_batch, max_seq
-        self.timed_gammas = sorted(timed_gammas or gammas)
+        self.timed_gammas = sorted({*(compiled or gammas), min(gammas)})
         self.head = head  # the bundle has an EAGLE-3 head, whose calls the costs must price
         self._policies: dict[tuple, GammaPolicy] = {}  # (decoding requests, context point) -> γ policy
         self._acceptance: dict = {}  # context point (None: no profile) -> the draft model's acceptance

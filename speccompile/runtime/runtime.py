@@ -45,6 +45,7 @@ class Runtime:
         self._grammars: GrammarEngine | None = None
         self._grammar_lock = threading.Lock()
         self.max_seq, self.default_gamma = bundle.max_seq, bundle.default_gamma
+        self.gammas = self.target.verifiable_gammas(bundle.gammas)  # the compiled γ, or more (OrtModel's)
         self.max_batch = bundle.max_batch if max_batch is None else max_batch
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or \
                 not 1 <= self.max_batch <= bundle.max_batch:
@@ -54,10 +55,8 @@ class Runtime:
 
         self.fingerprint = fingerprint(backend)
         self.profile = find_profile(bundle.path, self.fingerprint)  # measured on this hardware and backend, if any
-        # the calibration times the compiled γ and the smallest (a session graph verifies each γ between)
-        timed = sorted({*bundle.gammas, min(self.gammas)})
         self.policies = LoadPolicies(self.profile, self.gammas, self.max_batch, self.max_seq, self.eagle is not None,
-                                     timed)
+                                     compiled=bundle.gammas)
         shape = TreeShape() if bundle.medusa else None
         self.tree_sizing = TreeSizing(bundle, self.target, backend, self.max_batch, shape) if shape else None
         self.proposers = make_proposers(self.draft, self.eagle, self.max_seq, shape,
@@ -77,12 +76,6 @@ class Runtime:
             timed = self.policies.needs_calibration and self.policies.calibrate(
                 self.target, self.draft, bundle.path, self.fingerprint, self.eagle, self.tokenizer)
             self.warm_up(engines=not timed, runs=first_runs_matter(self.target))  # timing ran every graph
-
-    @property
-    def gammas(self) -> list[int]:
-        """The γ this runtime verifies at: the bundle's compiled ones, or every one up to the
-        largest where the target's backend verifies any width (OrtModel.verifiable_gammas)."""
-        return self.target.verifiable_gammas(self.bundle.gammas)
 
     def warm_up(self, batched: bool = False, engines: bool = True, runs: bool = True) -> None:
         """Load the graphs a default request runs (greedy, γ auto) and run each once (engines), at
