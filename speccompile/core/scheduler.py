@@ -274,8 +274,6 @@ class Scheduler:
         began = time.perf_counter()
         before = self._lengths_before(first, len(group))
         feed = [not self._model_declined(r) for r in group]
-        for runner in self.runners:
-            runner.prefill(group, tokens, counts, first, True, feed)
         if all(r.params.greedy for r in group):
             next_token = self.target.forward(tokens, counts, first=first, **self._options(group))
         else:
@@ -283,8 +281,10 @@ class Scheduler:
                                                        *draws(group, self.target.vocab_size), first=first,
                                                        **self._options(group))
         for row, request in enumerate(group):
-            request.prefilled = len(request.prompt)
             request.emit([next_token[row]], self.eos_ids, self._scores(group, row, 1))
+        self._runners_prefill(group, tokens, counts, first, True, feed)
+        for request in group:
+            request.prefilled = len(request.prompt)
         self._features_read(group, first, before)
         elapsed = (time.perf_counter() - began) * 1e3
         for row, request in enumerate(group):
@@ -296,6 +296,15 @@ class Scheduler:
                 self._move(first + row, len(self.decoding))
             self.decoding.append(request)
         return tokens.size
+
+    def _runners_prefill(self, rows: list[Request], tokens: np.ndarray, counts: np.ndarray, first: int,
+                         complete: bool, feed: list[bool]) -> None:
+        """The proposers' models read the prompt chunk the target has just read, after the target: a
+        request's first token is emitted before its draft reads the prompt (the time to first token is
+        the target's prefill alone), and a request that its first token ended is not read at all when
+        it prefilled alone. Called before `request.prefilled` counts the chunk."""
+        for runner in self.runners:
+            runner.prefill(rows, tokens, counts, first, complete, feed)
 
     def _reuse_prefill(self, request: Request, slot: int) -> None:
         """Another sample of a prompt that a decoding request has prefilled (n samples): the cached
@@ -325,8 +334,6 @@ class Scheduler:
         complete = start + count == len(request.prompt)
         feed = not self._model_declined(request)
         before = self._lengths_before(slot, 1)
-        for runner in self.runners:
-            runner.prefill([request], tokens, counts, slot, complete, [feed])
         options = {"processing": processing_inputs([request], self.target.vocab_size),
                    "logprobs": request.logprobs is not None}
         if scoring:
@@ -339,9 +346,11 @@ class Scheduler:
                                                   first=slot, **options)
         else:
             token = self.target.forward(tokens, counts, first=slot, **options)
-        request.prefilled += count
         if complete:
             request.emit(token, self.eos_ids, self._scores([request], 0, 1))
+        if not request.done:
+            self._runners_prefill([request], tokens, counts, slot, complete, [feed])
+        request.prefilled += count
         self._features_read([request], slot, before, scored=scoring)
         request.stats.prefill_ms += (time.perf_counter() - began) * 1e3
         return count

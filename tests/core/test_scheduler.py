@@ -201,6 +201,30 @@ def test_waiting_requests_of_like_lengths_prefill_in_one_call_and_one_ended_by_i
     assert [r.generated for r in requests] == [reference(p, r.max_new_tokens) for p, r in zip(prompts, requests)]
 
 
+def test_the_first_token_is_emitted_before_the_draft_reads_the_prompt():
+    """The time to first token is the target's prefill alone: the draft reads the prompt after the
+    first token has been passed on, and not at all for a request that its first token ends."""
+    events = []
+
+    class Recording(FakeEngine):
+        def forward(self, tokens, token_count, first=0, processing=None, logprobs=False):
+            events.append(("draft", int(token_count[0])))
+            return super().forward(tokens, token_count, first, processing, logprobs)
+
+    draft = Recording()
+    s = scheduler(draft=draft, max_batch=1)
+    prompt = [2, 6, 5, 3, 5, 8, 9, 7]
+    on_tokens = lambda tokens: events.append(("token", len(tokens)))  # noqa: E731
+    ended = Request(prompt, 1, gamma=2, on_tokens=on_tokens)
+    run(s, [ended])
+    assert events == [("token", 1)] and draft.calls == 0 and ended.generated == reference(prompt, 1)
+
+    going_on = Request(prompt, 6, gamma=2, on_tokens=on_tokens)
+    run(s, [going_on])
+    assert events[1:3] == [("token", 1), ("draft", len(prompt))]
+    assert going_on.generated == reference(prompt, 6)
+
+
 def test_prompts_of_unlike_lengths_join_alone():
     """2 and 12 tokens: padded to 12, the group would be 42% padding (GROUP_PADDING 0.25)."""
     target = FakeEngine()
