@@ -31,9 +31,9 @@ def load(bundle_dir=None, backend: str = "auto", threads: int | None = None,
     (see runtime.onnxruntime_engine.shared_thread_pool).
     one_session: each model's calls all run on its one session graph, one copy of its weights in
     memory (True), or on a session per graph, faster for small models (False); default: one session
-    for models with 256 MiB of weights or more. prefill_chunk: prompt tokens prefilled per engine
-    iteration while other requests decode (see core/scheduler.py). max_batch: requests decoding at
-    once, at most the bundle's (its default).
+    for a target with 256 MiB of weights or more, and for its draft beside it. prefill_chunk: prompt
+    tokens prefilled per engine iteration while other requests decode (see core/scheduler.py).
+    max_batch: requests decoding at once, at most the bundle's (its default).
 
     The runtime serves requests on one engine thread, started on first use (`submit`, `generate`);
     `close()` or a `with` block stops it."""

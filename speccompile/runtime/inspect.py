@@ -99,13 +99,13 @@ def describe(bundle: Bundle) -> BundleInfo:
 
 def memory(bundle: Bundle) -> dict[str, ModelMemory]:
     """Each model's ModelMemory."""
-    from speccompile.runtime.onnxruntime_engine import ONE_SESSION_MIN_BYTES
+    from speccompile.runtime.onnxruntime_engine import runs_one_session
 
     out = {}
     for role, info in bundle.manifest.models.items():
         weights = (bundle.path / info.weights_file).stat().st_size
         per_sequence = kv_cache_bytes_per_sequence(info, bundle.max_seq)
-        one = info.session is not None and weights >= ONE_SESSION_MIN_BYTES
+        one = runs_one_session(bundle, role)
         out[role] = ModelMemory(weights, info.matmul_weights, "one" if one else "one per graph run", per_sequence,
                                 per_sequence * bundle.max_batch)
     return out

@@ -291,8 +291,8 @@ def load(bundle_dir, backend: str = "auto", threads: int | None = None, shared_t
     default: the engines where the bundle has them and TensorRT is installed, else ONNX Runtime, saying
     so in one line when the engines go unused). one_session (ONNX Runtime): run each model's every
     call on its one session graph, holding one copy of its weights (True), or a session per graph,
-    faster for small models (False). Default: per model, one session from 256 MiB of weights up
-    (onnxruntime_engine.ONE_SESSION_MIN_BYTES)."""
+    faster for small models (False). Default: one session from a target of 256 MiB of weights up,
+    its draft with it (onnxruntime_engine.runs_one_session)."""
     bundle = open_bundle(Path(bundle_dir))
     return Runtime(bundle, backend=resolve_backend(bundle, backend), threads=threads, shared_threads=shared_threads,
                    one_session=one_session, prefill_chunk=prefill_chunk, max_batch=max_batch)

@@ -354,6 +354,25 @@ def test_one_session_per_model_from_a_weight_size_up(bundles, monkeypatch):
     assert not speccompile.load(bundles("llama", "random"), one_session=False).target.one_session
 
 
+def test_a_draft_runs_on_one_session_graph_beside_a_target_that_does(bundles, monkeypatch):
+    """Whatever the draft's own size: its sampled and batched calls open no session (and pack no copy
+    of its weights) inside a user's first sampled or batched request."""
+    from speccompile.runtime import onnxruntime_engine
+
+    path = bundles("llama", "random")
+    manifest = json.loads((path / "manifest.json").read_text())
+    target_bytes, draft_bytes = ((path / manifest["models"][role]["weights_file"]).stat().st_size
+                                 for role in ("target", "draft"))
+    assert draft_bytes < target_bytes
+    monkeypatch.setattr(onnxruntime_engine, "ONE_SESSION_MIN_BYTES", target_bytes)
+    runtime = speccompile.load(path)
+    assert runtime.target.one_session and runtime.draft.one_session
+    runtime.generate(["def f(x):", "class A:"], max_new_tokens=6, gamma=2, proposer="draft", temperature=0.8, seed=1)
+    assert runtime.draft.session_count == 1 and runtime.target.session_count == 1
+    monkeypatch.setattr(onnxruntime_engine, "ONE_SESSION_MIN_BYTES", target_bytes + 1)
+    assert not speccompile.load(path).draft.one_session
+
+
 def test_one_session_needs_a_bundle_with_session_graphs(bundles, tmp_path):
     bundle = shutil.copytree(bundles("llama", "random"), tmp_path / "b")
     manifest = json.loads((bundle / "manifest.json").read_text())
