@@ -37,13 +37,20 @@ def load(bundle_dir=None, backend: str = "auto", threads: int | None = None,
 
     The runtime serves requests on one engine thread, started on first use (`submit`, `generate`);
     `close()` or a `with` block stops it."""
-    from speccompile.runtime.runtime import load as _load
+    from pathlib import Path
+
+    from speccompile.bundle import open_bundle
 
     if bundle_dir is None:
         from speccompile.demo import demo_bundle
 
         bundle_dir = demo_bundle()
-    return _load(bundle_dir, backend=backend, threads=threads, shared_threads=shared_threads, one_session=one_session,
+    bundle = open_bundle(Path(bundle_dir))
+    if backend == "onnxruntime" or (backend == "auto" and not bundle.manifest.engines):
+        bundle.read_ahead()  # the weights come off the disk while the runtime's modules import
+    from speccompile.runtime.runtime import load as _load
+
+    return _load(bundle, backend=backend, threads=threads, shared_threads=shared_threads, one_session=one_session,
                  prefill_chunk=prefill_chunk, max_batch=max_batch)
 
 

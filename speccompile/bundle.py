@@ -703,6 +703,19 @@ class Bundle:
     def model(self, role: str) -> ModelEntry:
         return self.manifest.models[role]
 
+    def read_ahead(self) -> None:
+        """Ask the kernel to read every model's weights file into the page cache in the background: on
+        a cold start ONNX Runtime otherwise faults them in page by page on the threads that pre-pack
+        them. A hint that returns at once; nothing where the OS has no posix_fadvise."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for model in self.manifest.models.values():
+            descriptor = os.open(inside(self.path, model.weights_file), os.O_RDONLY)
+            try:
+                os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(descriptor)
+
     @property
     def medusa(self) -> dict | None:
         """A Medusa bundle's heads and token tree as JSON data (core/tree.py reads their lists), else None."""

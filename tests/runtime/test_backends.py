@@ -3,6 +3,8 @@ TensorRT is installed, and says in one line that it runs its ONNX graphs where n
 
 import importlib.util
 import logging
+import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +22,22 @@ def test_auto_runs_the_onnx_graphs_of_a_bundle_without_engines(bundles):
     runtime = speccompile.load(bundles("llama"))
     assert runtime.backend == "onnxruntime" and runtime.speculative_config()["backend"] == "onnxruntime"
     runtime.close()
+
+
+def test_loading_for_onnx_runtime_asks_the_kernel_to_read_the_weights_ahead(bundles, monkeypatch):
+    """On a cold start the weights come off the disk while the runtime's modules import; a bundle
+    whose TensorRT engines run reads no weights files, so none is asked for."""
+    path = bundles("llama")
+    asked = []
+    monkeypatch.setattr("os.posix_fadvise", lambda fd, offset, length, advice: asked.append(
+        (Path(os.readlink(f"/proc/self/fd/{fd}")).name, offset, length, advice)))
+    speccompile.load(path).close()
+    assert sorted(asked) == [("draft.weights", 0, 0, os.POSIX_FADV_WILLNEED),
+                             ("target.weights", 0, 0, os.POSIX_FADV_WILLNEED)]
+    asked.clear()
+    with pytest.raises(SpecCompileError):
+        speccompile.load(path, backend="tensorrt")  # TensorRT missing here, or no engines in this bundle
+    assert asked == []
 
 
 @pytest.mark.skipif(not tensorrt_missing, reason="TensorRT is installed here")
