@@ -128,8 +128,7 @@ def runs_one_session(bundle: Bundle, role: str, asked: bool | None = None) -> bo
         return False
     if asked is not None:
         return asked
-    sized_by = bundle.model("target") if role == "draft" else info
-    return (bundle.path / sized_by.weights_file).stat().st_size >= ONE_SESSION_MIN_BYTES
+    return (bundle.path / bundle.model("target").weights_file).stat().st_size >= ONE_SESSION_MIN_BYTES
 
 
 class OrtModel(CachedModel):

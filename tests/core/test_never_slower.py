@@ -2,14 +2,18 @@
 offers yield fewer tokens per ms than a plain step stops running after a few iterations, but for
 probes whose share is bounded; and a proposer whose text turns predictable runs again.
 
-The engines here are the fake ones with a cost: every call sleeps for a fixed part and a part per
+The engines here are the fake ones with a cost: every call takes a fixed part and a part per
 token, so that a plain step, a verification and a draft step cost what a small model's do, in the
-ratio that decides (a verification of 5 tokens 1.6x a plain step, a draft step 0.15x).
+ratio that decides (a verification of 5 tokens 1.6x a plain step, a draft step 0.15x). The time is
+a virtual clock that only the calls advance (`time.perf_counter` reads it, for the scheduler, the
+requests and the policy): sleeps ran long by a varying amount on a loaded machine, and the policy
+then learnt other costs than the test meant, so the outcome depended on the machine's load.
 """
 
 import time
 
 import numpy as np
+import pytest
 
 from speccompile.core.cost_model import LoopCosts
 from speccompile.core.gamma_policy import GammaPolicy, probe_interval
@@ -25,12 +29,33 @@ CALL_MS, TOKEN_MS, DRAFT_MS = 3.0, 0.4, 0.5
 COSTS = LoopCosts(target_step=CALL_MS + TOKEN_MS, draft={4: 5 * DRAFT_MS}, verify={4: CALL_MS + 5 * TOKEN_MS})
 
 
+class VirtualClock:
+    """Seconds that pass only when a fake model's call says it took them."""
+
+    def __init__(self):
+        self.seconds = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.seconds
+
+    def spend(self, ms: float) -> None:
+        self.seconds += ms / 1e3
+
+
+CLOCK = VirtualClock()
+
+
+@pytest.fixture(autouse=True)
+def virtual_time(monkeypatch):
+    monkeypatch.setattr(time, "perf_counter", CLOCK.perf_counter)
+
+
 def costing(engine: FakeEngine, call_ms: float, token_ms: float = 0.0) -> FakeEngine:
     """The engine, each of its calls taking call_ms plus token_ms per token it reads."""
     append = engine._append
 
     def timed(tokens, first):
-        time.sleep((call_ms + token_ms * tokens.size) / 1e3)
+        CLOCK.spend(call_ms + token_ms * tokens.size)
         return append(tokens, first)
 
     engine._append = timed
@@ -88,7 +113,7 @@ def test_a_draft_model_that_never_agrees_stops_drafting_but_for_bounded_probes()
     plain = Request([3, 1, 4, 1, 5], 240, gamma=0)
     plain_ms = serve(*engines(), plain, None)
     assert request.generated == plain.generated
-    assert auto_ms <= plain_ms / 0.9, (auto_ms, plain_ms)  # 0.95x measured, less CI noise
+    assert auto_ms <= 1.05 * plain_ms, (auto_ms, plain_ms)  # its probes: 1.02x plain decoding's time
 
 
 # a low-bit target on a CPU: a verification of 5 tokens 2.3 plain steps (the calls' weights dominate less)
@@ -115,7 +140,7 @@ def test_a_draft_that_agrees_is_found_within_a_few_iterations_where_a_neutral_pr
     plain_ms = serve(*engines(), plain, None)
     assert request.generated == plain.generated
     assert request.stats.gammas_used.get(0, 0) <= 4, request.stats.gammas_used  # plain iterations: a few at most
-    assert auto_ms <= 0.8 * plain_ms, (auto_ms, plain_ms)  # 5 tokens per 3.2 plain steps: about 0.65
+    assert auto_ms <= 0.7 * plain_ms, (auto_ms, plain_ms)  # 5 tokens per 3.2 plain steps: 0.60 here
 
 
 def test_lookups_that_are_rarely_kept_stop_running_and_run_again_when_the_text_turns_repetitive():
@@ -161,11 +186,11 @@ class TimedHead(FakeHead):
     """The fake EAGLE-3 head, each call taking HEAD_MS."""
 
     def catch_up(self, *args, **kwargs):
-        time.sleep(HEAD_MS / 1e3)
+        CLOCK.spend(HEAD_MS)
         return super().catch_up(*args, **kwargs)
 
     def step(self, *args, **kwargs):
-        time.sleep(HEAD_MS / 1e3)
+        CLOCK.spend(HEAD_MS)
         return super().step(*args, **kwargs)
 
 
@@ -209,18 +234,10 @@ def test_a_head_whose_drafts_are_never_kept_stops_drafting_but_for_bounded_probe
     assert head.catch_ups <= 2 * drafting, (head.catch_ups, drafting)
     plain, plain_ms, _ = serve_with_head(-1, 0)
     assert request.generated == plain.generated
-    # Its probes, the catch-ups they need and the offers weighed every iteration cost about 8% here
-    # (1.05-1.11 over 16 runs); a catch-up after every token, the failure this guards against, cost 44%.
-    # (Plain decoding here keeps no features for the head at all, so it is the faster baseline.) The
-    # best of three runs each, interleaved: on a loaded machine a sleep only ever runs long. The bound
-    # is 1.25: the loop's own Python work is the part that grows on a slow or busy host, the sleeps
-    # that stand for the models' calls do not (CI runs, the whole suite beside them: 1.14 from the
-    # best of three, 1.16 from single runs).
-    auto_runs, plain_runs = [auto_ms], [plain_ms]
-    for _ in range(2):
-        auto_runs.append(serve_with_head(-1, AUTO)[1])
-        plain_runs.append(serve_with_head(-1, 0)[1])
-    assert min(auto_runs) <= 1.25 * min(plain_runs), (auto_runs, plain_runs)
+    # Its probes and the catch-ups they need cost 2.4% of the calls' time here (in real time, with the
+    # loop's own Python work, 5-11%); a catch-up after every token, the failure this guards against,
+    # cost 44%. (Plain decoding here keeps no features for the head at all: the faster baseline.)
+    assert auto_ms <= 1.05 * plain_ms, (auto_ms, plain_ms)
 
 
 def test_a_head_whose_drafts_are_kept_drafts_and_beats_plain_decoding():
@@ -230,4 +247,4 @@ def test_a_head_whose_drafts_are_kept_drafts_and_beats_plain_decoding():
     assert request.generated == plain.generated
     assert request.stats.gammas_used.get(0, 0) <= 0.1 * request.stats.iterations, request.stats.gammas_used
     assert request.stats.accepted_tokens == request.stats.draft_tokens > 0
-    assert auto_ms < 0.7 * plain_ms, (auto_ms, plain_ms)
+    assert auto_ms < 0.5 * plain_ms, (auto_ms, plain_ms)  # 0.41 here
