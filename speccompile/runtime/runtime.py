@@ -288,12 +288,12 @@ def _request_of(handle) -> Request | None:
 def load(bundle_dir, backend: str = "auto", threads: int | None = None, shared_threads: bool | None = None,
          one_session: bool | None = None, prefill_chunk: int = 64, max_batch: int | None = None) -> Runtime:
     """bundle_dir: the bundle's directory, or the Bundle opened from it. backend: "onnxruntime",
-    "tensorrt" (the bundle's engines; needs TensorRT here), or "auto" (the
-    default: the engines where the bundle has them and TensorRT is installed, else ONNX Runtime, saying
-    so in one line when the engines go unused). one_session (ONNX Runtime): run each model's every
-    call on its one session graph, holding one copy of its weights (True), or a session per graph,
-    faster for small models (False). Default: one session from a target of 256 MiB of weights up,
-    its draft with it (onnxruntime_engine.runs_one_session)."""
+    "tensorrt" (the bundle's engines; needs TensorRT here), or "auto" (the default: the engines where
+    the bundle has them and TensorRT is installed, else ONNX Runtime, saying so in one line when the
+    engines go unused). one_session (ONNX Runtime): run each model's every call on its one session
+    graph, holding one copy of its weights (True), or a session per graph, faster for small models
+    (False). Default: one session from a target of 256 MiB of weights up, its draft with it
+    (onnxruntime_engine.runs_one_session)."""
     bundle = bundle_dir if isinstance(bundle_dir, Bundle) else open_bundle(Path(bundle_dir))
     return Runtime(bundle, backend=resolve_backend(bundle, backend), threads=threads, shared_threads=shared_threads,
                    one_session=one_session, prefill_chunk=prefill_chunk, max_batch=max_batch)
